@@ -1,0 +1,48 @@
+# Two commands (README): `make demo` and `make test`. Both create .venv on first use.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DURATION ?= 20
+POLICY ?= semantic
+BAG ?=
+NVCC ?= $(shell command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+
+# Large shared-memory segment for VGA images between processes (else ~half the frames drop), loopback only.
+export FASTRTPS_DEFAULT_PROFILES_FILE := $(CURDIR)/config/fastdds_profile.xml
+export RMW_IMPLEMENTATION ?= rmw_fastrtps_cpp
+export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv demo test test-cuda-compile sweep soak bench clean
+
+$(VENV)/.installed: setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[ros-pypi,test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m vla_edge_ros.bench.demo --duration $(DURATION) --policy $(POLICY) --out results/demo.json
+
+test-cuda-compile:
+	@if [ -n "$(NVCC)" ]; then \
+	  for f in cuda/*.cu; do echo "nvcc -arch=sm_90 -cubin $$f"; \
+	    $(NVCC) -arch=sm_90 -cubin -o /dev/null $$f || exit 1; done; \
+	else echo "nvcc not found: CUDA compile check skipped"; fi
+
+test: venv test-cuda-compile
+	$(PY) -m pytest -q -p no:cacheprovider test
+
+sweep: venv
+	$(PY) -m vla_edge_ros.bench.sweep --duration $(or $(DURATION),20) $(if $(BAG),--bag $(BAG)) --out results/sweep
+
+soak: venv
+	$(PY) -m vla_edge_ros.bench.soak --duration $(DURATION) --out results/soak.json
+
+bench: venv
+	$(PY) -m vla_edge_ros.bench.runtime_bench
+
+clean:
+	rm -rf $(VENV) results build install log *.egg-info

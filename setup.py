@@ -1,0 +1,64 @@
+"""ament_python package: `colcon build` on a ROS 2 install, or `pip install -e .[ros-pypi,test]` (Makefile)."""
+from glob import glob
+
+from setuptools import find_packages, setup
+
+package_name = "vla_edge_ros"
+
+# ROS 2 Jazzy from PyPI wheels, for machines without a ROS install (the Makefile uses this extra). On a real
+# ROS 2 install these come from the distribution (package.xml) and this extra is not installed.
+ROS_PYPI = [
+    "ros-jazzy-rclpy",
+    "ros-jazzy-sensor-msgs",
+    "ros-jazzy-std-msgs",
+    "ros-jazzy-geometry-msgs",
+    "ros-jazzy-diagnostic-msgs",
+    "ros-jazzy-lifecycle-msgs",
+    "ros-jazzy-rmw-fastrtps-cpp",
+]
+
+setup(
+    name=package_name,
+    version="0.1.0",
+    packages=find_packages(exclude=["test", "test.*"]),
+    data_files=[
+        ("share/ament_index/resource_index/packages", ["resource/" + package_name]),
+        ("share/" + package_name, ["package.xml"]),
+        ("share/" + package_name + "/launch", glob("launch/*.launch.py")),
+        ("share/" + package_name + "/config", glob("config/*.yaml") + glob("config/*.xml")),
+        ("share/" + package_name + "/cuda", glob("cuda/*.cu") + glob("cuda/*.cuh")),
+    ],
+    package_data={package_name: []},
+    install_requires=["setuptools", "numpy>=1.24", "safetensors>=0.4", "PyYAML"],
+    extras_require={
+        "ros-pypi": ROS_PYPI,
+        "data": ["rosbags>=0.10", "Pillow", "tqdm"],
+        "bench": ["matplotlib"],
+        "cuda": ["pycuda", "cuda-bindings"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "rosbags>=0.10", "Pillow", "tqdm", "matplotlib",
+                 "psutil"],
+    },
+    zip_safe=True,
+    maintainer="vla_edge_ros developers",
+    maintainer_email="vla-edge-ros@example.com",
+    description="Vision-language-action inference under a hard control deadline, as ROS 2 nodes",
+    license="Apache-2.0",
+    tests_require=["pytest"],
+    entry_points={
+        "console_scripts": [
+            "vla_runtime = vla_edge_ros.ros.runtime:main",
+            "vla_camera = vla_edge_ros.ros.camera_node:main",
+            "vla_inference = vla_edge_ros.ros.inference_node:main",
+            "vla_action = vla_edge_ros.ros.action_node:main",
+            "vla_test_camera = vla_edge_ros.ros.test_camera:main",
+            "vla_bag_replay = vla_edge_ros.ros.bag_replay:main",
+            "oxe_to_bag = vla_edge_ros.data.oxe_to_bag:main",
+            "vla_demo = vla_edge_ros.bench.demo:main",
+            "vla_runtime_bench = vla_edge_ros.bench.runtime_bench:main",
+            "vla_kv_bench = vla_edge_ros.bench.kv_bench:main",
+            "vla_sweep = vla_edge_ros.bench.sweep:main",
+            "vla_soak = vla_edge_ros.bench.soak:main",
+            "vla_gpu_chunk_bench = vla_edge_ros.bench.gpu_chunk_bench:main",
+        ],
+    },
+)

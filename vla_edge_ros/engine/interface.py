@@ -1,0 +1,66 @@
+"""One engine interface, two backends (numpy reference on CPU, PyCUDA kernels on GPU).
+
+Data path of one chunk (one camera frame):
+
+    image (H, W, 3) uint8 ──encode_frame──> vision tokens (tokens_per_frame, hidden) float32
+        ──run_chunk──> KV manager admits the frame (evicting by policy), prefill of the 32 tokens against
+                       pinned prefix + retained frames, then `decode_tokens` greedy single-token steps over
+                       the 256 action rows of the LM head ──> ChunkResult (action bins, un-normalised action)
+
+Token layout of a chunk: the prefill's last logits give gen[0] (an action-start token); decode step i
+(i = 1..decode_tokens) feeds gen[i-1] and yields gen[i]. gen[1..7] are the 7 action bins, gen[8] the end token.
+Decode tokens live in `decode_tokens` scratch slots outside the KV budget and are not retained.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class EngineError(RuntimeError):
+    """A configuration / checkpoint / device problem with a message an operator can act on."""
+
+
+@dataclass
+class ChunkResult:
+    frame_id: int
+    token_ids: np.ndarray  # (decode_tokens + 1,) int64: gen[0..decode_tokens], vocabulary ids
+    action_bins: np.ndarray  # (action_dims,) int64 in [0, 256)
+    action: np.ndarray  # (action_dims,) float32, un-normalised with q01/q99
+    prefill_ms: float
+    decode_ms: float  # all decode steps together
+    total_ms: float
+    evicted_frames: list[int] = field(default_factory=list)
+    kv_occupancy_tokens: int = 0
+    salient: bool = False
+
+
+class Engine(abc.ABC):
+    """Backends implement this. Not thread-safe: one inference thread owns an engine."""
+
+    name: str = "abstract"  # "numpy" | "cuda"
+
+    @property
+    @abc.abstractmethod
+    def tokens_per_frame(self) -> int: ...
+
+    @abc.abstractmethod
+    def encode_frame(self, image: np.ndarray) -> np.ndarray:
+        """(H, W, 3) uint8 RGB -> (tokens_per_frame, hidden) float32 vision tokens (patch embedder)."""
+
+    @abc.abstractmethod
+    def run_chunk(self, vision_tokens: np.ndarray, frame_id: int, salient: bool = False) -> ChunkResult:
+        """Admit the frame into the KV cache (policy eviction), prefill it, decode greedily, return the action."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Drop every retained frame (the pinned prefix stays)."""
+
+    @abc.abstractmethod
+    def memory(self) -> dict[str, int]:
+        """{'current_bytes': ..., 'peak_bytes': ...} of the backend's own allocations (device for cuda)."""
+
+    def close(self) -> None:
+        """Free model and KV memory."""

@@ -1,0 +1,155 @@
+"""The one place every ROS parameter of vla_edge_ros is defined.
+
+Each parameter has a name, type, default, range/choices, description, the node that owns it and whether it
+may be changed live. Nodes declare their parameters from this table (ros/param_bridge.py turns a spec into
+an rclpy ParameterDescriptor), config/runtime.yaml and the README table are checked against it by
+test/test_params_registry.py, so the three cannot drift.
+
+Durations are milliseconds as doubles (``deadline_ms: 33.0``). No rclpy import here: unit tests use it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+CAMERA = "vla_camera"
+INFERENCE = "vla_inference"
+ACTION = "vla_action"
+NODES = (CAMERA, INFERENCE, ACTION)
+
+EVICTION_POLICIES = ("semantic", "fifo", "sliding_window")
+BACKENDS = ("auto", "cuda", "numpy")
+IMAGE_TRANSPORTS = ("raw", "compressed")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    type: type  # bool, int, float or str
+    default: Any
+    description: str
+    node: str
+    min: float | None = None
+    max: float | None = None
+    choices: tuple[str, ...] | None = None
+    live: bool = False  # may be changed while the node runs (validated, applied at a defined point)
+    applies: str = ""  # when a live change takes effect
+
+    def validate(self, value: Any) -> str | None:
+        """Return None when ``value`` is acceptable, else a human-readable reason."""
+        if self.type is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if self.type is bool:
+            ok = isinstance(value, bool)
+        elif self.type is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif self.type is float:
+            ok = isinstance(value, float)
+        else:
+            ok = isinstance(value, self.type)
+        if not ok:
+            return f"{self.name} must be of type {self.type.__name__}, got {type(value).__name__} ({value!r})"
+        if self.type is float and value != value:  # NaN
+            return f"{self.name} must be a number, got NaN"
+        if self.min is not None and value < self.min:
+            return f"{self.name}={value!r} is below the minimum {self.min}"
+        if self.max is not None and value > self.max:
+            return f"{self.name}={value!r} is above the maximum {self.max}"
+        if self.choices is not None and value not in self.choices:
+            return f"{self.name}={value!r} is not one of {', '.join(self.choices)}"
+        return None
+
+
+PARAMS: tuple[ParamSpec, ...] = (
+    # ---- camera subscriber ------------------------------------------------------------------------------
+    ParamSpec("camera_topic", str, "/camera/image_raw", "sensor_msgs/Image topic to subscribe (sensor-data QoS); "
+              "with image_transport=compressed, '<camera_topic>/compressed' carries sensor_msgs/CompressedImage",
+              CAMERA),
+    ParamSpec("image_transport", str, "raw", "raw: sensor_msgs/Image; compressed: sensor_msgs/CompressedImage "
+              "(JPEG/PNG, decoded off the hot path)", CAMERA, choices=IMAGE_TRANSPORTS),
+    ParamSpec("camera_deadline_ms", float, 100.0, "QoS deadline of the camera subscription: a missed deadline "
+              "(middleware event) marks the camera stalled", CAMERA, min=1.0, max=60000.0),
+    ParamSpec("max_image_bytes", int, 33554432, "images larger than this are rejected (counted) before decoding",
+              CAMERA, min=1, max=1 << 31),
+    ParamSpec("frozen_frame_limit", int, 30, "this many consecutive identical frames flag a frozen camera "
+              "(0 disables the check)", CAMERA, min=0, max=1000000, live=True, applies="next frame"),
+    ParamSpec("hold_on_frozen", bool, False, "treat a frozen camera as stale (the action publisher holds)",
+              CAMERA, live=True, applies="next frame"),
+    # ---- inference ----------------------------------------------------------------------------------------
+    ParamSpec("checkpoint", str, "", "HF-layout checkpoint directory (config.json + *.safetensors); empty = "
+              "the embedded tiny default, generated on first use", INFERENCE),
+    ParamSpec("backend", str, "auto", "auto picks cuda when PyCUDA imports and a GPU is present, else numpy",
+              INFERENCE, choices=BACKENDS),
+    ParamSpec("instruction", str, "pick up the object", "language instruction, encoded as the pinned KV prefix",
+              INFERENCE),
+    ParamSpec("tokens_per_frame", int, 32, "vision tokens (KV slots) per camera frame", INFERENCE, min=1, max=1024),
+    ParamSpec("decode_tokens", int, 8, "greedy decode steps per chunk: 7 action bins + 1 end token",
+              INFERENCE, min=1, max=64),
+    ParamSpec("kv_budget_tokens", int, 4096, "hard KV-cache budget in token slots (pinned prefix included)",
+              INFERENCE, min=1, max=1 << 20, live=True, applies="immediately (a shrink evicts at once)"),
+    ParamSpec("eviction_policy", str, "semantic", "KV eviction policy", INFERENCE, choices=EVICTION_POLICIES,
+              live=True, applies="next eviction"),
+    ParamSpec("window_frames", int, 16, "frames kept by the sliding_window policy", INFERENCE, min=1,
+              max=1 << 20, live=True, applies="next admitted frame"),
+    ParamSpec("deadline_ms", float, 33.0, "control-cycle deadline a chunk must finish within", INFERENCE,
+              min=1.0, max=10000.0, live=True, applies="next cycle"),
+    ParamSpec("safety_margin_ms", float, 2.0, "admission keeps this much slack before the deadline", INFERENCE,
+              min=0.0, max=10000.0, live=True, applies="next cycle"),
+    ParamSpec("ema_alpha", float, 0.2, "smoothing of the prefill / per-token decode cost EMAs", INFERENCE,
+              min=0.001, max=1.0, live=True, applies="next chunk"),
+    ParamSpec("warmup_chunks", int, 3, "chunks run at configure time to seed the cost EMAs", INFERENCE,
+              min=0, max=1000),
+    ParamSpec("max_vram_gb", float, 8.0, "refuse to start when model + KV budget + scratch exceed this",
+              INFERENCE, min=0.01, max=1024.0),
+    ParamSpec("saliency_threshold", float, 0.2, "a frame whose pooled embedding has cosine distance above this "
+              "from the previous frame is tagged salient (scene change)", INFERENCE, min=0.0, max=2.0, live=True,
+              applies="next frame"),
+    ParamSpec("fresh_action_topic", str, "/vla/action_fresh", "topic carrying each fresh action from inference "
+              "to the action publisher (used across processes in the robot/edge split)", INFERENCE),
+    # ---- action publisher -------------------------------------------------------------------------------
+    ParamSpec("action_rate_hz", float, 30.0, "rate of the action publisher timer", ACTION, min=1.0, max=1000.0,
+              live=True, applies="next tick (timer re-created)"),
+    ParamSpec("stale_after_ms", float, 200.0, "hold (zero motion, gripper unchanged) once the newest frame or "
+              "action is older than this", ACTION, min=1.0, max=600000.0, live=True, applies="next tick"),
+    ParamSpec("action_topic", str, "/vla/action", "sensor_msgs/JointState published every tick", ACTION),
+    ParamSpec("action_status_topic", str, "/vla/action_status", "diagnostic_msgs/DiagnosticStatus per tick: "
+              "kind, source frame stamp, age, sequence", ACTION),
+)
+
+BY_NAME: dict[str, ParamSpec] = {p.name: p for p in PARAMS}
+
+
+def for_node(node: str) -> tuple[ParamSpec, ...]:
+    return tuple(p for p in PARAMS if p.node == node)
+
+
+def defaults(node: str | None = None) -> dict[str, Any]:
+    return {p.name: p.default for p in PARAMS if node is None or p.node == node}
+
+
+def validate(name: str, value: Any) -> str | None:
+    spec = BY_NAME.get(name)
+    if spec is None:
+        return f"unknown parameter {name!r}"
+    return spec.validate(value)
+
+
+def validate_combination(values: Mapping[str, Any], prefix_tokens: int = 0) -> list[str]:
+    """Cross-parameter checks; ``values`` may hold any subset (missing names use defaults)."""
+    v = {**defaults(), **values}
+    reasons: list[str] = []
+    tpf, budget = v["tokens_per_frame"], v["kv_budget_tokens"]
+    if budget % tpf != 0:
+        reasons.append(f"kv_budget_tokens={budget} is not a multiple of tokens_per_frame={tpf}")
+    if budget < prefix_tokens + tpf:
+        reasons.append(f"kv_budget_tokens={budget} is smaller than the pinned prefix ({prefix_tokens} tokens) "
+                       f"plus one frame ({tpf} tokens)")
+    if v["safety_margin_ms"] >= v["deadline_ms"]:
+        reasons.append(f"safety_margin_ms={v['safety_margin_ms']} leaves no time inside deadline_ms="
+                       f"{v['deadline_ms']}")
+    return reasons
+
+
+def validate_all(values: Mapping[str, Any], prefix_tokens: int = 0) -> list[str]:
+    reasons = [r for n, val in values.items() if (r := validate(n, val))]
+    return reasons or validate_combination(values, prefix_tokens)
