@@ -41,6 +41,10 @@ class Engine(abc.ABC):
     """Backends implement this. Not thread-safe: one inference thread owns an engine."""
 
     name: str = "abstract"  # "numpy" | "cuda"
+    # Set by a backend when a failed chunk may have left its state (KV cache, device buffers) inconsistent,
+    # e.g. after a device out-of-memory error (PyCUDA's is not a Python MemoryError). The inference loop
+    # then calls reset() before the next chunk instead of restarting the node.
+    needs_reset: bool = False
 
     @property
     @abc.abstractmethod

@@ -1,0 +1,217 @@
+"""Deadline admission control for inference chunks, and the fixed control-cycle grid.
+
+Before each chunk the inference loop asks: does the estimated chunk time fit in the time left to this cycle's
+deadline minus a safety margin? The estimate is ``prefill_ema + decode_tokens * decode_per_token_ema``: two
+separate exponential moving averages, because prefill cost scales with context (KV occupancy) while decode
+cost scales with the number of generated tokens. A refused chunk is a *fallback* (the action publisher
+repeats / holds); an admitted chunk's real duration is recorded and fed back into the EMAs.
+
+Warm-up chunks (run at configure time, outside the control loop) only *seed* the EMAs: they are not counted in
+admitted / refused / deadline-miss figures nor in the recorded chunk durations.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from vla_edge_ros import params
+from vla_edge_ros.core.metrics import LatencyStats
+
+
+@dataclass(frozen=True)
+class Decision:
+    admit: bool
+    estimate_ms: float
+    budget_ms: float  # time left to the deadline minus the safety margin
+    probe: bool = False  # admitted although the estimate did not fit (see ``probe_after_refusals``)
+
+
+def _finite_nonneg(name: str, value: float) -> float:
+    value = float(value)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"{name} must be a finite, non-negative number of ms, got {value!r}")
+    return value
+
+
+class AdmissionController:
+    """Thread-safe: decide/record from the inference thread, update from a parameter callback, stats anywhere."""
+
+    def __init__(self, deadline_ms: float = 33.0, safety_margin_ms: float = 2.0, ema_alpha: float = 0.2,
+                 history: int = 4096, probe_after_refusals: int = 90) -> None:
+        """``probe_after_refusals``: refused chunks only update the EMAs when they run, so an estimate that got
+        too high (a slow spell, a pessimistic seed) would refuse forever. After this many consecutive refusals
+        one chunk is admitted anyway as a probe to re-measure the cost (0 disables probing)."""
+        self._lock = threading.Lock()
+        self.deadline_ms = 0.0
+        self.safety_margin_ms = 0.0
+        self.ema_alpha = 0.0
+        self._apply({"deadline_ms": deadline_ms, "safety_margin_ms": safety_margin_ms, "ema_alpha": ema_alpha})
+        self.prefill_ema_ms: Optional[float] = None
+        self.decode_ema_ms_per_token: Optional[float] = None
+        self.seeded_with: Optional[tuple[float, float]] = None
+        self.admitted = 0
+        self.refused = 0
+        self.probes = 0
+        self.probe_after_refusals = int(probe_after_refusals)
+        self._consecutive_refusals = 0
+        self.recorded = 0
+        self.deadline_misses = 0
+        self.chunk_ms = LatencyStats(history)  # real durations of admitted chunks (live only)
+
+    # ---- configuration ----------------------------------------------------------------------------------
+    def _apply(self, values: dict) -> None:
+        """Validate every value with the parameter registry (and the cross check), then apply all or nothing."""
+        unknown = [k for k in values if k not in ("deadline_ms", "safety_margin_ms", "ema_alpha")]
+        if unknown:
+            raise ValueError(f"AdmissionController.update: unknown setting(s) {', '.join(unknown)}")
+        reasons = [r for k, v in values.items() if (r := params.validate(k, v))]
+        if reasons:
+            raise ValueError("; ".join(reasons))
+        with self._lock:  # merge, cross-check and apply as one step against concurrent updates
+            merged = {"deadline_ms": self.deadline_ms, "safety_margin_ms": self.safety_margin_ms,
+                      "ema_alpha": self.ema_alpha, **{k: float(v) for k, v in values.items()}}
+            reasons = params.validate_combination(
+                {"deadline_ms": merged["deadline_ms"], "safety_margin_ms": merged["safety_margin_ms"]})
+            if reasons:
+                raise ValueError("; ".join(reasons))
+            self.deadline_ms = merged["deadline_ms"]
+            self.safety_margin_ms = merged["safety_margin_ms"]
+            self.ema_alpha = merged["ema_alpha"]
+
+    def update(self, **values: float) -> None:
+        """Live change of deadline_ms / safety_margin_ms / ema_alpha; raises ValueError with the reasons."""
+        if values:
+            self._apply(values)
+
+    def seed(self, prefill_ms: float, decode_ms_per_token: float) -> None:
+        """Set both EMAs from warm-up measurements (replaces any previous estimate; live figures untouched)."""
+        p = _finite_nonneg("prefill_ms", prefill_ms)
+        d = _finite_nonneg("decode_ms_per_token", decode_ms_per_token)
+        with self._lock:
+            self.prefill_ema_ms = p
+            self.decode_ema_ms_per_token = d
+            self.seeded_with = (p, d)
+
+    @property
+    def seeded(self) -> bool:
+        return self.prefill_ema_ms is not None
+
+    # ---- per chunk --------------------------------------------------------------------------------------
+    def estimate_ms(self, decode_tokens: int) -> float:
+        """Estimated chunk time; 0.0 before any seed or record (the first chunk is admitted to learn its cost)."""
+        if decode_tokens < 0:
+            raise ValueError(f"decode_tokens must be >= 0, got {decode_tokens}")
+        with self._lock:
+            p, d = self.prefill_ema_ms, self.decode_ema_ms_per_token
+        if p is None or d is None:
+            return 0.0
+        return p + decode_tokens * d
+
+    def decide(self, time_left_ms: float, decode_tokens: int) -> Decision:
+        time_left_ms = float(time_left_ms)
+        if math.isnan(time_left_ms):
+            raise ValueError("time_left_ms is NaN")
+        estimate = self.estimate_ms(decode_tokens)
+        with self._lock:
+            budget = time_left_ms - self.safety_margin_ms
+            admit = estimate <= budget and budget > 0.0
+            probe = (not admit and budget > 0.0 and self.probe_after_refusals > 0
+                     and self._consecutive_refusals >= self.probe_after_refusals)
+            if admit or probe:
+                self.admitted += 1
+                self.probes += probe
+                self._consecutive_refusals = 0
+            else:
+                self.refused += 1
+                self._consecutive_refusals += 1
+        return Decision(admit=admit or probe, estimate_ms=estimate, budget_ms=budget, probe=probe)
+
+    def record(self, prefill_ms: float, decode_ms_total: float, decode_tokens: int, missed_deadline: bool) -> None:
+        """Feed back an admitted chunk's real cost (prefill = everything that is not decode, encode included)."""
+        p = _finite_nonneg("prefill_ms", prefill_ms)
+        d_total = _finite_nonneg("decode_ms_total", decode_ms_total)
+        if decode_tokens < 1:
+            raise ValueError(f"decode_tokens must be >= 1, got {decode_tokens}")
+        d = d_total / decode_tokens
+        with self._lock:
+            a = self.ema_alpha
+            self.prefill_ema_ms = p if self.prefill_ema_ms is None else (1 - a) * self.prefill_ema_ms + a * p
+            self.decode_ema_ms_per_token = (d if self.decode_ema_ms_per_token is None
+                                            else (1 - a) * self.decode_ema_ms_per_token + a * d)
+            self.recorded += 1
+            if missed_deadline:
+                self.deadline_misses += 1
+        self.chunk_ms.add(p + d_total)
+
+    def count_miss(self) -> None:
+        """A chunk that failed or was abandoned after overrunning its deadline (no cost sample to record)."""
+        with self._lock:
+            self.deadline_misses += 1
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = {
+                "deadline_ms": self.deadline_ms,
+                "safety_margin_ms": self.safety_margin_ms,
+                "ema_alpha": self.ema_alpha,
+                "prefill_ema_ms": self.prefill_ema_ms,
+                "decode_ema_ms_per_token": self.decode_ema_ms_per_token,
+                "seeded_with": self.seeded_with,
+                "admitted": self.admitted,
+                "refused": self.refused,
+                "probes": self.probes,
+                "recorded": self.recorded,
+                "deadline_misses": self.deadline_misses,
+            }
+        out["chunk_ms"] = self.chunk_ms.summary()
+        return out
+
+
+class CycleClock:
+    """Control cycles on a fixed grid ``start_ns + k * period``; times are monotonic nanoseconds.
+
+    The grid never drifts with processing time: a chunk that runs long does not shift later cycles, it just
+    leaves less time (or none) to the cycle it lands in.
+    """
+
+    def __init__(self, period_ms: float, start_ns: Optional[int] = None) -> None:
+        self._period_ns = 0
+        self.set_period_ms(period_ms, start_ns)
+
+    @property
+    def period_ms(self) -> float:
+        return self._period_ns / 1e6
+
+    @property
+    def start_ns(self) -> int:
+        return self._start_ns
+
+    def set_period_ms(self, period_ms: float, start_ns: Optional[int] = None) -> None:
+        """(Re)start the grid with a new period; the new grid starts at ``start_ns`` (default: now)."""
+        period_ms = float(period_ms)
+        if not (math.isfinite(period_ms) and period_ms > 0.0):
+            raise ValueError(f"period_ms must be a positive number, got {period_ms!r}")
+        self._period_ns = max(1, int(round(period_ms * 1e6)))
+        self._start_ns = time.monotonic_ns() if start_ns is None else int(start_ns)
+
+    def cycle_index(self, now_ns: int) -> int:
+        return (int(now_ns) - self._start_ns) // self._period_ns
+
+    def cycle_start(self, now_ns: int) -> int:
+        """Start (ns) of the cycle containing ``now_ns``."""
+        return self._start_ns + self.cycle_index(now_ns) * self._period_ns
+
+    def next_deadline(self, now_ns: int) -> int:
+        """End (ns) of the cycle containing ``now_ns``, i.e. the start of the next one."""
+        return self.cycle_start(now_ns) + self._period_ns
+
+    def deadline_ns(self, now_ns: int, deadline_ms: float) -> int:
+        """This cycle's deadline: cycle start + ``deadline_ms``."""
+        return self.cycle_start(now_ns) + int(round(float(deadline_ms) * 1e6))
+
+    def time_left_ms(self, now_ns: int, deadline_ms: float) -> float:
+        """Milliseconds from ``now_ns`` to this cycle's deadline (negative once it has passed)."""
+        return (self.deadline_ns(now_ns, deadline_ms) - int(now_ns)) / 1e6

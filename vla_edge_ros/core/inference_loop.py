@@ -1,0 +1,437 @@
+"""The inference thread body, free of ROS: the lifecycle node only constructs, starts, pauses and reads it.
+
+One chunk per control cycle. Cycles sit on a fixed grid (``CycleClock``, period ``period_ms``); the deadline
+of a chunk is its cycle's start + ``deadline_ms``. Per cycle:
+
+1. live parameter changes queued by ``update`` are applied (so a change never lands mid-chunk);
+2. the thread waits (only itself; the camera never waits) for an unread frame in the double buffer;
+3. the admission controller compares the estimated chunk time with the time left to this cycle's deadline
+   minus the safety margin; a refusal is a fallback (the action publisher repeats / holds) and the cycle is over;
+4. admitted: encode the frame, tag it salient when its pooled embedding's cosine distance from the previous
+   frame exceeds ``saliency_threshold``, ``engine.run_chunk``, record the real duration (encode counts as
+   prefill: everything that is not decode) and whether it missed the deadline, then ``on_action(result, frame)``;
+5. the thread sleeps to the next cycle boundary, then takes the freshest frame (older unread frames are counted
+   as overwritten by the buffer); when none arrived and the previous frame was refused for lack of time, that
+   frame is retried once, now with a whole cycle ahead of it.
+
+Faults: an exception in a chunk is caught, counted and reported with ``on_event('chunk_error', {...})``; the
+engine is reset when it says its state is bad (``engine.needs_reset`` attribute or method, or a MemoryError);
+the loop carries on with the next frame. Python cannot pre-empt a hung chunk: when it finally returns it is
+counted as a deadline miss, and when it is more than ``late_discard_ms`` past its deadline its action is
+discarded (an action computed from a frame that old must not be published as fresh). ``in_flight_ms`` lets a
+watchdog (the node's diagnostics timer) see a chunk that is hung right now.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from vla_edge_ros import params
+from vla_edge_ros.core.admission import AdmissionController, CycleClock
+from vla_edge_ros.core.double_buffer import DoubleBuffer
+from vla_edge_ros.core.metrics import LatencyStats
+
+# outcomes of one step
+ADMITTED, REFUSED, ERROR, LATE = "admitted", "refused", "error", "late_discarded"
+
+_ADMISSION_KEYS = ("deadline_ms", "safety_margin_ms", "ema_alpha")
+_LOOP_KEYS = ("saliency_threshold", "period_ms", "late_discard_ms")
+
+
+def cosine_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """1 - cos(a, b) in [0, 2]; a zero vector is at distance 0 from another zero vector and 1 from anything else."""
+    a = np.asarray(a, dtype=np.float64).ravel()
+    b = np.asarray(b, dtype=np.float64).ravel()
+    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    if na == 0.0 or nb == 0.0:
+        return 0.0 if na == nb else 1.0
+    return float(1.0 - np.dot(a, b) / (na * nb))
+
+
+class InferenceLoop:
+    def __init__(self, engine: Any, frame_buffer: DoubleBuffer, admission: AdmissionController, period_ms: float,
+                 on_action: Callable[[Any, Any], None], on_event: Optional[Callable[[str, dict], None]] = None, *,
+                 decode_tokens: int = 8, saliency_threshold: float = 0.2, late_discard_ms: Optional[float] = None,
+                 wait_timeout_s: float = 0.1, time_ns: Callable[[], int] = time.monotonic_ns,
+                 thread_name: str = "vla_inference_loop") -> None:
+        """``late_discard_ms``: a chunk finishing more than this past its deadline has its action discarded
+        (default: one period). ``time_ns``: monotonic clock (injectable for tests)."""
+        if decode_tokens < 1:
+            raise ValueError(f"decode_tokens must be >= 1, got {decode_tokens}")
+        self.engine = engine
+        self.buffer = frame_buffer
+        self.admission = admission
+        self.on_action = on_action
+        self.on_event = on_event
+        self.decode_tokens = int(decode_tokens)
+        self._time_ns = time_ns
+        self.wait_timeout_s = float(wait_timeout_s)
+        self.thread_name = thread_name
+        self._check_loop_values({"period_ms": period_ms, "saliency_threshold": saliency_threshold,
+                                 **({} if late_discard_ms is None else {"late_discard_ms": late_discard_ms})})
+        self.clock = CycleClock(period_ms, start_ns=time_ns())
+        self.saliency_threshold = float(saliency_threshold)
+        self.late_discard_ms = None if late_discard_ms is None else float(late_discard_ms)
+
+        self._lock = threading.Lock()  # guards _pending (update() runs on a parameter-callback thread)
+        self._pending: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._resumed = threading.Event()
+        self._resumed.set()
+        self._thread: Optional[threading.Thread] = None
+        self._served_cycle: Optional[int] = None
+        self._prev_pooled: Optional[np.ndarray] = None
+        self._in_flight_since: Optional[int] = None
+        self._resume_written = 0
+
+        self.frames_taken = 0
+        self.admitted = 0
+        self.refused = 0
+        self.probes = 0
+        self.completed = 0
+        self.errors = 0
+        self.deadline_misses = 0
+        self.late_discarded = 0
+        self.engine_resets = 0
+        self.salient_frames = 0
+        self.dropped_while_paused = 0
+        self.retried = 0  # refused-for-time frames retried at the next cycle's start
+        self.callback_errors = 0
+        self.last_error = ""
+        self.last_outcome = ""
+        self.chunk_ms = LatencyStats()  # real duration of admitted chunks (encode + run_chunk), ms
+        self.warmup_figures: dict[str, Any] = {}
+
+    # ---- events -----------------------------------------------------------------------------------------
+    def _emit(self, kind: str, info: dict) -> None:
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(kind, info)
+        except Exception:  # a faulty reporting callback must not stop inference
+            self.callback_errors += 1
+
+    # ---- live parameters --------------------------------------------------------------------------------
+    @staticmethod
+    def _check_loop_values(values: dict) -> None:
+        reasons = []
+        for k, v in values.items():
+            if k == "saliency_threshold":
+                r = params.validate(k, v)
+                if r:
+                    reasons.append(r)
+            elif k in ("period_ms", "late_discard_ms"):
+                try:
+                    fv = float(v)
+                except (TypeError, ValueError):
+                    fv = math.nan
+                if isinstance(v, bool) or not (math.isfinite(fv) and fv > 0.0):
+                    reasons.append(f"{k} must be a positive number of ms, got {v!r}")
+        if reasons:
+            raise ValueError("; ".join(reasons))
+
+    def update(self, **values: Any) -> None:
+        """Validate now (ValueError with reasons), apply at the start of the next cycle. Keys: deadline_ms,
+        safety_margin_ms, ema_alpha, saliency_threshold, period_ms, late_discard_ms."""
+        unknown = [k for k in values if k not in _ADMISSION_KEYS + _LOOP_KEYS]
+        if unknown:
+            raise ValueError(f"InferenceLoop.update: unknown parameter(s) {', '.join(unknown)}")
+        reasons = [r for k, v in values.items() if k in _ADMISSION_KEYS and (r := params.validate(k, v))]
+        if reasons:
+            raise ValueError("; ".join(reasons))
+        self._check_loop_values({k: v for k, v in values.items() if k in _LOOP_KEYS})
+        with self._lock:
+            merged = {"deadline_ms": self.admission.deadline_ms, "safety_margin_ms": self.admission.safety_margin_ms,
+                      **{k: v for k, v in self._pending.items() if k in _ADMISSION_KEYS}, **values}
+            reasons = params.validate_combination(
+                {"deadline_ms": float(merged["deadline_ms"]), "safety_margin_ms": float(merged["safety_margin_ms"])})
+            if reasons:
+                raise ValueError("; ".join(reasons))
+            self._pending.update(values)
+
+    def apply_pending_updates(self) -> None:
+        """Apply queued ``update`` values (the loop calls this at the start of every cycle)."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        adm = {k: v for k, v in pending.items() if k in _ADMISSION_KEYS}
+        try:
+            self.admission.update(**adm)
+        except ValueError as exc:  # validated in update(); only a concurrent direct admission change gets here
+            self._emit("update_rejected", {"values": adm, "reason": str(exc)})
+        if "saliency_threshold" in pending:
+            self.saliency_threshold = float(pending["saliency_threshold"])
+        if "late_discard_ms" in pending:
+            self.late_discard_ms = float(pending["late_discard_ms"])
+        if "period_ms" in pending:
+            self.clock.set_period_ms(float(pending["period_ms"]), start_ns=self._time_ns())
+            self._served_cycle = None
+        self._emit("params_applied", dict(pending))
+
+    # ---- warm-up ----------------------------------------------------------------------------------------
+    def warmup(self, n: int, image_shape: tuple[int, int, int] = (480, 640, 3)) -> dict[str, Any]:
+        """Run ``n`` chunks on a seeded synthetic image outside the control loop, seed the admission EMAs with
+        their median cost (the first run is left out when n >= 2: it carries one-off allocation / compile
+        cost), then ``engine.reset()`` so no warm-up frame stays in the KV cache. Not counted in live stats."""
+        if n < 0:
+            raise ValueError(f"warmup chunk count must be >= 0, got {n}")
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("warmup() must run before start(): the engine belongs to one thread")
+        rng = np.random.default_rng(0)
+        image = rng.integers(0, 256, size=image_shape, dtype=np.uint8)
+        prefill, decode_per_token, totals = [], [], []
+        for i in range(n):
+            t0 = self._time_ns()
+            tokens = self.engine.encode_frame(image)
+            result = self.engine.run_chunk(tokens, -(i + 1), False)
+            total_ms = (self._time_ns() - t0) / 1e6
+            decode_ms = min(max(float(result.decode_ms), 0.0), total_ms)
+            prefill.append(total_ms - decode_ms)
+            decode_per_token.append(decode_ms / self.decode_tokens)
+            totals.append(total_ms)
+        self.engine.reset()
+        self._prev_pooled = None
+        figures: dict[str, Any] = {"chunks": n, "chunk_ms": totals}
+        if n:
+            use = slice(1, None) if n >= 2 else slice(None)
+            p = float(np.median(prefill[use]))
+            d = float(np.median(decode_per_token[use]))
+            self.admission.seed(p, d)
+            figures.update(prefill_ms=p, decode_ms_per_token=d,
+                           estimate_ms=self.admission.estimate_ms(self.decode_tokens))
+        self.warmup_figures = figures
+        self._emit("warmup_done", dict(figures))
+        return figures
+
+    # ---- one cycle --------------------------------------------------------------------------------------
+    def _salient(self, tokens: np.ndarray) -> bool:
+        pooled = np.asarray(tokens, dtype=np.float32).reshape(len(tokens), -1).mean(axis=0)
+        prev, self._prev_pooled = self._prev_pooled, pooled
+        if prev is None or prev.shape != pooled.shape:
+            return True  # first frame (or after a reset): a new scene for the cache
+        return cosine_distance(pooled, prev) > self.saliency_threshold
+
+    def _engine_needs_reset(self, exc: BaseException) -> bool:
+        flag = getattr(self.engine, "needs_reset", False)
+        try:
+            flag = flag() if callable(flag) else flag
+        except Exception:
+            flag = True  # cannot even ask: assume the worst
+        return bool(flag) or isinstance(exc, MemoryError)
+
+    def step(self, frame: Any) -> str:
+        """Decide and (maybe) run one chunk for ``frame`` in the current cycle. Returns the outcome."""
+        self.frames_taken += 1
+        now = self._time_ns()
+        self._served_cycle = self.clock.cycle_index(now)
+        deadline_ns = self.clock.deadline_ns(now, self.admission.deadline_ms)
+        decision = self.admission.decide((deadline_ns - now) / 1e6, self.decode_tokens)
+        if not decision.admit:
+            self.refused += 1
+            self.last_outcome = REFUSED
+            return REFUSED
+        self.admitted += 1
+        self.probes += decision.probe
+        frame_id = getattr(frame, "frame_id", None)
+        self._in_flight_since = now
+        try:
+            tokens = self.engine.encode_frame(frame.image)
+            salient = self._salient(tokens)
+            result = self.engine.run_chunk(tokens, frame_id, salient)
+        except Exception as exc:
+            end = self._time_ns()
+            self._in_flight_since = None
+            return self._chunk_failed(exc, frame_id, now, end, deadline_ns)
+        end = self._time_ns()
+        self._in_flight_since = None
+
+        total_ms = (end - now) / 1e6
+        decode_ms = min(max(float(getattr(result, "decode_ms", 0.0)), 0.0), total_ms)
+        missed = end > deadline_ns
+        self.admission.record(total_ms - decode_ms, decode_ms, self.decode_tokens, missed)
+        self.chunk_ms.add(total_ms)
+        self.completed += 1
+        self.salient_frames += salient
+        try:
+            result.salient = salient
+        except AttributeError:
+            pass
+        late_ms = (end - deadline_ns) / 1e6
+        if missed:
+            self.deadline_misses += 1
+            self._emit("deadline_miss", {"frame_id": frame_id, "chunk_ms": total_ms, "late_ms": late_ms,
+                                         "estimate_ms": decision.estimate_ms, "probe": decision.probe})
+        discard_after = self.late_discard_ms if self.late_discard_ms is not None else self.clock.period_ms
+        if late_ms > discard_after:
+            self.late_discarded += 1
+            self.last_outcome = LATE
+            self._emit("chunk_late_discarded", {"frame_id": frame_id, "late_ms": late_ms, "chunk_ms": total_ms})
+            return LATE
+        try:
+            self.on_action(result, frame)
+        except Exception as exc:
+            self.callback_errors += 1
+            self._emit("action_callback_error", {"frame_id": frame_id, "error": repr(exc)})
+        self.last_outcome = ADMITTED
+        return ADMITTED
+
+    def _chunk_failed(self, exc: Exception, frame_id: Any, start: int, end: int, deadline_ns: int) -> str:
+        self.errors += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        missed = end > deadline_ns
+        if missed:
+            self.deadline_misses += 1
+            self.admission.count_miss()
+        info = {"frame_id": frame_id, "error": self.last_error, "type": type(exc).__name__,
+                "chunk_ms": (end - start) / 1e6, "missed_deadline": missed, "reset": False}
+        if self._engine_needs_reset(exc):
+            try:
+                self.engine.reset()
+                self.engine_resets += 1
+                info["reset"] = True
+            except Exception as reset_exc:
+                info["reset_error"] = f"{type(reset_exc).__name__}: {reset_exc}"
+            self._prev_pooled = None
+        self._emit("chunk_error", info)
+        self.last_outcome = ERROR
+        return ERROR
+
+    def in_flight_ms(self, now_ns: Optional[int] = None) -> float:
+        """How long the current chunk has been running (0.0 when none): a watchdog input for hung chunks."""
+        since = self._in_flight_since
+        if since is None:
+            return 0.0
+        return ((self._time_ns() if now_ns is None else now_ns) - since) / 1e6
+
+    # ---- thread -----------------------------------------------------------------------------------------
+    def _wait_next_cycle(self) -> None:
+        """One chunk per cycle: once this cycle is served, sleep (interruptibly) to the next boundary."""
+        now = self._time_ns()
+        if self._served_cycle is not None and self.clock.cycle_index(now) <= self._served_cycle:
+            self._stop.wait(max(0.0, (self.clock.next_deadline(now) - now) / 1e9))
+
+    def _run(self) -> None:
+        self._emit("started", {})
+        was_paused = False
+        # A frame refused for lack of time late in a cycle is retried once at the start of the next cycle when
+        # no newer frame has arrived by then (a slow camera would otherwise waste it); a newer frame wins.
+        retry = None
+        while not self._stop.is_set():
+            try:
+                self.apply_pending_updates()
+                if not self._resumed.is_set():
+                    was_paused, retry = True, None
+                    self._resumed.wait(self.wait_timeout_s)
+                    continue
+                frame, is_retry = None, False
+                if was_paused:
+                    # A frame written before resume() is stale: drop it here, in the one reader thread; one
+                    # written after resume() is processed at once.
+                    was_paused = False
+                    self._served_cycle = None
+                    got = self.buffer.read_latest_with_seq()
+                    if got is not None:
+                        if got[0] <= self._resume_written:
+                            self.dropped_while_paused += 1
+                        else:
+                            frame = got[1]
+                if frame is None:
+                    self._wait_next_cycle()
+                    if self._stop.is_set():
+                        break
+                    frame = self.buffer.read_latest()
+                    if frame is None and retry is not None:
+                        frame, is_retry = retry, True
+                        self.retried += 1
+                    retry = None
+                    if frame is None:
+                        frame = self.buffer.wait_latest(self.wait_timeout_s)
+                if frame is None or self._stop.is_set():
+                    continue
+                if not self._resumed.is_set():  # paused while we waited: the frame is not ours to process
+                    self.dropped_while_paused += 1
+                    was_paused = True
+                    continue
+                if self.step(frame) == REFUSED and not is_retry:
+                    retry = frame
+            except Exception as exc:  # a bug outside the chunk: report, back off one period, keep going
+                self.errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._emit("loop_error", {"error": self.last_error, "type": type(exc).__name__})
+                self._stop.wait(self.clock.period_ms / 1e3)
+        self._emit("stopped", {})
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("inference loop already running")
+        self._stop.clear()
+        self.clock.set_period_ms(self.clock.period_ms, start_ns=self._time_ns())
+        self._served_cycle = None
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop and join; False when the thread is still inside a (hung) chunk after ``timeout_s``."""
+        self._stop.set()
+        self._resumed.set()  # wake a paused loop so it can see the stop
+        t = self._thread
+        if t is None:
+            return True
+        t.join(timeout_s)
+        if t.is_alive():
+            return False
+        self._thread = None
+        return True
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def pause(self) -> None:
+        """Stop admitting chunks (the chunk in flight, if any, completes)."""
+        self._resumed.clear()
+        self._emit("paused", {})
+
+    def resume(self) -> None:
+        """Resume; frames that arrived while paused are discarded (counted) by the loop thread, so the first
+        chunk after resuming uses a frame received after it."""
+        self._resume_written = self.buffer.written
+        self._resumed.set()
+        self._emit("resumed", {})
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    # ---- figures ----------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running": self.running,
+            "paused": self.paused,
+            "frames_taken": self.frames_taken,
+            "admitted": self.admitted,
+            "refused": self.refused,
+            "probes": self.probes,
+            "completed": self.completed,
+            "errors": self.errors,
+            "deadline_misses": self.deadline_misses,
+            "late_discarded": self.late_discarded,
+            "engine_resets": self.engine_resets,
+            "salient_frames": self.salient_frames,
+            "dropped_while_paused": self.dropped_while_paused,
+            "retried": self.retried,
+            "callback_errors": self.callback_errors,
+            "last_error": self.last_error,
+            "in_flight_ms": self.in_flight_ms(),
+            "chunk_ms": self.chunk_ms.summary(),
+            "period_ms": self.clock.period_ms,
+            "saliency_threshold": self.saliency_threshold,
+            "admission": self.admission.stats(),
+            "frames": self.buffer.stats(),
+            "warmup": dict(self.warmup_figures),
+        }

@@ -1,0 +1,225 @@
+"""Small, dependency-free runtime figures: latency percentiles, timer period error, event rates, memory.
+
+Each tracker is written by one thread (the one that observes the events) and read by a diagnostics thread;
+a short lock guards the ring buffer so a reader never sees a half-updated ring (the lock is held for a few
+microseconds, so the writer is never delayed measurably).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from collections import deque
+from typing import Iterable, Optional, Sequence
+
+
+def percentile(samples: Iterable[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default 'linear' method); ``q`` in [0, 100]; NaN when empty."""
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile q must be within [0, 100], got {q}")
+    data = sorted(samples)
+    n = len(data)
+    if n == 0:
+        return math.nan
+    if n == 1:
+        return float(data[0])
+    pos = (n - 1) * q / 100.0
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, n - 1)
+    frac = pos - lo
+    return float(data[lo] + (data[hi] - data[lo]) * frac)
+
+
+def percentiles(samples: Sequence[float], qs: Sequence[float] = (50.0, 95.0, 99.0)) -> dict[str, float]:
+    data = sorted(samples)
+    return {f"p{q:g}": percentile(data, q) for q in qs}
+
+
+class LatencyStats:
+    """Bounded ring of the most recent samples (ms) plus exact all-time count / max / mean."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._ring: deque[float] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self.count = 0
+        self.total = 0.0
+        self.max = math.nan
+        self.last = math.nan
+
+    def add(self, value_ms: float) -> None:
+        value_ms = float(value_ms)
+        if not math.isfinite(value_ms):
+            raise ValueError(f"latency sample must be finite, got {value_ms}")
+        with self._lock:
+            self._ring.append(value_ms)
+            self.count += 1
+            self.total += value_ms
+            self.last = value_ms
+            if not (self.max >= value_ms):  # also true while max is NaN
+                self.max = value_ms
+
+    def samples(self) -> list[float]:
+        with self._lock:
+            return list(self._ring)
+
+    def percentile(self, q: float) -> float:
+        return percentile(self.samples(), q)
+
+    @property
+    def p50(self) -> float:
+        return self.percentile(50.0)
+
+    @property
+    def p95(self) -> float:
+        return self.percentile(95.0)
+
+    @property
+    def p99(self) -> float:
+        return self.percentile(99.0)
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else math.nan
+
+    def summary(self) -> dict[str, float]:
+        data = sorted(self.samples())
+        return {
+            "count": self.count,
+            "p50": percentile(data, 50.0),
+            "p95": percentile(data, 95.0),
+            "p99": percentile(data, 99.0),
+            "mean": self.mean,
+            "max": self.max,
+        }
+
+    def reset(self) -> None:
+        with self._lock:
+            self._ring.clear()
+            self.count = 0
+            self.total = 0.0
+            self.max = math.nan
+            self.last = math.nan
+
+
+class PeriodTracker:
+    """Period error of a periodic callback: |actual interval - nominal|, longest gap, tick count."""
+
+    def __init__(self, nominal_ms: float, capacity: int = 4096) -> None:
+        self._check_nominal(nominal_ms)
+        self.nominal_ms = float(nominal_ms)
+        self._errors = LatencyStats(capacity)
+        self._last_ns: Optional[int] = None
+        self.ticks = 0
+        self.longest_gap_ms = 0.0
+
+    @staticmethod
+    def _check_nominal(nominal_ms: float) -> None:
+        if not (nominal_ms > 0.0 and math.isfinite(nominal_ms)):
+            raise ValueError(f"nominal period must be a positive number of ms, got {nominal_ms}")
+
+    def set_nominal_ms(self, nominal_ms: float) -> None:
+        """Live period change: the interval spanning the change is not judged against either period."""
+        self._check_nominal(nominal_ms)
+        self.nominal_ms = float(nominal_ms)
+        self._last_ns = None
+
+    def tick(self, now_ns: Optional[int] = None) -> Optional[float]:
+        """Record one tick; returns this interval's period error in ms (None for the first tick)."""
+        now_ns = time.monotonic_ns() if now_ns is None else int(now_ns)
+        self.ticks += 1
+        last, self._last_ns = self._last_ns, now_ns
+        if last is None:
+            return None
+        gap_ms = (now_ns - last) / 1e6
+        if gap_ms > self.longest_gap_ms:
+            self.longest_gap_ms = gap_ms
+        err = abs(gap_ms - self.nominal_ms)
+        self._errors.add(err)
+        return err
+
+    @property
+    def error_stats(self) -> LatencyStats:
+        return self._errors
+
+    def summary(self) -> dict[str, float]:
+        data = sorted(self._errors.samples())
+        return {
+            "ticks": self.ticks,
+            "nominal_ms": self.nominal_ms,
+            "period_error_p50_ms": percentile(data, 50.0),
+            "period_error_p99_ms": percentile(data, 99.0),
+            "period_error_max_ms": self._errors.max,
+            "longest_gap_ms": self.longest_gap_ms,
+        }
+
+
+class RateCounter:
+    """Events per second over a sliding window of ``window_s`` seconds, plus an all-time total."""
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        if not (window_s > 0.0 and math.isfinite(window_s)):
+            raise ValueError(f"window_s must be positive, got {window_s}")
+        self.window_ns = int(window_s * 1e9)
+        self._stamps: deque[int] = deque()
+        self._lock = threading.Lock()
+        self.total = 0
+
+    def _trim(self, now_ns: int) -> None:
+        cutoff = now_ns - self.window_ns
+        while self._stamps and self._stamps[0] <= cutoff:
+            self._stamps.popleft()
+
+    def add(self, now_ns: Optional[int] = None, n: int = 1) -> None:
+        now_ns = time.monotonic_ns() if now_ns is None else int(now_ns)
+        with self._lock:
+            self.total += n
+            self._stamps.extend([now_ns] * n)
+            self._trim(now_ns)
+
+    def rate(self, now_ns: Optional[int] = None) -> float:
+        now_ns = time.monotonic_ns() if now_ns is None else int(now_ns)
+        with self._lock:
+            self._trim(now_ns)
+            return len(self._stamps) / (self.window_ns / 1e9)
+
+
+# ---- memory -----------------------------------------------------------------------------------------------
+def _proc_status_kb(field: str) -> Optional[float]:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return float(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def current_rss_mb() -> float:
+    """Resident set size of this process now, in MiB (psutil, else /proc, else NaN)."""
+    try:
+        import psutil  # optional
+
+        return psutil.Process().memory_info().rss / (1024.0 * 1024.0)
+    except Exception:  # psutil missing or unsupported platform
+        pass
+    kb = _proc_status_kb("VmRSS")
+    return kb / 1024.0 if kb is not None else math.nan
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process, in MiB (/proc VmHWM, else getrusage)."""
+    kb = _proc_status_kb("VmHWM")
+    if kb is not None:
+        return kb / 1024.0
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # Linux reports KiB, macOS bytes.
+        return peak / (1024.0 * 1024.0) if sys.platform == "darwin" else peak / 1024.0
+    except Exception:
+        return math.nan
