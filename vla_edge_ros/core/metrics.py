@@ -85,14 +85,18 @@ class LatencyStats:
         return self.total / self.count if self.count else math.nan
 
     def summary(self) -> dict[str, float]:
-        data = sorted(self.samples())
+        # One consistent snapshot: reading count/max outside the lock let a reader see count > 0 with an
+        # empty sample list (NaN percentiles) while a writer was adding the first samples.
+        with self._lock:
+            data = sorted(self._ring)
+            count, total, max_ = self.count, self.total, self.max
         return {
-            "count": self.count,
+            "count": count,
             "p50": percentile(data, 50.0),
             "p95": percentile(data, 95.0),
             "p99": percentile(data, 99.0),
-            "mean": self.mean,
-            "max": self.max,
+            "mean": total / count if count else math.nan,
+            "max": max_,
         }
 
     def reset(self) -> None:
