@@ -1,0 +1,646 @@
+"""Eviction-policy sweep: the runtime over the same replayed clip, once per policy and setting.
+
+    python -m vla_edge_ros.bench.sweep --duration 20 [--bag PATH] --out results/sweep     (make sweep)
+
+For each setting (``nominal``: the registry defaults; ``long_context``: a KV budget of 255 frames;
+``tight_deadline``: a 20 ms cycle -- the last two are stressed settings in which the admission controller
+refuses chunks) and each eviction policy (semantic, fifo, sliding_window) it starts ``vla_runtime`` (its own process, ``--params-file`` written here, ``--stats-out`` JSON
+rewritten every 0.5 s) and ``vla_bag_replay`` (camera re-timed to 60 Hz, JPEG decoded to rgb8, looped), samples
+the runtime's RSS and KV occupancy over time, listens to the runtime's ``/vla/action`` and the bag's
+``/vla/recorded_action`` (action error against the recording: meaningless for random weights, but the
+plumbing is real), stops the runtime with SIGINT and reads its final figures.
+
+Outputs in ``--out``: ``<policy>.json`` (one entry per setting), ``latency_cdf.png``, ``rates.png``,
+``memory.png``, ``saliency.png`` and ``report.md``.
+
+Bag: ``--bag``, else the real Bridge sample (``../shared/data/oxe``) converted with oxe_to_bag, else a
+synthetic clip written with the project's own RLDS writer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+from vla_edge_ros import params as registry
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED_OXE = REPO.parent / "shared" / "data" / "oxe"
+VRAM_CEILING_MB = 8.0 * 1024
+POLICIES = registry.EVICTION_POLICIES
+SETTINGS: dict[str, dict[str, Any]] = {
+    "nominal": {},
+    # Long context: 255 frames of context (8160 slots = 255 x 32; budget + decode scratch must stay below the
+    # tiny model's 8192 positions) and a 64-frame window. Prefill cost grows with the retained context, so the
+    # admission controller refuses more chunks as the cache fills -- unless the policy keeps less context.
+    "long_context": {"kv_budget_tokens": 8160, "window_frames": 64},
+    # Tight deadline: a 20 ms cycle leaves little slack over the base chunk cost; admission refuses most chunks
+    # whatever the policy, and the miss rate shows how good the cost estimate is near the limit.
+    "tight_deadline": {"deadline_ms": 20.0},
+}
+DEFAULT_DOMAIN_ID = 57
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the clip
+# ---------------------------------------------------------------------------------------------------------------
+
+def default_bag(work: Path) -> tuple[Path, str]:
+    """Convert the real Bridge sample when present, else a synthetic clip; returns (bag, description)."""
+    from vla_edge_ros.data import oxe_to_bag, rlds
+
+    bag = work / "clip_bag"
+    if (SHARED_OXE / "bridge_dataset").is_dir():
+        s = oxe_to_bag.convert(SHARED_OXE, bag, progress=False, overwrite=True)
+        return bag, f"real Bridge sample ({s.episodes} episodes, {s.frames} frames at 5 Hz, converted by oxe_to_bag)"
+    src = rlds.write_synthetic_dataset(work / "synthetic_rlds", "bridge_dataset", episodes=6, steps=20,
+                                       image_hw=(96, 128))
+    s = oxe_to_bag.convert(src, bag, progress=False, overwrite=True)
+    return bag, f"synthetic clip ({s.episodes} episodes, {s.frames} frames at 5 Hz; ../shared/data/oxe absent)"
+
+
+def first_instruction(bag: Path) -> Optional[str]:
+    from rosbags.highlevel import AnyReader
+    from rosbags.typesys import Stores, get_typestore
+
+    with AnyReader([bag], default_typestore=get_typestore(Stores.ROS2_JAZZY)) as reader:
+        conns = [c for c in reader.connections if c.topic == "/vla/instruction"]
+        for conn, _, raw in reader.messages(connections=conns):
+            return reader.deserialize(raw, conn.msgtype).data
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# action listener (runtime actions vs recorded actions)
+# ---------------------------------------------------------------------------------------------------------------
+
+class ActionListener:
+    """Own rclpy context: records fresh runtime actions (/vla/action, frame_id 'fresh') and recorded ones."""
+
+    def __init__(self, domain_id: int):
+        import rclpy
+        from rclpy.context import Context
+        from rclpy.executors import SingleThreadedExecutor
+        from rclpy.node import Node
+        from sensor_msgs.msg import JointState
+
+        from vla_edge_ros.ros import qos
+
+        self.rclpy = rclpy
+        self.ctx = Context()
+        rclpy.init(context=self.ctx, domain_id=domain_id)
+        self.node = Node("vla_sweep_listener", context=self.ctx)
+        self.fresh: list[tuple[int, np.ndarray]] = []
+        self.recorded: list[tuple[int, np.ndarray]] = []
+        self.ticks = 0
+        self._lock = threading.Lock()
+        self.node.create_subscription(JointState, registry.BY_NAME["action_topic"].default, self._on_action,
+                                      qos.reliable_qos(100))
+        self.node.create_subscription(JointState, "/vla/recorded_action", self._on_recorded, qos.reliable_qos(100))
+        self.ex = SingleThreadedExecutor(context=self.ctx)
+        self.ex.add_node(self.node)
+        self.thread = threading.Thread(target=self.ex.spin, name="sweep_listener", daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _stamp(msg) -> int:
+        return msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
+
+    def _on_action(self, msg) -> None:
+        with self._lock:
+            self.ticks += 1
+            if msg.header.frame_id == "fresh":
+                self.fresh.append((self._stamp(msg), np.asarray(msg.position, np.float64)))
+
+    def _on_recorded(self, msg) -> None:
+        with self._lock:
+            self.recorded.append((self._stamp(msg), np.asarray(msg.position, np.float64)))
+
+    def reset(self) -> None:
+        with self._lock:
+            self.fresh.clear()
+            self.recorded.clear()
+            self.ticks = 0
+
+    def action_error(self) -> dict[str, Any]:
+        """Mean |runtime - recorded| per fresh action, against the recorded action current at its source frame."""
+        with self._lock:
+            fresh, rec = list(self.fresh), sorted(self.recorded, key=lambda x: x[0])
+        out: dict[str, Any] = {"fresh_actions_heard": len(fresh), "recorded_actions_heard": len(rec),
+                               "matched": 0, "mae": None, "mae_per_dim": None}
+        if not fresh or not rec:
+            return out
+        stamps = np.array([s for s, _ in rec])
+        errs = []
+        for s, a in fresh:
+            i = int(np.searchsorted(stamps, s, side="right")) - 1
+            if i < 0 or rec[i][1].shape != a.shape:
+                continue
+            errs.append(np.abs(a - rec[i][1]))
+        if errs:
+            e = np.stack(errs)
+            out.update(matched=len(errs), mae=float(e.mean()), mae_per_dim=[float(x) for x in e.mean(axis=0)])
+        return out
+
+    def close(self) -> None:
+        self.ex.shutdown(timeout_sec=2.0)
+        self.thread.join(timeout=2.0)
+        self.node.destroy_node()
+        self.rclpy.shutdown(context=self.ctx)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one run
+# ---------------------------------------------------------------------------------------------------------------
+
+def ros_env(domain_id: int, ros_home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(ROS_DOMAIN_ID=str(domain_id), ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_HOME=str(ros_home),
+               PYTHONUNBUFFERED="1")
+    env.setdefault("RMW_IMPLEMENTATION", "rmw_fastrtps_cpp")
+    env.setdefault("FASTRTPS_DEFAULT_PROFILES_FILE", str(REPO / "config" / "fastdds_profile.xml"))
+    return env
+
+
+def write_params(path: Path, policy: str, overrides: dict[str, Any], backend: str, checkpoint: str,
+                 instruction: Optional[str]) -> dict[str, Any]:
+    import yaml
+
+    inference = {"eviction_policy": policy, "backend": backend, **overrides}
+    if checkpoint:
+        inference["checkpoint"] = checkpoint
+    if instruction:
+        inference["instruction"] = instruction
+    reasons = registry.validate_all(inference)
+    if reasons:
+        raise ValueError(f"sweep parameters rejected by the registry: {'; '.join(reasons)}")
+    # the replay repeats each 5 Hz bag frame ~12 times at 60 Hz on purpose: the frozen-camera check stays off
+    doc = {"vla_inference": {"ros__parameters": inference},
+           "vla_camera": {"ros__parameters": {"frozen_frame_limit": 0}}}
+    path.write_text(yaml.safe_dump(doc, sort_keys=True))
+    return inference
+
+
+def _process_tree_rss_mb(pid: int) -> Optional[float]:
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        return sum(q.memory_info().rss for q in [p] + p.children(recursive=True)) / 2**20
+    except Exception:
+        return None
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _get(d: Any, *path: str, default=None):
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return default
+        d = d[k]
+    return d
+
+
+def _find_key(d: Any, key: str):
+    """First value stored under ``key`` anywhere in a nested dict (runtime stats may move things around)."""
+    if isinstance(d, dict):
+        if key in d:
+            return d[key]
+        for v in d.values():
+            found = _find_key(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def run_once(bag: Path, policy: str, setting: str, duration: float, out_dir: Path, env: dict[str, str],
+             backend: str, checkpoint: str, instruction: Optional[str], listener: Optional[ActionListener],
+             camera_hz: float, startup_timeout: float) -> dict[str, Any]:
+    tag = f"{setting}_{policy}"
+    logs = out_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    params_path = logs / f"{tag}.params.yaml"
+    inference_params = write_params(params_path, policy, SETTINGS[setting], backend, checkpoint, instruction)
+    stats_path = logs / f"{tag}.stats.json"
+    replay_stats = logs / f"{tag}.replay.json"
+    for p in (stats_path, replay_stats):
+        p.unlink(missing_ok=True)
+    rt_log = open(logs / f"{tag}.runtime.log", "w")
+    rp_log = open(logs / f"{tag}.replay.log", "w")
+    runtime = subprocess.Popen(
+        [sys.executable, "-m", "vla_edge_ros.ros.runtime", "--stats-out", str(stats_path), "--stats-every-s", "0.5",
+         "--duration-s", str(duration + startup_timeout + 60), "--ros-args", "--params-file", str(params_path)],
+        env=env, stdout=rt_log, stderr=subprocess.STDOUT, cwd=REPO)
+    if listener is not None:
+        listener.reset()
+    replay = subprocess.Popen(
+        [sys.executable, "-m", "vla_edge_ros.ros.bag_replay", str(bag), "--camera-hz", str(camera_hz), "--decode",
+         "--loop", "--duration-s", str(duration), "--wait-for", "/camera/image_raw", "--wait-timeout-s",
+         str(startup_timeout), "--stats-out", str(replay_stats)],
+        env=env, stdout=rp_log, stderr=subprocess.STDOUT, cwd=REPO)
+    timeline: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    last_mtime = 0.0
+    try:
+        while replay.poll() is None and runtime.poll() is None:
+            time.sleep(0.25)
+            sample: dict[str, Any] = {"t_s": round(time.monotonic() - t0, 3),
+                                      "rss_mb": _process_tree_rss_mb(runtime.pid)}
+            try:
+                mtime = stats_path.stat().st_mtime
+            except OSError:
+                mtime = 0.0
+            if mtime != last_mtime:
+                last_mtime = mtime
+                st = _read_json(stats_path) or {}
+                sample["kv_occupancy_tokens"] = _get(st, "inference", "kv", "occupancy_tokens")
+                sample["vram_mb"] = _get(st, "inference", "vram_mb")
+                sample["admitted"] = _get(st, "chunks", "admitted")
+                sample["refused"] = _get(st, "chunks", "refused")
+            timeline.append(sample)
+        if runtime.poll() is not None and replay.poll() is None:  # the runtime died: no point replaying on
+            replay.send_signal(signal.SIGINT)
+        replay.wait(timeout=startup_timeout + duration + 30)
+    finally:
+        if runtime.poll() is None:
+            runtime.send_signal(signal.SIGINT)
+        try:
+            runtime.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            runtime.kill()
+            runtime.wait()
+        if replay.poll() is None:
+            replay.send_signal(signal.SIGINT)
+            replay.wait(timeout=10)
+        rt_log.close()
+        rp_log.close()
+    stats = _read_json(stats_path)
+    rstats = _read_json(replay_stats) or {}
+    result = summarise(policy, setting, inference_params, stats or {}, rstats, timeline,
+                       listener.action_error() if listener is not None else None, runtime.returncode)
+    if stats is None:  # recorded as a failed run; the other runs go on
+        result["error"] = (f"the runtime wrote no stats (exit code {runtime.returncode}); see "
+                           f"{logs / (tag + '.runtime.log')}")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# figures
+# ---------------------------------------------------------------------------------------------------------------
+
+def _rate(num, den) -> Optional[float]:
+    try:
+        return float(num) / float(den) if den else None
+    except (TypeError, ValueError):
+        return None
+
+
+def summarise(policy: str, setting: str, inference_params: dict, stats: dict, replay: dict,
+              timeline: list[dict], action_error: Optional[dict], exit_code: Optional[int]) -> dict[str, Any]:
+    ticks = stats.get("ticks") or {}
+    n_ticks = sum(int(ticks.get(k, 0) or 0) for k in ("fresh", "repeat", "hold"))
+    chunks = stats.get("chunks") or {}
+    admitted, refused = int(chunks.get("admitted", 0) or 0), int(chunks.get("refused", 0) or 0)
+    misses = int(chunks.get("deadline_misses", 0) or 0)
+    frames = stats.get("frames") or {}
+    mem = stats.get("memory") or {}
+    rss_samples = [s["rss_mb"] for s in timeline if s.get("rss_mb") is not None]
+    peak_rss = max([float(mem.get("peak_rss_mb") or 0.0)] + rss_samples)
+    peak_vram = float(mem.get("peak_vram_mb") or 0.0)
+    kv = stats.get("kv") or {}
+    saliency = _find_key(stats, "saliency")
+    samples = _find_key(stats, "chunk_ms_samples") or _find_key(stats, "latency_samples_ms")
+    published_frames = int(replay.get("camera_ticks", 0) or 0)
+    received = int(frames.get("received", 0) or 0)
+    state = _get(stats, "inference", "state")
+    error = None
+    if state not in (None, "active"):
+        error = f"vla_inference ended in state {state!r}: {_get(stats, 'inference', 'last_error') or 'no reason'}"
+    elif admitted + refused == 0:
+        error = "no chunk was admitted or refused (no frames reached inference?)"
+    return {
+        "policy": policy,
+        "setting": setting,
+        "error": error,
+        "params": inference_params,
+        "backend": stats.get("backend"),
+        "duration_s": stats.get("duration_s"),
+        "runtime_exit_code": exit_code,
+        "chunks": {"admitted": admitted, "refused": refused, "deadline_misses": misses},
+        "deadline_miss_rate": _rate(misses, admitted),  # admitted chunks that overran the deadline
+        "refusal_rate": _rate(refused, admitted + refused),
+        "latency_ms": {k: _get(stats, "latency_ms", k) for k in ("p50", "p95", "p99")}
+        | {"max": _get(stats, "inference", "latency_ms", "max")},
+        "latency_samples_ms": samples if isinstance(samples, list) else None,
+        "ticks": {k: int(ticks.get(k, 0) or 0) for k in ("fresh", "repeat", "hold")},
+        "fresh_rate": _rate(ticks.get("fresh", 0), n_ticks),
+        "fallback_rate": _rate(ticks.get("repeat", 0), n_ticks),  # repeat of the last action between chunks
+        "hold_rate": _rate(ticks.get("hold", 0), n_ticks),
+        "memory": {"peak_rss_mb": round(peak_rss, 1), "peak_vram_mb": round(peak_vram, 1),
+                   "ceiling_mb": VRAM_CEILING_MB,
+                   "peak_fraction_of_ceiling": round((peak_vram if peak_vram > 0 else peak_rss) / VRAM_CEILING_MB,
+                                                     4)},
+        "kv": {"policy": kv.get("policy"), "budget_tokens": kv.get("budget_tokens"),
+               "max_occupancy_tokens": kv.get("max_occupancy_tokens")},
+        "frames": {"published_by_replay": published_frames, "received": received,
+                   "dropped_in_transport": max(0, published_frames - received) if published_frames else None,
+                   "overwritten_before_inference": int(frames.get("dropped", 0) or 0),
+                   "rejected": int(frames.get("rejected", 0) or 0)},
+        "saliency": saliency,
+        "action_error_vs_recorded": action_error,
+        "timeline": timeline,
+        "replay": {k: replay.get(k) for k in ("passes", "camera_ticks", "late_messages", "max_lag_ms")},
+    }
+
+
+def retention_at(result: dict, k: int) -> Optional[float]:
+    sal = result.get("saliency")
+    if not isinstance(sal, dict):
+        return None
+    entry = (sal.get("retention") or {}).get(str(k))
+    return entry.get("fraction") if isinstance(entry, dict) else None
+
+
+def _fmt(v, digits=1, pct=False) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    if pct:
+        return f"{100.0 * v:.{digits}f}%"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def report_table(results: dict[str, dict[str, dict]]) -> str:
+    """Markdown table: one row per (setting, policy)."""
+    head = ("| setting | policy | admitted | refused | miss rate | p50 / p95 / p99 ms | fresh | fallback | hold "
+            "| peak RSS MB | peak VRAM MB (of 8192) | KV max / budget | frames recv / dropped | "
+            "salient kept @32 / @128 | action MAE |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for setting, by_policy in results.items():
+        for policy, r in by_policy.items():
+            lat = r["latency_ms"]
+            ae = (r.get("action_error_vs_recorded") or {}).get("mae")
+            if r.get("error"):
+                lines.append(f"| {setting} | {policy} | FAILED: {r['error']} |" + " |" * 13)
+                continue
+            lines.append(
+                f"| {setting} | {policy} | {r['chunks']['admitted']} | {r['chunks']['refused']} | "
+                f"{_fmt(r['deadline_miss_rate'], pct=True)} | {_fmt(lat['p50'])} / {_fmt(lat['p95'])} / "
+                f"{_fmt(lat['p99'])} | {_fmt(r['fresh_rate'], pct=True)} | {_fmt(r['fallback_rate'], pct=True)} | "
+                f"{_fmt(r['hold_rate'], pct=True)} | {_fmt(r['memory']['peak_rss_mb'])} | "
+                f"{_fmt(r['memory']['peak_vram_mb'])} | {r['kv']['max_occupancy_tokens']} / "
+                f"{r['kv']['budget_tokens']} | {r['frames']['received']} / "
+                f"{r['frames']['overwritten_before_inference']} | {_fmt(retention_at(r, 32), pct=True, digits=0)} / "
+                f"{_fmt(retention_at(r, 128), pct=True, digits=0)} | "
+                f"{_fmt(ae, 3)} |")
+    return "\n".join(lines)
+
+
+def latency_curve(r: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(latency ms, cumulative fraction): from raw samples when the runtime exports them, else through the
+    exported percentiles (p50, p95, p99, max) -- a coarse CDF, labelled as such in the plot."""
+    s = r.get("latency_samples_ms")
+    if s:
+        x = np.sort(np.asarray(s, float))
+        return x, np.arange(1, len(x) + 1) / len(x)
+    lat = r["latency_ms"]
+    pts = [(lat.get(k), q) for k, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99), ("max", 1.0))]
+    pts = [(x, q) for x, q in pts if x is not None]
+    if not pts:
+        return np.zeros(0), np.zeros(0)
+    return np.array([0.0] + [x for x, _ in pts]), np.array([0.0] + [q for _, q in pts])
+
+
+def make_plots(results: dict[str, dict[str, dict]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    settings = list(results)
+    # latency CDF
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4), squeeze=False)
+    for ax, setting in zip(axes[0], settings):
+        coarse = False
+        for policy, r in results[setting].items():
+            x, y = latency_curve(r)
+            if not x.size:
+                continue
+            if r.get("latency_samples_ms"):
+                ax.step(x, y, where="post", label=policy)
+            else:  # only percentiles exported: join them, markers show the measured points
+                coarse = True
+                ax.plot(x[1:], y[1:], marker="o", label=policy)
+        deadline = results[setting][next(iter(results[setting]))]["params"].get("deadline_ms",
+                                                                                registry.BY_NAME["deadline_ms"].default)
+        ax.axvline(deadline, color="k", ls="--", lw=1, label=f"deadline {deadline:g} ms")
+        ax.set_title(f"chunk latency CDF ({setting})" + (": p50/p95/p99/max points" if coarse else ""))
+        ax.set_xlabel("chunk latency (ms)")
+        ax.set_ylabel("fraction of admitted chunks")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    paths.append(_save(fig, out / "latency_cdf.png"))
+    # rates
+    metrics = [("deadline_miss_rate", "deadline miss"), ("refusal_rate", "refused"), ("fallback_rate", "fallback"),
+               ("hold_rate", "hold")]
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4), squeeze=False)
+    for ax, setting in zip(axes[0], settings):
+        pols = list(results[setting])
+        width = 0.8 / len(metrics)
+        for j, (key, label) in enumerate(metrics):
+            vals = [100.0 * (results[setting][p][key] or 0.0) for p in pols]
+            ax.bar(np.arange(len(pols)) + j * width, vals, width, label=label)
+        ax.set_xticks(np.arange(len(pols)) + width * (len(metrics) - 1) / 2, pols)
+        ax.set_ylabel("%")
+        ax.set_title(f"miss / refusal / fallback / hold rates ({setting})")
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)
+    paths.append(_save(fig, out / "rates.png"))
+    # memory and KV occupancy over time
+    fig, axes = plt.subplots(2, len(settings), figsize=(6 * len(settings), 7), squeeze=False)
+    for col, setting in enumerate(settings):
+        for policy, r in results[setting].items():
+            tl = r["timeline"]
+            t = [s["t_s"] for s in tl if s.get("rss_mb") is not None]
+            axes[0][col].plot(t, [s["rss_mb"] for s in tl if s.get("rss_mb") is not None], label=policy)
+            kv = [(s["t_s"], s["kv_occupancy_tokens"]) for s in tl if s.get("kv_occupancy_tokens") is not None]
+            if kv:
+                axes[1][col].plot(*zip(*kv), label=policy, drawstyle="steps-post")
+        vram = max((r["memory"]["peak_vram_mb"] for r in results[setting].values()), default=0.0)
+        axes[0][col].set_title(f"runtime memory ({setting}); ceiling {VRAM_CEILING_MB:.0f} MB"
+                               + (f", peak VRAM {vram:.0f} MB" if vram else " (CPU: RSS)"))
+        axes[0][col].set_ylabel("RSS (MB)")
+        budget = next(iter(results[setting].values()))["kv"]["budget_tokens"]
+        if budget:
+            axes[1][col].axhline(budget, color="k", ls="--", lw=1, label="budget")
+        axes[1][col].set_title(f"KV occupancy ({setting})")
+        axes[1][col].set_ylabel("tokens")
+        axes[1][col].set_xlabel("time since start (s)")
+        for ax in axes[:, col]:
+            ax.legend()
+            ax.grid(alpha=0.3)
+    paths.append(_save(fig, out / "memory.png"))
+    # saliency retention
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4), squeeze=False)
+    for ax, setting in zip(axes[0], settings):
+        any_data = False
+        for policy, r in results[setting].items():
+            ret = (r.get("saliency") or {}).get("retention") or {}
+            pts = sorted((int(k), v["fraction"]) for k, v in ret.items()
+                         if isinstance(v, dict) and v.get("fraction") is not None)
+            if pts:
+                any_data = True
+                ax.plot(*zip(*pts), marker="o", label=policy)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("frames after the salient frame (k)")
+        ax.set_ylabel("fraction of salient frames still in KV")
+        ax.set_title(f"saliency retention ({setting})" + ("" if any_data else ": not exported by the runtime"))
+        if any_data:
+            ax.legend()
+        ax.grid(alpha=0.3)
+    paths.append(_save(fig, out / "saliency.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def write_report(results: dict[str, dict[str, dict]], out: Path, meta: dict[str, Any]) -> Path:
+    lines = ["# Eviction-policy sweep", "",
+             f"Clip: {meta['bag_description']}" + (f" (`{meta['bag']}`)" if meta.get("bag") else "")
+             + f", replayed with the camera re-timed to "
+             f"{meta['camera_hz']:g} Hz (JPEG decoded to rgb8), looped, {meta['duration']:g} s per run.",
+             f"Machine: {meta['machine']}; backend: {meta['backend_used']}.", "",
+             "Settings: " + "; ".join(f"**{s}** {json.dumps(SETTINGS[s]) if SETTINGS[s] else '(registry defaults)'}"
+                                      for s in results), "",
+             report_table(results), "",
+             "Columns: *miss rate* = admitted chunks that overran the deadline / admitted; *fresh / fallback / hold* "
+             "= share of the 30 Hz action ticks that carried a new action / repeated the last one / held; "
+             "*frames dropped* = frames overwritten in the double buffer before inference took them (by design, "
+             "the freshest frame wins); *salient kept @k* = salient frames still in the KV cache k admitted frames later "
+             "(of those old enough to tell); "
+             "*action MAE* = mean |runtime action - recorded action| (random weights: plumbing check only).", "",
+             "Plots: `latency_cdf.png`, `rates.png`, `memory.png`, `saliency.png`.", "",
+             "Reproduce:", "", "```", meta["command"], "```", ""]
+    missing = [f"{s}/{p}" for s, by in results.items() for p, r in by.items()
+               if r.get("saliency") is None and not r.get("error")]
+    if missing:
+        lines += ["Note: the runtime's stats carry no saliency report for " + ", ".join(missing) +
+                  " (saliency retention shows n/a).", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------------------------
+
+def main(argv: Optional[Iterable[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="vla_sweep", description=__doc__.split("\n")[0])
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of replay per run")
+    ap.add_argument("--bag", default=None, help="bag to replay (default: the Bridge sample, else synthetic)")
+    ap.add_argument("--out", default="results/sweep")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--backend", default="auto", choices=registry.BACKENDS)
+    ap.add_argument("--checkpoint", default="", help="checkpoint directory (default: the tiny built-in model)")
+    ap.add_argument("--camera-hz", type=float, default=60.0)
+    ap.add_argument("--domain-id", type=int, default=DEFAULT_DOMAIN_ID)
+    ap.add_argument("--startup-timeout", type=float, default=60.0, help="wait this long for the runtime's camera "
+                                                                       "subscription")
+    ap.add_argument("--no-listener", action="store_true", help="skip the action-error listener")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    policies = [p for p in args.policies.split(",") if p]
+    settings = [s for s in args.settings.split(",") if s]
+    bad = [p for p in policies if p not in POLICIES] + [s for s in settings if s not in SETTINGS]
+    if bad:
+        print(f"vla_sweep: unknown policy/setting: {', '.join(bad)}", file=sys.stderr)
+        return 2
+    if args.duration <= 0:
+        print("vla_sweep: --duration must be > 0", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="vla_sweep_"))
+    if args.bag:
+        bag, desc = Path(args.bag), "given bag"
+        if not bag.exists():
+            print(f"vla_sweep: bag {bag} does not exist", file=sys.stderr)
+            return 2
+    else:
+        bag, desc = default_bag(work)
+    instruction = first_instruction(bag)
+    env = ros_env(args.domain_id, work / "ros_home")
+    for k in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "RMW_IMPLEMENTATION", "FASTRTPS_DEFAULT_PROFILES_FILE", "ROS_HOME"):
+        os.environ[k] = env[k]  # the in-process listener's middleware
+    listener = None
+    if not args.no_listener:
+        try:
+            listener = ActionListener(args.domain_id)
+        except Exception as exc:  # the sweep still runs without the action comparison
+            print(f"vla_sweep: action listener unavailable ({exc}); action error not measured", file=sys.stderr)
+    results: dict[str, dict[str, dict]] = {}
+    try:
+        for setting in settings:
+            for policy in policies:
+                print(f"vla_sweep: {setting} / {policy}: {args.duration:g} s ...", flush=True)
+                r = run_once(bag, policy, setting, args.duration, out, env, args.backend, args.checkpoint,
+                             instruction, listener, args.camera_hz, args.startup_timeout)
+                results.setdefault(setting, {})[policy] = r
+                if r["error"]:
+                    print(f"  FAILED: {r['error']}", file=sys.stderr, flush=True)
+                print(f"  admitted {r['chunks']['admitted']} refused {r['chunks']['refused']} misses "
+                      f"{r['chunks']['deadline_misses']} p99 {_fmt(r['latency_ms']['p99'])} ms", flush=True)
+    finally:
+        if listener is not None:
+            listener.close()
+    for policy in policies:
+        doc = {"policy": policy, "settings": {s: results[s][policy] for s in settings if policy in results.get(s, {})}}
+        (out / f"{policy}.json").write_text(json.dumps(doc, indent=2, default=str))
+    backends = sorted({str(r.get("backend")) for by in results.values() for r in by.values()})
+    cmd = f"python -m vla_edge_ros.bench.sweep --duration {args.duration:g}" + (f" --bag {args.bag}" if args.bag
+                                                                               else "") + f" --out {args.out}"
+    if args.backend != "auto":
+        cmd += f" --backend {args.backend}"
+    meta = {"bag": str(bag) if args.bag else "", "bag_description": desc,
+            "camera_hz": args.camera_hz, "duration": args.duration, "backend_used": ", ".join(backends),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}",
+            "command": f"make sweep DURATION={args.duration:g}" + (f" BAG={args.bag}" if args.bag else "")
+            + f"\n# or: {cmd}"}
+    make_plots(results, out)
+    report = write_report(results, out, meta)
+    print(report.read_text())
+    failed = [f"{s}/{p}" for s, by in results.items() for p, r in by.items() if r.get("error")]
+    if failed:
+        print(f"vla_sweep: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
