@@ -1,0 +1,171 @@
+"""The lifecycle of vla_inference driven through its lifecycle services from another process:
+configure / activate / deactivate / cleanup, an invalid transition answered (not crashing the node), and a
+failing configure leaving the node in a defined state with the reason on /diagnostics."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ros_env import Proc, apply_env, module_cmd, read_json, ros_env, wait_for
+
+DOMAIN_ID = 14
+rclpy = pytest.importorskip("rclpy")
+
+
+class LifecycleClient:
+    def __init__(self, tmp):
+        from diagnostic_msgs.msg import DiagnosticArray
+        from lifecycle_msgs.srv import ChangeState, GetState
+        from rclpy.executors import SingleThreadedExecutor
+
+        from vla_edge_ros.ros import qos
+
+        apply_env(DOMAIN_ID, tmp / "home")
+        self.ctx = rclpy.context.Context()
+        rclpy.init(context=self.ctx, args=[])
+        self.node = rclpy.create_node("lifecycle_test_client", context=self.ctx)
+        self.change = self.node.create_client(ChangeState, "/vla_inference/change_state")
+        self.get = self.node.create_client(GetState, "/vla_inference/get_state")
+        self.diag: dict = {}
+        self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, qos.reliable_qos())
+        self.ex = SingleThreadedExecutor(context=self.ctx)
+        self.ex.add_node(self.node)
+        self.th = threading.Thread(target=self.ex.spin, daemon=True)
+        self.th.start()
+
+    def _on_diag(self, msg):
+        for st in msg.status:
+            if st.name == "vla_inference: engine":
+                self.diag = {kv.key: kv.value for kv in st.values} | {"_level": st.level, "_message": st.message}
+
+    def _call(self, client, req, timeout_s=60.0):
+        fut = client.call_async(req)
+        assert wait_for(fut.done, timeout_s), "no answer"
+        return fut.result()
+
+    def state(self) -> str:
+        from lifecycle_msgs.srv import GetState
+
+        return self._call(self.get, GetState.Request()).current_state.label
+
+    def transition(self, tid: int = 0, label: str = "") -> bool:
+        from lifecycle_msgs.srv import ChangeState
+
+        req = ChangeState.Request()
+        req.transition.id, req.transition.label = tid, label
+        return self._call(self.change, req).success
+
+    def close(self):
+        self.ex.shutdown(timeout_sec=2.0)
+        self.node.destroy_node()
+        rclpy.shutdown(context=self.ctx)
+
+
+def _start(tmp, *ros_params, autostart=False, camera=True):
+    env = ros_env(DOMAIN_ID, tmp / "home")
+    stats = tmp / "runtime.json"
+    args = ["--stats-out", str(stats), "--stats-every-s", "0.3"] + ([] if autostart else ["--no-autostart"])
+    runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", *args, "--ros-args", "-p", "backend:=numpy",
+                              "-p", "kv_budget_tokens:=512", *ros_params), env, tmp / "runtime.log")
+    cam = Proc(module_cmd("vla_edge_ros.ros.test_camera", "--ros-args", "-p", "width:=160", "-p", "height:=120",
+                          "-p", "rate_hz:=30.0"), env, tmp / "camera.log") if camera else None
+    return runtime, cam, stats
+
+
+def _stats(stats):
+    try:
+        return read_json(stats)
+    except (OSError, ValueError):
+        return None
+
+
+def test_configure_activate_deactivate_cleanup_and_invalid_transition(tmp_path):
+    from lifecycle_msgs.msg import Transition as T
+
+    runtime, cam, stats = _start(tmp_path)
+    lc = LifecycleClient(tmp_path)
+    try:
+        assert lc.get.wait_for_service(timeout_sec=30.0), runtime.output()
+        assert lc.state() == "unconfigured"
+        # invalid requests while unconfigured: answered success=False, the process lives on
+        assert lc.transition(T.TRANSITION_ACTIVATE) is False
+        assert lc.transition(label="activate") is False
+        assert lc.transition(T.TRANSITION_DEACTIVATE) is False
+        time.sleep(0.3)
+        assert runtime.alive(), runtime.output()
+        assert lc.state() == "unconfigured"
+        assert "invalid transition" in runtime.output()
+
+        assert lc.transition(T.TRANSITION_CONFIGURE) is True
+        assert lc.state() == "inactive"
+        s = _stats(stats)
+        assert wait_for(lambda: (s := _stats(stats)) and s["inference"]["state"] == "inactive", 5.0)
+        time.sleep(1.0)
+        s = _stats(stats)
+        assert s["chunks"]["admitted"] == 0  # configured (warm-up only), not admitting
+        assert s["action"]["arbiter"]["stale_reasons"] == ["inference_inactive"]
+        assert s["inference"]["loop"]["warmup"]["chunks"] == 3
+        assert s["inference"]["engine_memory"]["current_bytes"] > 0
+        rss_configured = s["inference"]["rss_mb"]
+
+        assert lc.transition(T.TRANSITION_ACTIVATE) is True
+        assert lc.state() == "active"
+        assert wait_for(lambda: (s := _stats(stats)) and s["ticks"]["fresh"] > 10, 20.0), _stats(stats)
+
+        assert lc.transition(T.TRANSITION_DEACTIVATE) is True
+        assert lc.state() == "inactive"
+        time.sleep(0.8)  # let a chunk in flight finish and the stats file catch up
+        s1 = _stats(stats)
+        time.sleep(1.5)
+        s2 = _stats(stats)
+        assert s2["chunks"]["admitted"] == s1["chunks"]["admitted"]  # inference paused
+        assert s2["ticks"]["hold"] - s1["ticks"]["hold"] >= 30  # the publisher holds (~45 ticks in 1.5 s)
+        assert s2["ticks"]["fresh"] == s1["ticks"]["fresh"]
+        assert lc.transition(T.TRANSITION_CONFIGURE) is False  # invalid from inactive
+        assert runtime.alive()
+
+        assert lc.transition(T.TRANSITION_ACTIVATE) is True  # resume
+        n = _stats(stats)["ticks"]["fresh"]
+        assert wait_for(lambda: _stats(stats)["ticks"]["fresh"] > n + 10, 20.0)
+        assert lc.transition(T.TRANSITION_DEACTIVATE) is True
+
+        assert lc.transition(T.TRANSITION_CLEANUP) is True
+        assert lc.state() == "unconfigured"
+        assert wait_for(lambda: _stats(stats)["inference"]["state"] == "unconfigured", 5.0)
+        s = _stats(stats)
+        assert s["inference"]["kv_manager"] == {} and s["inference"]["loop"] == {}  # engine and loop released
+        assert s["inference"]["engine_memory"]["current_bytes"] == 0
+        print(f"lifecycle: RSS {rss_configured:.1f} MiB configured -> {s['inference']['rss_mb']:.1f} MiB after "
+              f"cleanup")
+        assert lc.transition(T.TRANSITION_CONFIGURE) is True  # can be configured again
+        assert lc.state() == "inactive"
+    finally:
+        lc.close()
+        codes = (runtime.stop(), cam.stop())
+    assert codes == (0, 0), runtime.output()[-3000:]
+
+
+def test_failed_configure_reports_reason_and_stays_unconfigured(tmp_path):
+    from lifecycle_msgs.msg import Transition as T
+
+    runtime, cam, stats = _start(tmp_path, "-p", f"checkpoint:={tmp_path / 'no_such_checkpoint'}",
+                                 autostart=True, camera=False)
+    lc = LifecycleClient(tmp_path)
+    try:
+        assert lc.get.wait_for_service(timeout_sec=30.0), runtime.output()
+        assert wait_for(lambda: "configure failed" in runtime.output(), 30.0), runtime.output()
+        assert lc.state() == "unconfigured"
+        assert wait_for(lambda: lc.diag.get("last_error", ""), 5.0)
+        assert "configure failed" in lc.diag["last_error"] and "no_such_checkpoint" in lc.diag["last_error"]
+        assert lc.diag["_level"] == b"\x02" or lc.diag["_level"] == 2  # ERROR
+        assert lc.transition(T.TRANSITION_CONFIGURE) is False  # still failing, still answered
+        assert lc.state() == "unconfigured"
+        assert runtime.alive()
+        s = _stats(stats)
+        assert s["ticks"]["fresh"] == 0 and s["ticks"]["hold"] > 0  # the publisher holds throughout
+    finally:
+        lc.close()
+        rc = runtime.stop()
+    assert rc == 0, runtime.output()[-3000:]

@@ -1,0 +1,113 @@
+"""The parameter registry (vla_edge_ros/params.py), config/runtime.yaml, the README table, the launch file and
+the parameters the nodes really declare must agree."""
+from __future__ import annotations
+
+import ast
+import math
+
+import pytest
+import yaml
+
+from ros_env import ROOT, apply_env
+from vla_edge_ros import params as P
+from vla_edge_ros.ros import param_docs
+
+DOMAIN_ID = 10
+
+
+def test_yaml_has_every_parameter_with_registry_default_and_type():
+    doc = yaml.safe_load((ROOT / "config" / "runtime.yaml").read_text())
+    assert set(doc) == set(P.NODES)
+    for node in P.NODES:
+        values = doc[node]["ros__parameters"]
+        specs = {s.name: s for s in P.for_node(node)}
+        assert set(values) == set(specs), f"{node}: yaml {sorted(values)} vs registry {sorted(specs)}"
+        for name, value in values.items():
+            spec = specs[name]
+            assert type(value) is spec.type, f"{node}.{name}: yaml type {type(value).__name__} != {spec.type.__name__}"
+            assert value == spec.default, f"{node}.{name}: yaml {value!r} != default {spec.default!r}"
+            assert P.validate(name, value) is None
+
+
+def test_yaml_and_readme_are_generated_from_the_registry():
+    assert param_docs.main(["--check"]) == 0, "run: python -m vla_edge_ros.ros.param_docs --write"
+
+
+def test_readme_table_lists_every_parameter_once():
+    text = (ROOT / "README.md").read_text()
+    table = text.split(param_docs.BEGIN, 1)[1].split(param_docs.END, 1)[0]
+    rows = [r for r in table.splitlines() if r.startswith("| vla_")]
+    names = [r.split("|")[2].strip().strip("`") for r in rows]
+    assert sorted(names) == sorted(s.name for s in P.PARAMS)
+    for r in rows:
+        node, name = r.split("|")[1].strip(), r.split("|")[2].strip().strip("`")
+        assert P.BY_NAME[name].node == node
+
+
+def test_yaml_text_detects_a_changed_default(monkeypatch):
+    spec = P.BY_NAME["deadline_ms"]
+    changed = tuple(s if s.name != "deadline_ms" else P.ParamSpec(**{**s.__dict__, "default": 40.0})
+                    for s in P.PARAMS)
+    before = param_docs.yaml_text()
+    monkeypatch.setattr(P, "PARAMS", changed)
+    monkeypatch.setattr(P, "for_node", lambda node: tuple(s for s in changed if s.node == node))
+    assert param_docs.yaml_text() != before
+    assert "deadline_ms: 40.0" in param_docs.yaml_text() and spec.default == 33.0
+
+
+def test_launch_file_choices_match_registry():
+    tree = ast.parse((ROOT / "launch" / "runtime.launch.py").read_text())
+    consts = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            try:
+                consts[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    assert tuple(consts["EVICTION_POLICIES"]) == P.EVICTION_POLICIES
+    assert tuple(consts["BACKENDS"]) == P.BACKENDS
+    assert set(consts["ROLES"]) == {"all", "robot", "edge"}
+
+
+@pytest.fixture(scope="module")
+def ros_nodes(tmp_path_factory):
+    apply_env(DOMAIN_ID, tmp_path_factory.mktemp("ros_home"))
+    rclpy = pytest.importorskip("rclpy")
+    from vla_edge_ros.core.double_buffer import DoubleBuffer
+    from vla_edge_ros.ros.action_node import ActionNode
+    from vla_edge_ros.ros.camera_node import CameraNode
+    from vla_edge_ros.ros.inference_node import InferenceNode
+
+    ctx = rclpy.context.Context()
+    rclpy.init(context=ctx, args=[])
+    nodes = {P.CAMERA: CameraNode(DoubleBuffer(), context=ctx), P.ACTION: ActionNode(context=ctx),
+             P.INFERENCE: InferenceNode(DoubleBuffer(), context=ctx)}
+    yield nodes
+    for n in nodes.values():
+        n.destroy_node()
+    rclpy.shutdown(context=ctx)
+
+
+@pytest.mark.parametrize("node_name", P.NODES)
+def test_nodes_declare_exactly_the_registry_parameters(ros_nodes, node_name):
+    from rcl_interfaces.msg import ParameterType
+
+    node = ros_nodes[node_name]
+    declared = {n for n in node._parameters if n not in ("use_sim_time", "start_type_description_service")}
+    assert declared == {s.name for s in P.for_node(node_name)}
+    ros_type = {bool: ParameterType.PARAMETER_BOOL, int: ParameterType.PARAMETER_INTEGER,
+                float: ParameterType.PARAMETER_DOUBLE, str: ParameterType.PARAMETER_STRING}
+    for spec in P.for_node(node_name):
+        d = node.describe_parameter(spec.name)
+        assert d.type == ros_type[spec.type]
+        assert d.read_only == (not spec.live), spec.name
+        assert spec.description.split(" ")[0] in d.description
+        assert node.get_parameter(spec.name).value == spec.default
+        if spec.type is float and spec.min is not None:
+            r = d.floating_point_range[0]
+            assert math.isclose(r.from_value, spec.min) and math.isclose(r.to_value, spec.max)
+        if spec.type is int and spec.min is not None:
+            r = d.integer_range[0]
+            assert (r.from_value, r.to_value) == (int(spec.min), int(spec.max))
+        if spec.choices:
+            assert all(c in d.description for c in spec.choices)

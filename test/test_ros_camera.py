@@ -1,0 +1,182 @@
+"""Bad images through a real subscription: the `vla_camera` process counts each rejection by reason, survives,
+and good frames published afterwards still land in its buffer. Also the compressed transport."""
+from __future__ import annotations
+
+import io
+import time
+
+import numpy as np
+import pytest
+
+from ros_env import Proc, apply_env, module_cmd, read_json, ros_env, wait_for
+
+DOMAIN_ID = 11
+rclpy = pytest.importorskip("rclpy")
+
+
+@pytest.fixture()
+def ros(tmp_path):
+    apply_env(DOMAIN_ID, tmp_path / "home")
+    ctx = rclpy.context.Context()
+    rclpy.init(context=ctx, args=[])
+    node = rclpy.create_node("camera_test_publisher", context=ctx)
+    yield node, ctx
+    node.destroy_node()
+    rclpy.shutdown(context=ctx)
+
+
+def _image(h, w, enc, step, data, stamp_ns):
+    from sensor_msgs.msg import Image
+
+    from vla_edge_ros.ros.conversions import ns_to_stamp
+
+    m = Image()
+    m.header.stamp = ns_to_stamp(stamp_ns)
+    m.height, m.width, m.encoding, m.step = h, w, enc, step
+    m.data = bytes(data)
+    return m
+
+
+def _publish_all(pub, msgs, period_s=0.02):
+    for m in msgs:
+        pub.publish(m)
+        time.sleep(period_s)  # best-effort, keep-last-1 subscriber: give it time to take each message
+
+
+def test_bad_images_counted_by_reason_node_survives(ros, tmp_path):
+    from sensor_msgs.msg import Image
+
+    from vla_edge_ros.ros import qos
+
+    node, _ = ros
+    stats = tmp_path / "camera_stats.json"
+    proc = Proc(module_cmd("vla_edge_ros.ros.camera_node", "--stats-out", str(stats),
+                           "--ros-args", "-p", "max_image_bytes:=2000000"),
+                ros_env(DOMAIN_ID, tmp_path / "home"), tmp_path / "camera.log")
+    try:
+        pub = node.create_publisher(Image, "/camera/image_raw", qos.camera_publisher_qos(deadline_ms=50.0))
+        assert wait_for(lambda: pub.get_subscription_count() > 0, 20.0), proc.output()
+        time.sleep(0.5)
+        now = time.time_ns()
+        good = np.zeros((48, 64, 3), np.uint8)
+        n = 5
+        bad = {
+            "empty": _image(0, 0, "rgb8", 0, b"", now),
+            "unknown_encoding": _image(48, 64, "yuv422_weird", 192, good.tobytes(), now),
+            "step_mismatch": _image(48, 64, "rgb8", 100, good.tobytes(), now),
+            "short_data": _image(48, 64, "rgb8", 192, good.tobytes()[:-10], now),
+            "too_large": _image(1000, 1000, "rgb8", 3000, b"\x00" * 16, now),
+            "bad_stamp": _image(48, 64, "rgb8", 192, good.tobytes(), now + 3_600 * 10**9),
+        }
+        for _ in range(n):
+            _publish_all(pub, bad.values())
+        assert proc.alive(), proc.output()
+        goods = []
+        for i in range(20):
+            img = np.full((48, 64, 3), i, np.uint8)
+            goods.append(_image(48, 64, "rgb8", 192, img.tobytes(), time.time_ns()))
+        _publish_all(pub, goods)
+        time.sleep(0.3)
+        assert proc.alive(), proc.output()
+    finally:
+        rc = proc.stop()
+    assert rc == 0, proc.output()
+    s = read_json(stats)
+    by_reason = s["frames"]["rejected_by_reason"]
+    for reason in bad:
+        # best effort: allow a lost message, but every kind of bad input must have been seen and counted
+        assert 1 <= by_reason.get(reason, 0) <= n, (reason, by_reason)
+    assert set(by_reason) <= set(bad), by_reason
+    assert s["frames"]["rejected"] == sum(by_reason.values())
+    assert 10 <= s["camera"]["accepted"] <= 20, s["camera"]
+    assert s["camera"]["received"] == s["camera"]["accepted"] + s["frames"]["rejected"]
+    assert "image rejected" in proc.output()
+
+
+def test_compressed_transport_decodes_jpeg_and_rejects_garbage(ros, tmp_path):
+    from PIL import Image as PILImage
+    from sensor_msgs.msg import CompressedImage
+
+    from vla_edge_ros.ros import qos
+    from vla_edge_ros.ros.conversions import ns_to_stamp
+
+    node, _ = ros
+    stats = tmp_path / "camera_stats.json"
+    proc = Proc(module_cmd("vla_edge_ros.ros.camera_node", "--stats-out", str(stats),
+                           "--ros-args", "-p", "image_transport:=compressed"),
+                ros_env(DOMAIN_ID, tmp_path / "home"), tmp_path / "camera.log")
+    try:
+        pub = node.create_publisher(CompressedImage, "/camera/image_raw/compressed",
+                                    qos.camera_publisher_qos(deadline_ms=50.0))
+        assert wait_for(lambda: pub.get_subscription_count() > 0, 20.0), proc.output()
+        time.sleep(0.5)
+        msgs = []
+        for i in range(10):
+            buf = io.BytesIO()
+            PILImage.fromarray(np.full((32, 48, 3), 20 * i, np.uint8)).save(buf, format="JPEG")
+            m = CompressedImage(format="jpeg", data=buf.getvalue())
+            m.header.stamp = ns_to_stamp(time.time_ns())
+            msgs.append(m)
+        garbage = CompressedImage(format="jpeg", data=b"\xff\xd8 definitely not a jpeg")
+        garbage.header.stamp = ns_to_stamp(time.time_ns())
+        _publish_all(pub, msgs + [garbage] * 3)
+        time.sleep(0.3)
+        assert proc.alive(), proc.output()
+    finally:
+        rc = proc.stop()
+    assert rc == 0, proc.output()
+    s = read_json(stats)
+    assert 5 <= s["camera"]["accepted"] <= 10, s["camera"]
+    assert 1 <= s["frames"]["rejected"] <= 3, s["frames"]
+    assert "(CompressedImage" in proc.output()
+
+
+def test_publisher_without_deadline_gets_plain_qos_fallback(ros, tmp_path):
+    """Most camera drivers offer no QoS deadline: DDS reports the request as incompatible; the node must
+    re-subscribe with plain sensor-data QoS instead of silently receiving nothing."""
+    from rclpy.qos import qos_profile_sensor_data
+    from sensor_msgs.msg import Image
+
+    node, _ = ros
+    stats = tmp_path / "camera_stats.json"
+    proc = Proc(module_cmd("vla_edge_ros.ros.camera_node", "--stats-out", str(stats)),
+                ros_env(DOMAIN_ID, tmp_path / "home"), tmp_path / "camera.log")
+    try:
+        pub = node.create_publisher(Image, "/camera/image_raw", qos_profile_sensor_data)
+        assert wait_for(lambda: "re-subscribing with plain" in proc.output(), 20.0), proc.output()
+        assert wait_for(lambda: pub.get_subscription_count() > 0, 10.0), proc.output()
+        time.sleep(0.5)
+        _publish_all(pub, [_image(8, 8, "mono8", 8, bytes(range(64)), time.time_ns()) for _ in range(10)])
+        time.sleep(0.3)
+    finally:
+        rc = proc.stop()
+    assert rc == 0, proc.output()
+    s = read_json(stats)
+    assert s["camera"]["incompatible_qos"] >= 1
+    assert s["camera"]["qos_mode"].startswith("plain")
+    assert 5 <= s["camera"]["accepted"] <= 10, s["camera"]
+
+
+def test_frozen_camera_detected(ros, tmp_path):
+    from sensor_msgs.msg import Image
+
+    from vla_edge_ros.ros import qos
+
+    node, _ = ros
+    stats = tmp_path / "camera_stats.json"
+    proc = Proc(module_cmd("vla_edge_ros.ros.camera_node", "--stats-out", str(stats),
+                           "--ros-args", "-p", "frozen_frame_limit:=8"),
+                ros_env(DOMAIN_ID, tmp_path / "home"), tmp_path / "camera.log")
+    try:
+        pub = node.create_publisher(Image, "/camera/image_raw", qos.camera_publisher_qos(deadline_ms=50.0))
+        assert wait_for(lambda: pub.get_subscription_count() > 0, 20.0), proc.output()
+        time.sleep(0.5)
+        same = np.random.default_rng(3).integers(0, 256, (24, 32, 3), dtype=np.uint8).tobytes()
+        _publish_all(pub, [_image(24, 32, "rgb8", 96, same, time.time_ns()) for _ in range(25)])
+        time.sleep(0.3)
+    finally:
+        rc = proc.stop()
+    assert rc == 0
+    s = read_json(stats)["camera"]
+    assert s["frozen"] is True and s["frozen_events"] == 1, s
+    assert "camera frozen" in proc.output()

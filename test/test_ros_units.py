@@ -1,0 +1,140 @@
+"""In-process unit tests of the thin ROS layer: conversions, descriptors, the parameter callback, diagnostics
+levels, runtime argument handling. No child processes."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ros_env import apply_env
+
+DOMAIN_ID = 17
+rclpy = pytest.importorskip("rclpy")
+
+from vla_edge_ros import params as P  # noqa: E402
+from vla_edge_ros.core.action_arbiter import TickDecision  # noqa: E402
+from vla_edge_ros.ros import conversions, diagnostics, param_bridge, runtime  # noqa: E402
+
+NAMES = ("x", "y", "z", "roll", "pitch", "yaw", "gripper")
+
+
+def test_tick_to_joint_state_and_status_carry_kind_stamp_age():
+    d = TickDecision("fresh", np.arange(7, dtype=np.float64), 1_700_000_000_123_456_789, 12.5, 4, "new_action")
+    js = conversions.tick_to_joint_state(d, NAMES)
+    assert js.header.frame_id == "fresh" and list(js.name) == list(NAMES)
+    assert conversions.stamp_to_ns(js.header.stamp) == 1_700_000_000_123_456_789
+    assert list(js.position) == list(range(7))
+    st = conversions.tick_to_status(d, "vla_action", tick=9)
+    v = conversions.status_to_dict(st)
+    assert v == {"kind": "fresh", "source_stamp_ns": "1700000000123456789", "age_ms": "12.500", "seq": "4",
+                 "reason": "new_action", "tick": "9"}
+    hold = TickDecision("hold", np.zeros(7), 0, math.nan, 0, "no_action_yet")
+    assert conversions.tick_to_status(hold).level == diagnostics.WARN
+    assert conversions.status_to_dict(conversions.tick_to_status(hold))["age_ms"] == "nan"
+    with pytest.raises(ValueError):
+        conversions.tick_to_joint_state(d, NAMES[:3])
+
+
+def test_fresh_action_round_trip_and_rejections():
+    msg = conversions.fresh_action_to_msg(np.linspace(-1, 1, 7), 5_000_000_001, NAMES, 3)
+    values, stamp, names = conversions.msg_to_fresh_action(msg)
+    assert stamp == 5_000_000_001 and names == list(NAMES) and np.allclose(values, np.linspace(-1, 1, 7))
+    msg.position = [1.0, math.nan] + [0.0] * 5
+    with pytest.raises(ValueError, match="NaN"):
+        conversions.msg_to_fresh_action(msg)
+    msg.position = [0.0] * 6
+    with pytest.raises(ValueError, match="names"):
+        conversions.msg_to_fresh_action(msg)
+    msg.position = []
+    with pytest.raises(ValueError):
+        conversions.msg_to_fresh_action(msg)
+
+
+def test_rgb_to_image_msg_round_trips_through_the_converter():
+    img = np.random.default_rng(1).integers(0, 256, (6, 5, 3), dtype=np.uint8)
+    m = conversions.rgb_to_image_msg(img, "rgb8", 42)
+    assert (m.height, m.width, m.step) == (6, 5, 15)
+    assert np.array_equal(conversions.image_msg_to_rgb(m, 1 << 20), img)
+    bgr = conversions.rgb_to_image_msg(np.ascontiguousarray(img[..., ::-1]), "bgr8", 42)
+    assert np.array_equal(conversions.image_msg_to_rgb(bgr, 1 << 20), img)
+
+
+def test_descriptors_follow_the_registry():
+    d = param_bridge.descriptor_for(P.BY_NAME["deadline_ms"])
+    assert not d.read_only and d.floating_point_range[0].from_value == 1.0
+    assert "next cycle" in d.description
+    d = param_bridge.descriptor_for(P.BY_NAME["tokens_per_frame"])
+    assert d.read_only and (d.integer_range[0].from_value, d.integer_range[0].to_value) == (1, 1024)
+    d = param_bridge.descriptor_for(P.BY_NAME["eviction_policy"])
+    assert all(c in d.additional_constraints for c in P.EVICTION_POLICIES)
+
+
+@pytest.fixture()
+def ctx(tmp_path):
+    apply_env(DOMAIN_ID, tmp_path)
+    c = rclpy.context.Context()
+    rclpy.init(context=c, args=[])
+    yield c
+    rclpy.shutdown(context=c)
+
+
+def test_param_bridge_validates_live_changes_and_dispatches(ctx):
+    from rclpy.parameter import Parameter
+
+    node = rclpy.create_node("vla_inference", context=ctx)
+    seen = []
+    bridge = param_bridge.ParamBridge(node, P.INFERENCE, on_change=seen.append)
+    r = node.set_parameters([Parameter("safety_margin_ms", value=50.0)])[0]
+    assert not r.successful and "safety_margin_ms" in r.reason and seen == []
+    r = node.set_parameters_atomically([Parameter("kv_budget_tokens", value=2048),
+                                        Parameter("eviction_policy", value="fifo")])
+    assert r.successful and seen == [{"kv_budget_tokens": 2048, "eviction_policy": "fifo"}]
+    assert bridge.get("eviction_policy") == "fifo"
+    r = node.set_parameters([Parameter("kv_budget_tokens", value=2000)])[0]
+    assert not r.successful and "multiple" in r.reason and bridge.get("kv_budget_tokens") == 2048
+
+    def boom(_):
+        raise ValueError("engine refused")
+
+    bridge._on_change = boom
+    r = node.set_parameters([Parameter("window_frames", value=8)])[0]
+    assert not r.successful and "engine refused" in r.reason and bridge.get("window_frames") == 16
+    node.destroy_node()
+
+
+def test_invalid_startup_parameters_refuse_to_start(ctx):
+    from rclpy.parameter import Parameter
+
+    node = rclpy.create_node("vla_inference", context=ctx, parameter_overrides=[
+        Parameter("deadline_ms", value=5.0), Parameter("safety_margin_ms", value=8.0)])
+    with pytest.raises(param_bridge.ParameterRejected, match="safety_margin_ms"):
+        param_bridge.ParamBridge(node, P.INFERENCE)
+    node.destroy_node()
+
+
+def test_diagnostic_levels():
+    cam = {"received": 10, "accepted": 8, "dropped": 1, "rejected": 2, "rejected_by_reason": {"empty": 2},
+           "rate_hz": 60.0, "deadline_missed": 0, "liveliness_lost": 0, "stalled": False, "frozen": False,
+           "qos_mode": "x", "callback_ms": {"p99": 0.2}}
+    st = diagnostics.camera_status(cam)
+    assert st.level == diagnostics.WARN and {kv.key: kv.value for kv in st.values}["rejected.empty"] == "2"
+    assert diagnostics.camera_status({**cam, "rejected": 0, "rejected_by_reason": {}}).level == diagnostics.OK
+    assert diagnostics.inference_status({"state": "active", "last_error": "configure failed: x"}).level == \
+        diagnostics.ERROR
+    assert diagnostics.inference_status({"state": "inactive"}).level == diagnostics.WARN
+    assert diagnostics.inference_status({"state": "active"}).level == diagnostics.OK
+    hung = diagnostics.inference_status({"state": "active", "loop": {"in_flight_ms": 5000.0}})
+    assert hung.level == diagnostics.ERROR and "hung" in hung.message
+
+
+def test_runtime_args(tmp_path):
+    y = tmp_path / "p.yaml"
+    y.write_text("vla_inference:\n  ros__parameters:\n    fresh_action_topic: /edge/fresh\n")
+    argv = ["vla_runtime", "--ros-args", "--params-file", str(y)]
+    assert runtime.params_file_value(argv, P.INFERENCE, "fresh_action_topic") == "/edge/fresh"
+    assert runtime.params_file_value(["x"], P.INFERENCE, "fresh_action_topic") is None
+    assert runtime.parse_args(["x", "--ros-args", "-p", "role:=robot"]).role == "robot"
+    assert runtime.parse_args(["x", "--no-autostart"]).autostart is False
+    with pytest.raises(SystemExit):
+        runtime.parse_args(["x", "--role", "everything"])

@@ -1,0 +1,114 @@
+"""make_engine: parameters -> a ready engine (backend chosen, checkpoint loaded, KV manager built, prefix prefilled).
+
+Backend choice (``backend`` parameter):
+  numpy  the CPU reference backend;
+  cuda   the PyCUDA backend; an EngineError when it cannot run here (no PyCUDA, no GPU);
+  auto   cuda when ``vla_edge_ros.engine.cuda_backend.cuda_available()`` says so, else numpy; the choice and
+         the reason are logged.
+
+The CUDA backend is expected to provide ``cuda_available() -> bool`` (optionally ``cuda_unavailable_reason()
+-> str``) and ``CudaEngine(cfg, checkpoint_dir, kv, instruction=..., decode_tokens=..., max_vram_gb=...,
+log=...)``; it loads its own weights (bf16 straight to the device).
+
+With the environment variable ``VLA_FAULT_INJECT`` set, the engine is wrapped by
+``engine.fault_injection.FaultInjectingEngine`` (reliability tests only).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from vla_edge_ros import params as P
+from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.interface import Engine, EngineError
+
+ENGINE_PARAMS = ("checkpoint", "backend", "instruction", "tokens_per_frame", "decode_tokens", "kv_budget_tokens",
+                 "eviction_policy", "window_frames", "max_vram_gb")
+
+
+def _cuda_probe() -> tuple[Any, str]:
+    """(cuda_backend module or None, reason when None)."""
+    try:
+        from vla_edge_ros.engine import cuda_backend
+    except ImportError as exc:
+        return None, f"cuda backend not importable ({exc})"
+    try:
+        ok = bool(cuda_backend.cuda_available())
+    except Exception as exc:  # a broken driver must not take the CPU path down with it
+        return None, f"CUDA probe failed ({type(exc).__name__}: {exc})"
+    if not ok:
+        why = getattr(cuda_backend, "cuda_unavailable_reason", None)
+        return None, why() if callable(why) else "no usable CUDA GPU / PyCUDA"
+    return cuda_backend, ""
+
+
+def resolve_checkpoint(checkpoint: str) -> Path:
+    if checkpoint:
+        path = Path(checkpoint).expanduser()
+        if not path.exists():
+            raise EngineError(f"checkpoint {path}: no such directory")
+        return path
+    from vla_edge_ros.engine.tiny_default import ensure_tiny_default
+    return ensure_tiny_default()
+
+
+def make_engine(params: Mapping[str, Any], log: Callable[[str], None] = print) -> Engine:
+    """Build the engine from (a subset of) the ROS parameters; missing ones take their registry defaults."""
+    values = {name: params[name] for name in ENGINE_PARAMS if name in params}
+    v = {**{name: P.BY_NAME[name].default for name in ENGINE_PARAMS}, **values}
+    instruction = v["instruction"]
+    if not isinstance(instruction, str):
+        raise EngineError(f"instruction must be a string, got {type(instruction).__name__}")
+    prefix_tokens = len(instruction.encode("utf-8"))
+    reasons = P.validate_all(v, prefix_tokens=prefix_tokens)
+    if reasons:
+        raise EngineError("invalid engine parameters: " + "; ".join(reasons))
+
+    ckpt = resolve_checkpoint(v["checkpoint"])
+    cfg = ModelConfig.from_json(ckpt)
+    budget, tpf, dec = v["kv_budget_tokens"], v["tokens_per_frame"], v["decode_tokens"]
+    if tpf != cfg.n_patches:
+        raise EngineError(f"tokens_per_frame={tpf} must equal the patch embedder's {cfg.n_patches} tokens "
+                          f"(patch_grid {list(cfg.patch_grid)} of {cfg.source})")
+    if dec < cfg.action_dims:
+        raise EngineError(f"decode_tokens={dec} is smaller than the model's {cfg.action_dims} action dimensions")
+    if cfg.max_position_embeddings <= budget + dec:
+        raise EngineError(f"kv_budget_tokens={budget} + decode_tokens={dec} must stay below "
+                          f"max_position_embeddings={cfg.max_position_embeddings} of {cfg.source}")
+
+    from vla_edge_ros.core.kv.manager import KVManager
+    try:
+        kv = KVManager(budget, tpf, prefix_tokens, policy=v["eviction_policy"], window_frames=v["window_frames"],
+                       embed_dim=cfg.hidden_size)
+    except ValueError as exc:
+        raise EngineError(f"KV manager: {exc}") from exc
+
+    backend = v["backend"]
+    if backend in ("auto", "cuda"):
+        mod, why = _cuda_probe()
+        if mod is not None:
+            log(f"engine: backend=cuda (requested {backend}), checkpoint {ckpt}")
+            return _wrap_faults(mod.CudaEngine(cfg, ckpt, kv, instruction=instruction, decode_tokens=dec,
+                                               max_vram_gb=v["max_vram_gb"], log=log), log)
+        if backend == "cuda":
+            raise EngineError(f"backend=cuda requested but CUDA is not usable here: {why}. "
+                              "Use backend:=numpy or backend:=auto")
+        log(f"engine: backend=numpy (auto: {why}), checkpoint {ckpt}")
+    else:
+        log(f"engine: backend=numpy, checkpoint {ckpt}")
+
+    from vla_edge_ros.engine.checkpoint import load_checkpoint
+    from vla_edge_ros.engine.numpy_backend import NumpyEngine
+    weights = load_checkpoint(ckpt, cfg)
+    return _wrap_faults(NumpyEngine(cfg, weights, kv, instruction=instruction, decode_tokens=dec), log)
+
+
+def _wrap_faults(engine: Engine, log: Callable[[str], None]) -> Engine:
+    """Wrap in the fault injector when VLA_FAULT_INJECT is set (reliability tests only; it logs loudly)."""
+    from vla_edge_ros.engine.fault_injection import wrap_from_env
+    try:
+        return wrap_from_env(engine, log=log)
+    except ValueError as exc:
+        engine.close()
+        raise EngineError(str(exc)) from exc
+

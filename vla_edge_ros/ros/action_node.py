@@ -1,0 +1,179 @@
+"""`vla_action`: the 30 Hz action publisher.
+
+Every tick (``action_rate_hz``) asks the ActionArbiter what to command and publishes, always:
+- sensor_msgs/JointState on ``action_topic``: name = action dimension names, position = values,
+  header.stamp = stamp of the source camera frame, header.frame_id = kind ('fresh' | 'repeat' | 'hold');
+- diagnostic_msgs/DiagnosticStatus on ``action_status_topic``: kind, source stamp, age_ms, seq, reason.
+
+Where fresh actions come from:
+- role all: the inference loop in the same process calls ``arbiter.offer`` directly (shared object);
+- role robot: this node subscribes ``fresh_action_topic`` (JointState published by the edge process) and
+  offers each message into the arbiter; late or missing actions become repeat, then hold after
+  ``stale_after_ms`` (measured on this machine's receive clock, so clock skew between hosts cannot stall it).
+
+Live parameters: ``action_rate_hz`` (the timer is re-created at the next tick) and ``stale_after_ms``.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from diagnostic_msgs.msg import DiagnosticStatus
+from rclpy.node import Node
+from sensor_msgs.msg import JointState
+
+from vla_edge_ros import params as registry
+from vla_edge_ros.core.action_arbiter import ActionArbiter
+from vla_edge_ros.core.metrics import LatencyStats, PeriodTracker, RateCounter
+from vla_edge_ros.ros import conversions, qos
+from vla_edge_ros.ros.param_bridge import ParamBridge
+
+DEFAULT_ACTION_NAMES = ("x", "y", "z", "roll", "pitch", "yaw", "gripper")
+
+
+def gripper_index_of(names: Sequence[str]) -> Optional[int]:
+    for i, n in enumerate(names):
+        if "gripper" in n.lower():
+            return i
+    return None
+
+
+class ActionNode(Node):
+    NODE_NAME = registry.ACTION
+
+    def __init__(self, arbiter: ActionArbiter | None = None, action_names: Sequence[str] = DEFAULT_ACTION_NAMES,
+                 fresh_action_topic: str | None = None, **node_kwargs):
+        super().__init__(self.NODE_NAME, **node_kwargs)
+        self.params = ParamBridge(self, registry.ACTION, on_change=self._on_params)
+        self.action_names = tuple(action_names)
+        self.arbiter = arbiter if arbiter is not None else ActionArbiter(
+            len(self.action_names), gripper_index_of(self.action_names), self.params.get("stale_after_ms"))
+        if arbiter is not None:
+            self.arbiter.set_stale_after_ms(self.params.get("stale_after_ms"))
+        self._pub = self.create_publisher(JointState, self.params.get("action_topic"), qos.reliable_qos())
+        self._status_pub = self.create_publisher(DiagnosticStatus, self.params.get("action_status_topic"),
+                                                 qos.reliable_qos())
+        self.period = PeriodTracker(1000.0 / self.params.get("action_rate_hz"))
+        self.rates = {k: RateCounter(1.0) for k in ("fresh", "repeat", "hold")}
+        self.counts = {"fresh": 0, "repeat": 0, "hold": 0}
+        self.missed_ticks = 0  # timer grid points skipped (gaps >= 1.75 periods), see _on_tick
+        self.publish_errors = 0
+        self.ticks_published = 0
+        self._last_tick_mono: Optional[int] = None
+        self.publish_ms = LatencyStats(4096)  # cost of the two publish calls of a tick
+        self.fresh_msgs = 0
+        self.fresh_rejected = 0
+        self.last_decision = None
+        self._pending_rate: Optional[float] = None
+        self.on_rate_change = None
+        self._timer = self.create_timer(1.0 / self.params.get("action_rate_hz"), self._on_tick)
+        self._fresh_sub = None
+        if fresh_action_topic:
+            self._fresh_sub = self.create_subscription(JointState, fresh_action_topic, self._on_fresh_action,
+                                                       qos.reliable_qos())
+            self.get_logger().info(f"robot side: taking fresh actions from {fresh_action_topic}")
+
+    # ---- fresh actions from the edge process (role robot) ---------------------------------------------
+    def _on_fresh_action(self, msg: JointState) -> None:
+        self.fresh_msgs += 1
+        try:
+            values, stamp_ns, names = conversions.msg_to_fresh_action(msg)
+        except ValueError as exc:
+            self.fresh_rejected += 1
+            self.get_logger().warning(f"fresh action rejected: {exc}")
+            return
+        if names and tuple(names) != self.action_names:
+            if len(names) != len(self.action_names):
+                self.fresh_rejected += 1
+                self.get_logger().warning(f"fresh action has {len(names)} dims {names}, expected "
+                                          f"{list(self.action_names)}")
+                return
+            self.action_names = tuple(names)
+        if not self.arbiter.offer(values, stamp_ns, self.get_clock().now().nanoseconds):
+            self.fresh_rejected += 1
+
+    # ---- the tick --------------------------------------------------------------------------------------
+    def _on_tick(self) -> None:
+        mono = time.monotonic_ns()
+        if self._pending_rate is not None:
+            self._recreate_timer()
+            return
+        last = self._last_tick_mono
+        self._last_tick_mono = mono
+        self.period.tick(mono)
+        if last is not None:
+            # rclpy timers sit on a fixed grid: a late callback is followed by an early one and skips nothing;
+            # a grid point is skipped only when the gap reaches ~2 periods. Count gaps >= 1.75 periods.
+            gap = (mono - last) / 1e6 / self.period.nominal_ms
+            self.missed_ticks += max(0, int(gap + 0.25) - 1)
+        try:
+            decision = self.arbiter.tick(self.get_clock().now().nanoseconds)
+            self.last_decision = decision
+            self.counts[decision.kind] += 1
+            self.rates[decision.kind].add(mono)
+            t_pub = time.perf_counter_ns()
+            self._pub.publish(conversions.tick_to_joint_state(decision, self.action_names))
+            self.ticks_published += 1
+            self._status_pub.publish(conversions.tick_to_status(decision, self.NODE_NAME, self.ticks_published))
+            self.publish_ms.add((time.perf_counter_ns() - t_pub) / 1e6)
+        except Exception as exc:  # a publish failure must not stop the timer
+            self.publish_errors += 1
+            self.get_logger().error(f"action tick failed: {exc!r}", throttle_duration_sec=1.0)
+
+    def _recreate_timer(self) -> None:
+        rate, self._pending_rate = self._pending_rate, None
+        self.destroy_timer(self._timer)
+        self.period.set_nominal_ms(1000.0 / rate)
+        self._last_tick_mono = None
+        self._timer = self.create_timer(1.0 / rate, self._on_tick)
+        self.get_logger().info(f"action timer re-created at {rate} Hz")
+
+    # ---- live parameters -------------------------------------------------------------------------------
+    def _on_params(self, changes: dict) -> None:
+        if "stale_after_ms" in changes:
+            self.arbiter.set_stale_after_ms(changes["stale_after_ms"])
+        if "action_rate_hz" in changes:
+            # Applied at the next tick, from the timer's own callback (never destroy a timer mid-callback
+            # from another thread).
+            self._pending_rate = float(changes["action_rate_hz"])
+            if self.on_rate_change is not None:  # role all: the inference cycle follows the control rate
+                self.on_rate_change(self._pending_rate)
+
+    def set_action_names(self, names: Sequence[str]) -> None:
+        """Called once the engine knows its action dimensions (role all / after configure)."""
+        names = tuple(names)
+        if len(names) != self.arbiter.action_dims:
+            raise ValueError(f"engine has {len(names)} action dims, arbiter {self.arbiter.action_dims}")
+        self.action_names = names
+
+    # ---- figures ---------------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        summ = self.period.summary()
+        return {
+            "ticks": dict(self.counts),
+            "rates_hz": {k: r.rate() for k, r in self.rates.items()},
+            "timer_period_error_ms": {"p50": summ["period_error_p50_ms"], "p99": summ["period_error_p99_ms"],
+                                      "max": summ["period_error_max_ms"]},
+            "longest_gap_ms": summ["longest_gap_ms"],
+            "missed_ticks": self.missed_ticks,
+            "action_rate_hz": self.params.get("action_rate_hz"),
+            "stale_after_ms": self.params.get("stale_after_ms"),
+            "publish_errors": self.publish_errors,
+            "ticks_published": self.ticks_published,
+            "publish_ms": self.publish_ms.summary(),
+            "fresh_msgs_received": self.fresh_msgs,
+            "fresh_msgs_rejected": self.fresh_rejected,
+            "arbiter": self.arbiter.stats(),
+        }
+
+
+def main(args=None) -> int:
+    """Stand-alone action publisher = role robot (fresh actions from ``fresh_action_topic``)."""
+    from vla_edge_ros.ros import runtime
+
+    return runtime.run_single("action", args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
