@@ -151,3 +151,28 @@ def test_cycle_clock_period_change_restarts_the_grid():
         with pytest.raises(ValueError):
             clk.set_period_ms(bad)
     assert clk.period_ms == 25.0
+
+
+def test_refusals_relax_a_spiked_estimate_toward_the_recent_median():
+    ac = AdmissionController(deadline_ms=33.0, safety_margin_ms=2.0, ema_alpha=0.2, probe_after_refusals=0,
+                             outlier_factor=100.0)
+    for _ in range(20):
+        ac.record(12.0, 8.0, 8, missed_deadline=False)  # 20 ms chunks
+    for _ in range(6):
+        ac.record(40.0, 16.0, 8, missed_deadline=True)  # a slow spell lifts the estimate past the budget
+    assert ac.estimate_ms(8) > 31.0
+    refusals = 0
+    while not ac.decide(33.0, 8).admit:
+        refusals += 1
+        assert refusals < 30, f"still refusing, estimate {ac.estimate_ms(8):.1f} ms"
+    assert refusals >= 1 and ac.stats()["relaxations"] == refusals
+    assert 20.0 <= ac.estimate_ms(8) <= 31.0
+
+
+def test_lasting_cost_increase_keeps_refusing_despite_relaxation():
+    ac = AdmissionController(deadline_ms=33.0, safety_margin_ms=2.0, ema_alpha=0.2, probe_after_refusals=0)
+    for _ in range(40):
+        ac.record(30.0, 16.0, 8, missed_deadline=True)  # 46 ms chunks: the median itself is over budget
+    decisions = [ac.decide(33.0, 8).admit for _ in range(200)]
+    assert not any(decisions)
+    assert ac.estimate_ms(8) == pytest.approx(46.0)

@@ -14,11 +14,21 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
 from vla_edge_ros import params
 from vla_edge_ros.core.metrics import LatencyStats
+
+RECENT_SAMPLES = 32  # real chunk costs whose median is the relaxation target
+RELAX_PER_REFUSAL = 0.1  # fraction of the gap to that median closed per refused cycle (7 refusals, ~0.25 s at 30 Hz, halve it)
+
+
+def _median(values) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
 
 
 @dataclass(frozen=True)
@@ -40,10 +50,16 @@ class AdmissionController:
     """Thread-safe: decide/record from the inference thread, update from a parameter callback, stats anywhere."""
 
     def __init__(self, deadline_ms: float = 33.0, safety_margin_ms: float = 2.0, ema_alpha: float = 0.2,
-                 history: int = 4096, probe_after_refusals: int = 90) -> None:
+                 history: int = 4096, probe_after_refusals: int = 90, outlier_factor: float = 3.0) -> None:
         """``probe_after_refusals``: refused chunks only update the EMAs when they run, so an estimate that got
         too high (a slow spell, a pessimistic seed) would refuse forever. After this many consecutive refusals
-        one chunk is admitted anyway as a probe to re-measure the cost (0 disables probing)."""
+        one chunk is admitted anyway as a probe to re-measure the cost (0 disables probing).
+
+        ``outlier_factor``: a sample fed to an EMA is clipped at this multiple of the current EMA. One hung
+        chunk (a 900 ms stall measured in the fault test) otherwise lifted the estimate so far above the deadline
+        that every chunk was refused and the robot held for ~40 s, recovering one probe per 90 refusals; clipped,
+        it raises the estimate by at most alpha * (factor - 1) (+40 %), while a real, lasting cost increase still
+        converges geometrically. The real duration is still recorded in ``chunk_ms`` and as a deadline miss."""
         self._lock = threading.Lock()
         self.deadline_ms = 0.0
         self.safety_margin_ms = 0.0
@@ -60,6 +76,18 @@ class AdmissionController:
         self.recorded = 0
         self.deadline_misses = 0
         self.chunk_ms = LatencyStats(history)  # real durations of admitted chunks (live only)
+        if not (math.isfinite(outlier_factor) and outlier_factor >= 1.0):
+            raise ValueError(f"outlier_factor must be >= 1, got {outlier_factor!r}")
+        self.outlier_factor = float(outlier_factor)
+        self.clipped_samples = 0
+        # Relaxation while refusing: a refused chunk yields no measurement, so after a slow spell (CPU contention,
+        # a long context that has since been evicted) the EMAs would stay high and refuse for seconds (measured in
+        # the CPU demo: 0 fresh actions for 6 s with chunk p50 20 ms against a 31 ms budget). Each refusal moves
+        # each EMA RELAX_PER_REFUSAL of the way toward the median of its recent real samples when that median is
+        # lower, so a transient spike expires while a lasting cost increase (median above budget) keeps refusing.
+        self._recent_prefill: deque[float] = deque(maxlen=RECENT_SAMPLES)
+        self._recent_decode: deque[float] = deque(maxlen=RECENT_SAMPLES)
+        self.relaxations = 0
 
     # ---- configuration ----------------------------------------------------------------------------------
     def _apply(self, values: dict) -> None:
@@ -127,7 +155,23 @@ class AdmissionController:
             else:
                 self.refused += 1
                 self._consecutive_refusals += 1
+                if estimate > budget:
+                    self._relax_locked()
         return Decision(admit=admit or probe, estimate_ms=estimate, budget_ms=budget, probe=probe)
+
+    def _relax_locked(self) -> None:
+        moved = False
+        if self._recent_prefill and self.prefill_ema_ms is not None:
+            target = _median(self._recent_prefill)
+            if target < self.prefill_ema_ms:
+                self.prefill_ema_ms += RELAX_PER_REFUSAL * (target - self.prefill_ema_ms)
+                moved = True
+        if self._recent_decode and self.decode_ema_ms_per_token is not None:
+            target = _median(self._recent_decode)
+            if target < self.decode_ema_ms_per_token:
+                self.decode_ema_ms_per_token += RELAX_PER_REFUSAL * (target - self.decode_ema_ms_per_token)
+                moved = True
+        self.relaxations += moved
 
     def record(self, prefill_ms: float, decode_ms_total: float, decode_tokens: int, missed_deadline: bool) -> None:
         """Feed back an admitted chunk's real cost (prefill = everything that is not decode, encode included)."""
@@ -137,10 +181,18 @@ class AdmissionController:
             raise ValueError(f"decode_tokens must be >= 1, got {decode_tokens}")
         d = d_total / decode_tokens
         with self._lock:
-            a = self.ema_alpha
-            self.prefill_ema_ms = p if self.prefill_ema_ms is None else (1 - a) * self.prefill_ema_ms + a * p
+            a, f = self.ema_alpha, self.outlier_factor
+            p_ema, d_ema = p, d
+            if self.prefill_ema_ms is not None and p > f * self.prefill_ema_ms > 0.0:
+                p_ema = f * self.prefill_ema_ms
+            if self.decode_ema_ms_per_token is not None and d > f * self.decode_ema_ms_per_token > 0.0:
+                d_ema = f * self.decode_ema_ms_per_token
+            self.clipped_samples += (p_ema, d_ema) != (p, d)
+            self.prefill_ema_ms = p if self.prefill_ema_ms is None else (1 - a) * self.prefill_ema_ms + a * p_ema
             self.decode_ema_ms_per_token = (d if self.decode_ema_ms_per_token is None
-                                            else (1 - a) * self.decode_ema_ms_per_token + a * d)
+                                            else (1 - a) * self.decode_ema_ms_per_token + a * d_ema)
+            self._recent_prefill.append(p)
+            self._recent_decode.append(d)
             self.recorded += 1
             if missed_deadline:
                 self.deadline_misses += 1
@@ -164,6 +216,8 @@ class AdmissionController:
                 "refused": self.refused,
                 "probes": self.probes,
                 "recorded": self.recorded,
+                "clipped_samples": self.clipped_samples,
+                "relaxations": self.relaxations,
                 "deadline_misses": self.deadline_misses,
             }
         out["chunk_ms"] = self.chunk_ms.summary()
