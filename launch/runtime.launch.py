@@ -97,5 +97,7 @@ def generate_launch_description() -> LaunchDescription:
     bag_replay = Node(
         package=PACKAGE, executable="vla_bag_replay", output="screen",
         condition=IfCondition(PythonExpression(["'", LaunchConfiguration("bag"), "' != ''"])),
-        arguments=["--bag", LaunchConfiguration("bag")])
+        # The runtime's default camera input is raw sensor_msgs/Image at camera rate: decode the bag's JPEG
+        # frames, re-time them to a 60 Hz camera and loop the clip.
+        arguments=["--bag", LaunchConfiguration("bag"), "--decode", "--camera-hz", "60", "--loop"])
     return LaunchDescription(args + env + [test_camera, bag_replay, OpaqueFunction(function=_runtime)])
