@@ -52,6 +52,7 @@ setup(
             "vla_action = vla_edge_ros.ros.action_node:main",
             "vla_test_camera = vla_edge_ros.ros.test_camera:main",
             "vla_bag_replay = vla_edge_ros.ros.bag_replay:main",
+            "vla_action_monitor = vla_edge_ros.ros.action_monitor:main",
             "oxe_to_bag = vla_edge_ros.data.oxe_to_bag:main",
             "vla_demo = vla_edge_ros.bench.demo:main",
             "vla_runtime_bench = vla_edge_ros.bench.runtime_bench:main",
