@@ -1,0 +1,666 @@
+// Grouped-query attention over the slot-indexed KV cache, keys stored BEFORE RoPE and rotated here from each
+// key's logical position (its index j in key_slots), so eviction never invalidates a stored key.
+//
+// Cache of one layer: kc/vc [slots][nkv] bf16 with nkv = kv_heads * HD (HF layout of k_proj/v_proj rows).
+// meta (device ints, written by the host before a graph replay): meta[0] = L keys seen by the prefill chunk,
+// meta[1] = p0 (position of prefill token 0), meta[2] = T valid prefill tokens, meta[3] = n_ctx (decode base).
+// Decode step s (1-based) sees L = meta[3] + s keys and sits at position meta[3] + s - 1.
+// rope_cs: float2 (cos, sin) [positions][HD/2], HF rotate_half convention.
+// Softmax runs in the log2 domain: queries are pre-scaled by log2(e)/sqrt(HD).
+// Split-K (flash-decoding): grid.x splits the keys in runs of kps; attn_combine merges the partials.
+#include "common.cuh"
+
+// K/V of the T prefill tokens (fp32 QKV GEMM output, bias included) -> cache rows key_slots[p0 + t].
+extern "C" __global__ void kv_store_prefill(const float* __restrict__ qkv, int ld, int nq, int nkv,
+                                            bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
+                                            const int* __restrict__ key_slots, const int* __restrict__ meta) {
+    pdl_trigger();
+    pdl_wait();
+    const int t = blockIdx.x;
+    if (t >= meta[2]) return;
+    const int slot = key_slots[meta[1] + t];
+    const float* row = qkv + (size_t)t * ld + nq;
+    for (int i = threadIdx.x; i < nkv; i += blockDim.x) {
+        kc[(size_t)slot * nkv + i] = f32_to_bf16(row[i]);
+        vc[(size_t)slot * nkv + i] = f32_to_bf16(row[nkv + i]);
+    }
+}
+
+#define ATT_KC 64  // keys per shared-memory chunk
+
+// Stage keys [kc0, kc0 + ATT_KC) (those >= kend as zeros) of KV head kvh: keys RoPE-rotated at their logical
+// position j into sK [key][HD + 8] (bf16), values transposed into sVt [dim][ATT_KC + 8] (bf16).
+// Latency: the chunk's slot indices go to shared memory first (one coalesced load), then each thread issues the
+// loads of STAGE_B items before using any of them, so a chunk costs ~2 memory round trips, not one per item.
+// V items run key-fastest across a warp so the transposed 2-byte stores hit consecutive addresses.
+#define STAGE_B 4
+template <int HD>
+__device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSlot, const bf16_t* __restrict__ kc,
+        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const float2* __restrict__ rope_cs,
+        int kvh, int nkv, int kc0, int kend) {
+    constexpr int HALF = HD / 2;
+    constexpr int KSTR = HD + 8;
+    constexpr int VSTR = ATT_KC + 8;
+    constexpr int NK = ATT_KC * (HALF / 4);  // K items: (key, 4 dims of the low half)
+    constexpr int NV = ATT_KC * (HD / 8);    // V items: (key, 8 dims)
+    if (threadIdx.x < ATT_KC) sSlot[threadIdx.x] = kc0 + (int)threadIdx.x < kend ? key_slots[kc0 + threadIdx.x] : -1;
+    __syncthreads();
+    for (int base = threadIdx.x; base < NK; base += STAGE_B * blockDim.x) {
+        uint2 lo[STAGE_B], hi[STAGE_B];
+        float4 c01[STAGE_B], c23[STAGE_B];
+#pragma unroll
+        for (int b = 0; b < STAGE_B; ++b) {
+            const int it = base + b * blockDim.x;
+            const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
+            const int slot = it < NK ? sSlot[key] : -1;
+            lo[b] = hi[b] = make_uint2(0u, 0u);
+            c01[b] = c23[b] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (slot >= 0) {
+                const bf16_t* kr = kc + (size_t)slot * nkv + kvh * HD;
+                lo[b] = *reinterpret_cast<const uint2*>(kr + d);
+                hi[b] = *reinterpret_cast<const uint2*>(kr + HALF + d);
+                c01[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(kc0 + key) * HALF + d);
+                c23[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(kc0 + key) * HALF + d + 2);
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < STAGE_B; ++b) {
+            const int it = base + b * blockDim.x;
+            if (it >= NK) break;
+            const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
+            const float l[4] = {bf16_lo(lo[b].x), bf16_hi(lo[b].x), bf16_lo(lo[b].y), bf16_hi(lo[b].y)};
+            const float hv[4] = {bf16_lo(hi[b].x), bf16_hi(hi[b].x), bf16_lo(hi[b].y), bf16_hi(hi[b].y)};
+            const float c[4] = {c01[b].x, c01[b].z, c23[b].x, c23[b].z}, sn[4] = {c01[b].y, c01[b].w, c23[b].y, c23[b].w};
+            float rl[4], rh[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) { rl[i] = l[i] * c[i] - hv[i] * sn[i]; rh[i] = hv[i] * c[i] + l[i] * sn[i]; }
+            *reinterpret_cast<uint2*>(sK + key * KSTR + d) =
+                make_uint2(pack_bf16x2(rl[0], rl[1]), pack_bf16x2(rl[2], rl[3]));
+            *reinterpret_cast<uint2*>(sK + key * KSTR + HALF + d) =
+                make_uint2(pack_bf16x2(rh[0], rh[1]), pack_bf16x2(rh[2], rh[3]));
+        }
+    }
+    for (int base = threadIdx.x; base < NV; base += 2 * STAGE_B * blockDim.x) {
+        uint4 v[2 * STAGE_B];
+#pragma unroll
+        for (int b = 0; b < 2 * STAGE_B; ++b) {
+            const int it = base + b * blockDim.x;
+            const int key = it % ATT_KC, d = (it / ATT_KC) * 8;
+            const int slot = it < NV ? sSlot[key] : -1;
+            v[b] = make_uint4(0u, 0u, 0u, 0u);
+            if (slot >= 0) v[b] = *reinterpret_cast<const uint4*>(vc + (size_t)slot * nkv + kvh * HD + d);
+        }
+#pragma unroll
+        for (int b = 0; b < 2 * STAGE_B; ++b) {
+            const int it = base + b * blockDim.x;
+            if (it >= NV) break;
+            const int key = it % ATT_KC, d = (it / ATT_KC) * 8;
+            const uint32_t w[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                sVt[(d + 2 * i) * VSTR + key] = (bf16_t)(w[i] & 0xffffu);
+                sVt[(d + 2 * i + 1) * VSTR + key] = (bf16_t)(w[i] >> 16);
+            }
+        }
+    }
+}
+
+// Prefill: 32 query rows per head (tokens; rows >= T are padding and ignored downstream) x G heads of one KV
+// head, against keys [split*kps, min(L, +kps)), causal by position (key j visible to token t iff j <= p0 + t).
+// 2G warps; warp w = m16 tile: head w/2, tokens (w&1)*16 .. +15. Tensor cores for QK^T and PV.
+// Partials: part_o [split][Hq*32][HD] (unnormalised), part_ml [split][Hq*32] (max, sum), row = qh*32 + token.
+template <int HD>
+__device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv, int ld, const bf16_t* __restrict__ kc,
+        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const int* __restrict__ meta,
+        const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* __restrict__ part_o,
+        float2* __restrict__ part_ml) {
+    constexpr int KS = HD / 16;       // k16 steps over the head dim
+    constexpr int HALF = HD / 2;
+    constexpr int NT_O = HD / 8;      // n8 tiles of the output
+    constexpr int KSTR = HD + 8;      // bf16 row stride of staged keys (conflict-free fragment loads)
+    constexpr int VSTR = ATT_KC + 8;  // bf16 row stride of transposed values
+    __shared__ __align__(16) bf16_t sK[ATT_KC * KSTR];
+    __shared__ int sSlot[ATT_KC];
+    __shared__ __align__(16) bf16_t sVt[HD * VSTR];
+
+    const int L = meta[0], p0 = meta[1];
+    const int kvh = blockIdx.y;
+    const int kbeg = blockIdx.x * kps;
+    if (kbeg >= L) return;
+    const int kend = min(L, kbeg + kps);
+    const int nkv = n_kvh * HD;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int h = warp >> 1;
+    const int qh = kvh * G + h;
+    const int tok0 = (warp & 1) * 16 + g, tok1 = tok0 + 8;
+    const int pos0 = p0 + tok0, pos1 = p0 + tok1;
+
+    // ---- query fragments: RoPE at the token's position, scaled, bf16 (A operand, row-major 16x16 per k step)
+    uint32_t qa[KS][4];
+    {
+        float qv[2][KS][4];
+        const float* q0 = qkv + (size_t)tok0 * ld + qh * HD;
+        const float* q1 = qkv + (size_t)tok1 * ld + qh * HD;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int d = ks * 16 + hh * 8 + 2 * t;
+                const float2 a = *reinterpret_cast<const float2*>(q0 + d);
+                const float2 b = *reinterpret_cast<const float2*>(q1 + d);
+                qv[0][ks][2 * hh] = a.x; qv[0][ks][2 * hh + 1] = a.y;
+                qv[1][ks][2 * hh] = b.x; qv[1][ks][2 * hh + 1] = b.y;
+            }
+        float qr[2][KS][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int pos = r == 0 ? pos0 : pos1;
+#pragma unroll
+            for (int ks = 0; ks < KS / 2; ++ks)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int d = ks * 16 + (j >> 1) * 8 + 2 * t + (j & 1);  // < HALF
+                    const float2 cs = rope_cs[(size_t)pos * HALF + d];
+                    const float lo = qv[r][ks][j], hi = qv[r][ks + KS / 2][j];
+                    qr[r][ks][j] = (lo * cs.x - hi * cs.y) * qscale;
+                    qr[r][ks + KS / 2][j] = (hi * cs.x + lo * cs.y) * qscale;
+                }
+        }
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            qa[ks][0] = pack_bf16x2(qr[0][ks][0], qr[0][ks][1]);
+            qa[ks][1] = pack_bf16x2(qr[1][ks][0], qr[1][ks][1]);
+            qa[ks][2] = pack_bf16x2(qr[0][ks][2], qr[0][ks][3]);
+            qa[ks][3] = pack_bf16x2(qr[1][ks][2], qr[1][ks][3]);
+        }
+    }
+
+    float o[NT_O][4];
+#pragma unroll
+    for (int i = 0; i < NT_O; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    for (int kc0 = kbeg; kc0 < kend; kc0 += ATT_KC) {
+        __syncthreads();
+        stage_kv_chunk<HD>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kc0, kend);
+        __syncthreads();
+
+        // ---- S = Q K^T (16 rows x 64 keys per warp)
+        float s[ATT_KC / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < ATT_KC / 8; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            const bf16_t* kr = sK + (nt * 8 + g) * KSTR + 2 * t;
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + ks * 16);
+                const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + ks * 16 + 8);
+                mma_bf16_16816(s[nt], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
+            }
+        }
+        // ---- mask (range and causality), online softmax (log2 domain)
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < ATT_KC / 8; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int j = kc0 + nt * 8 + 2 * t + (c & 1);
+                const int pos = c < 2 ? pos0 : pos1;
+                if (j >= kend || j > pos) s[nt][c] = -INFINITY;
+                if (c < 2) mx0 = fmaxf(mx0, s[nt][c]); else mx1 = fmaxf(mx1, s[nt][c]);
+            }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
+        const float cr0 = exp2f(m0 - mu0), cr1 = exp2f(m1 - mu1);
+        m0 = mn0; m1 = mn1;
+        l0 *= cr0; l1 *= cr1;
+#pragma unroll
+        for (int i = 0; i < NT_O; ++i) { o[i][0] *= cr0; o[i][1] *= cr0; o[i][2] *= cr1; o[i][3] *= cr1; }
+#pragma unroll
+        for (int nt = 0; nt < ATT_KC / 8; ++nt) {
+            s[nt][0] = exp2f(s[nt][0] - mu0); s[nt][1] = exp2f(s[nt][1] - mu0);
+            s[nt][2] = exp2f(s[nt][2] - mu1); s[nt][3] = exp2f(s[nt][3] - mu1);
+            l0 += s[nt][0] + s[nt][1];
+            l1 += s[nt][2] + s[nt][3];
+        }
+        // ---- O += P V (P from the S accumulators, re-packed as A fragments)
+#pragma unroll
+        for (int kk = 0; kk < ATT_KC / 16; ++kk) {
+            const uint32_t a0 = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+            const uint32_t a1 = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+            const uint32_t a2 = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            const uint32_t a3 = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dn = 0; dn < NT_O; ++dn) {
+                const bf16_t* vr = sVt + (dn * 8 + g) * VSTR + kk * 16 + 2 * t;
+                const uint32_t b0 = *reinterpret_cast<const uint32_t*>(vr);
+                const uint32_t b1 = *reinterpret_cast<const uint32_t*>(vr + 8);
+                mma_bf16_16816(o[dn], a0, a1, a2, a3, b0, b1);
+            }
+        }
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const int nrows = n_kvh * G * 32;
+    const size_t r0 = (size_t)blockIdx.x * nrows + qh * 32 + tok0;
+    const size_t r1 = r0 + 8;
+#pragma unroll
+    for (int dn = 0; dn < NT_O; ++dn) {
+        *reinterpret_cast<float2*>(part_o + r0 * HD + dn * 8 + 2 * t) = make_float2(o[dn][0], o[dn][1]);
+        *reinterpret_cast<float2*>(part_o + r1 * HD + dn * 8 + 2 * t) = make_float2(o[dn][2], o[dn][3]);
+    }
+    if (t == 0) {
+        part_ml[r0] = make_float2(m0, l0);
+        part_ml[r1] = make_float2(m1, l1);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(384) attn_prefill_hd128(const float* qkv, int ld, const bf16_t* kc, const bf16_t* vc,
+        const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps, float qscale,
+        float* part_o, float2* part_ml) {
+    pdl_trigger();
+    pdl_wait();
+    attn_prefill_body<128>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
+}
+extern "C" __global__ void __launch_bounds__(512) attn_prefill_hd64(const float* qkv, int ld, const bf16_t* kc, const bf16_t* vc,
+        const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps, float qscale,
+        float* part_o, float2* part_ml) {
+    pdl_trigger();
+    pdl_wait();
+    attn_prefill_body<64>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
+}
+
+#define DEC_WARPS 4
+#define DEC_KB 8      // keys per warp whose K/V loads are in flight together
+#define DEC_MAXG 8    // query heads per KV head supported by the decode kernel
+
+// Decode: one query token (G heads of KV head blockIdx.y) against keys [split*kps, min(L, +kps)).
+// Lane l holds DPL = HD/32 dims: base (l & 15) * DPL in the low half, + HALF for lanes 16..31; the RoPE partner
+// of a lane's dims sits in lane l ^ 16. 4 warps interleave keys; the block merges them into one partial.
+// Partials: part_o [split][Hq][HD], part_ml [split][Hq].
+template <int HD>
+__device__ __forceinline__ void attn_decode_body(const float* __restrict__ q, const bf16_t* __restrict__ kc,
+        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const int* __restrict__ meta, int step,
+        const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* __restrict__ part_o,
+        float2* __restrict__ part_ml) {
+    constexpr int DPL = HD / 32;
+    constexpr int HALF = HD / 2;
+    __shared__ float s_o[DEC_WARPS][DEC_MAXG][HD];
+    __shared__ float s_m[DEC_WARPS][DEC_MAXG], s_l[DEC_WARPS][DEC_MAXG];
+    const int L = meta[3] + step;
+    const int qpos = L - 1;
+    const int kvh = blockIdx.y;
+    const int kbeg = blockIdx.x * kps;
+    if (kbeg >= L) return;
+    const int kend = min(L, kbeg + kps);
+    const int nkv = n_kvh * HD;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bool upper = lane >= 16;
+    const int cidx = (lane & 15) * DPL;           // rope table index of this lane's dims
+    const int dim0 = cidx + (upper ? HALF : 0);   // first dim held by this lane
+
+    // rotated, scaled query for each head of the group
+    float qr[DEC_MAXG][DPL];
+#pragma unroll
+    for (int h = 0; h < DEC_MAXG; ++h) {
+        if (h < G) {
+            const float* qh = q + (size_t)(kvh * G + h) * HD;
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) {
+                const float2 cs = rope_cs[(size_t)qpos * HALF + cidx + i];
+                const float a = qh[cidx + i], b = qh[cidx + HALF + i];
+                qr[h][i] = (upper ? (b * cs.x + a * cs.y) : (a * cs.x - b * cs.y)) * qscale;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) qr[h][i] = 0.f;
+        }
+    }
+    float m[DEC_MAXG], l[DEC_MAXG], acc[DEC_MAXG][DPL];
+#pragma unroll
+    for (int h = 0; h < DEC_MAXG; ++h) {
+        m[h] = -INFINITY; l[h] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[h][i] = 0.f;
+    }
+    for (int base = kbeg + warp; base < kend; base += DEC_WARPS * DEC_KB) {
+        // slots of this batch (lane b loads key base + 4b), then all K/V loads in flight together
+        int my_slot = 0;
+        if (lane < DEC_KB && base + DEC_WARPS * lane < kend) my_slot = key_slots[base + DEC_WARPS * lane];
+        float kraw[DEC_KB][DPL], vraw[DEC_KB][DPL];
+#pragma unroll
+        for (int b = 0; b < DEC_KB; ++b) {
+            const int slot = __shfl_sync(0xffffffffu, my_slot, b);
+            const bool ok = base + DEC_WARPS * b < kend;
+            const size_t off = (size_t)slot * nkv + kvh * HD + dim0;
+            if (DPL == 4) {
+                uint2 kk = ok ? *reinterpret_cast<const uint2*>(kc + off) : make_uint2(0u, 0u);
+                uint2 vv = ok ? *reinterpret_cast<const uint2*>(vc + off) : make_uint2(0u, 0u);
+                kraw[b][0] = bf16_lo(kk.x); kraw[b][1] = bf16_hi(kk.x);
+                kraw[b][DPL > 2 ? 2 : 0] = bf16_lo(kk.y); kraw[b][DPL > 3 ? 3 : 0] = bf16_hi(kk.y);
+                vraw[b][0] = bf16_lo(vv.x); vraw[b][1] = bf16_hi(vv.x);
+                vraw[b][DPL > 2 ? 2 : 0] = bf16_lo(vv.y); vraw[b][DPL > 3 ? 3 : 0] = bf16_hi(vv.y);
+            } else {
+                uint32_t kk = ok ? *reinterpret_cast<const uint32_t*>(kc + off) : 0u;
+                uint32_t vv = ok ? *reinterpret_cast<const uint32_t*>(vc + off) : 0u;
+                kraw[b][0] = bf16_lo(kk); kraw[b][1] = bf16_hi(kk);
+                vraw[b][0] = bf16_lo(vv); vraw[b][1] = bf16_hi(vv);
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < DEC_KB; ++b) {
+            const int j = base + DEC_WARPS * b;
+            if (j >= kend) break;  // uniform over the warp
+            float kr[DPL];
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) {
+                const float partner = __shfl_xor_sync(0xffffffffu, kraw[b][i], 16);
+                const float2 cs = rope_cs[(size_t)j * HALF + cidx + i];
+                kr[i] = upper ? (kraw[b][i] * cs.x + partner * cs.y) : (kraw[b][i] * cs.x - partner * cs.y);
+            }
+#pragma unroll
+            for (int h = 0; h < DEC_MAXG; ++h) {
+                if (h < G) {
+                    float sc = 0.f;
+#pragma unroll
+                    for (int i = 0; i < DPL; ++i) sc = fmaf(qr[h][i], kr[i], sc);
+                    sc = warp_sum(sc);
+                    const float mn = fmaxf(m[h], sc);
+                    const float cr = exp2f(m[h] - mn), p = exp2f(sc - mn);
+                    m[h] = mn;
+                    l[h] = l[h] * cr + p;
+#pragma unroll
+                    for (int i = 0; i < DPL; ++i) acc[h][i] = fmaf(p, vraw[b][i], acc[h][i] * cr);
+                }
+            }
+        }
+    }
+    // merge the warps of the block
+#pragma unroll
+    for (int h = 0; h < DEC_MAXG; ++h) {
+        if (h < G) {
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) s_o[warp][h][dim0 + i] = acc[h][i];
+            if (lane == 0) { s_m[warp][h] = m[h]; s_l[warp][h] = l[h]; }
+        }
+    }
+    __syncthreads();
+    const int Hq = n_kvh * G;
+    for (int it = threadIdx.x; it < G * HD; it += blockDim.x) {
+        const int h = it / HD, d = it - h * HD;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) M = fmaxf(M, s_m[w][h]);
+        float num = 0.f, den = 0.f;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) {
+            const float e = s_m[w][h] == -INFINITY ? 0.f : exp2f(s_m[w][h] - M);
+            num = fmaf(e, s_o[w][h][d], num);
+            den = fmaf(e, s_l[w][h], den);
+        }
+        const size_t row = (size_t)blockIdx.x * Hq + kvh * G + h;
+        part_o[row * HD + d] = num;
+        if (d == 0) part_ml[row] = make_float2(M, den);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_decode_hd128(const float* q, const bf16_t* kc, const bf16_t* vc,
+        const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh, int kps,
+        float qscale, float* part_o, float2* part_ml) {
+    pdl_trigger();
+    pdl_wait();
+    attn_decode_body<128>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
+}
+extern "C" __global__ void __launch_bounds__(128) attn_decode_hd64(const float* q, const bf16_t* kc, const bf16_t* vc,
+        const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh, int kps,
+        float qscale, float* part_o, float2* part_ml) {
+    pdl_trigger();
+    pdl_wait();
+    attn_decode_body<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
+}
+
+// Decode on tensor cores: the G query heads of KV head blockIdx.y are the rows of one m16 tile (rows >= G are
+// zero), keys [split*kps, min(L, +kps)) staged 64 at a time (rotated K, transposed V) as in the prefill; warp w
+// takes keys 16w..16w+15 of each chunk (two n8 tiles for S = QK^T, one k16 step for PV), online softmax per
+// warp, then the 4 warps merge in shared memory into one partial per (split, head).
+// Partials: part_o [split][Hq][HD], part_ml [split][Hq].
+template <int HD>
+__device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q, const bf16_t* __restrict__ kc,
+        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const int* __restrict__ meta, int step,
+        const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* __restrict__ part_o,
+        float2* __restrict__ part_ml) {
+    constexpr int KS = HD / 16;
+    constexpr int HALF = HD / 2;
+    constexpr int NT_O = HD / 8;
+    constexpr int KSTR = HD + 8;
+    constexpr int VSTR = ATT_KC + 8;
+    constexpr int STAGE_BYTES = (ATT_KC * KSTR + HD * VSTR) * 2;
+    constexpr int MERGE_BYTES = (4 * DEC_MAXG * HD + 2 * 4 * DEC_MAXG) * 4;
+    __shared__ __align__(16) unsigned char smem[STAGE_BYTES > MERGE_BYTES ? STAGE_BYTES : MERGE_BYTES];
+    bf16_t* sK = reinterpret_cast<bf16_t*>(smem);
+    bf16_t* sVt = sK + ATT_KC * KSTR;
+    __shared__ int sSlot[ATT_KC];
+
+    const int L = meta[3] + step;
+    const int qpos = L - 1;
+    const int kvh = blockIdx.y;
+    const int kbeg = blockIdx.x * kps;
+    if (kbeg >= L) return;
+    const int kend = min(L, kbeg + kps);
+    const int nkv = n_kvh * HD;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+
+    // query fragments: row r = head r of the group (zero for r >= G), RoPE at qpos, scaled. The raw loads are
+    // issued here; the rotation runs after the first chunk is staged, so both latencies overlap.
+    uint32_t qa[KS][4];
+    float qv[2][KS][4];
+    {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int h = g + 8 * r;
+            const float* qh = q + (size_t)(kvh * G + h) * HD;
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int d = ks * 16 + hh * 8 + 2 * t;
+                    float2 a = make_float2(0.f, 0.f);
+                    if (h < G) a = *reinterpret_cast<const float2*>(qh + d);
+                    qv[r][ks][2 * hh] = a.x;
+                    qv[r][ks][2 * hh + 1] = a.y;
+                }
+        }
+    }
+    auto build_q = [&]() {
+        float qr[2][KS][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int ks = 0; ks < KS / 2; ++ks)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int d = ks * 16 + (j >> 1) * 8 + 2 * t + (j & 1);
+                    const float2 cs = rope_cs[(size_t)qpos * HALF + d];
+                    const float lo = qv[r][ks][j], hi = qv[r][ks + KS / 2][j];
+                    qr[r][ks][j] = (lo * cs.x - hi * cs.y) * qscale;
+                    qr[r][ks + KS / 2][j] = (hi * cs.x + lo * cs.y) * qscale;
+                }
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            qa[ks][0] = pack_bf16x2(qr[0][ks][0], qr[0][ks][1]);
+            qa[ks][1] = pack_bf16x2(qr[1][ks][0], qr[1][ks][1]);
+            qa[ks][2] = pack_bf16x2(qr[0][ks][2], qr[0][ks][3]);
+            qa[ks][3] = pack_bf16x2(qr[1][ks][2], qr[1][ks][3]);
+        }
+    };
+    float o[NT_O][4];
+#pragma unroll
+    for (int i = 0; i < NT_O; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    for (int kc0 = kbeg; kc0 < kend; kc0 += ATT_KC) {
+        __syncthreads();
+        stage_kv_chunk<HD>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kc0, kend);
+        __syncthreads();
+        if (kc0 == kbeg) build_q();
+        float s[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            const bf16_t* kr = sK + (warp * 16 + n * 8 + g) * KSTR + 2 * t;
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + ks * 16);
+                const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + ks * 16 + 8);
+                mma_bf16_16816(s[n], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
+            }
+        }
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int j = kc0 + warp * 16 + n * 8 + 2 * t + (c & 1);
+                if (j >= kend) s[n][c] = -INFINITY;
+                if (c < 2) mx0 = fmaxf(mx0, s[n][c]); else mx1 = fmaxf(mx1, s[n][c]);
+            }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
+        const float cr0 = exp2f(m0 - mu0), cr1 = exp2f(m1 - mu1);
+        m0 = mn0; m1 = mn1;
+        l0 *= cr0; l1 *= cr1;
+#pragma unroll
+        for (int i = 0; i < NT_O; ++i) { o[i][0] *= cr0; o[i][1] *= cr0; o[i][2] *= cr1; o[i][3] *= cr1; }
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            s[n][0] = exp2f(s[n][0] - mu0); s[n][1] = exp2f(s[n][1] - mu0);
+            s[n][2] = exp2f(s[n][2] - mu1); s[n][3] = exp2f(s[n][3] - mu1);
+            l0 += s[n][0] + s[n][1];
+            l1 += s[n][2] + s[n][3];
+        }
+        const uint32_t a0 = pack_bf16x2(s[0][0], s[0][1]), a1 = pack_bf16x2(s[0][2], s[0][3]);
+        const uint32_t a2 = pack_bf16x2(s[1][0], s[1][1]), a3 = pack_bf16x2(s[1][2], s[1][3]);
+#pragma unroll
+        for (int dn = 0; dn < NT_O; ++dn) {
+            const bf16_t* vr = sVt + (dn * 8 + g) * VSTR + warp * 16 + 2 * t;
+            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(vr);
+            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(vr + 8);
+            mma_bf16_16816(o[dn], a0, a1, a2, a3, b0, b1);
+        }
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+
+    // merge the 4 warps (shared memory reused: every warp is past its last read of sK / sVt)
+    __syncthreads();
+    float* s_o = reinterpret_cast<float*>(smem);             // [4][DEC_MAXG][HD]
+    float* s_m = s_o + 4 * DEC_MAXG * HD;                      // [4][DEC_MAXG]
+    float* s_l = s_m + 4 * DEC_MAXG;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = g + 8 * r;
+        if (h < G) {
+#pragma unroll
+            for (int dn = 0; dn < NT_O; ++dn) {
+                s_o[(warp * DEC_MAXG + h) * HD + dn * 8 + 2 * t] = o[dn][2 * r];
+                s_o[(warp * DEC_MAXG + h) * HD + dn * 8 + 2 * t + 1] = o[dn][2 * r + 1];
+            }
+            if (t == 0) {
+                s_m[warp * DEC_MAXG + h] = r == 0 ? m0 : m1;
+                s_l[warp * DEC_MAXG + h] = r == 0 ? l0 : l1;
+            }
+        }
+    }
+    __syncthreads();
+    const int Hq = n_kvh * G;
+    for (int it = threadIdx.x; it < G * HD; it += blockDim.x) {
+        const int h = it / HD, d = it - h * HD;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) M = fmaxf(M, s_m[w * DEC_MAXG + h]);
+        float num = 0.f, den = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const float mw = s_m[w * DEC_MAXG + h];
+            const float e = mw == -INFINITY ? 0.f : exp2f(mw - M);
+            num = fmaf(e, s_o[(w * DEC_MAXG + h) * HD + d], num);
+            den = fmaf(e, s_l[w * DEC_MAXG + h], den);
+        }
+        const size_t row = (size_t)blockIdx.x * Hq + kvh * G + h;
+        part_o[row * HD + d] = num;
+        if (d == 0) part_ml[row] = make_float2(M, den);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd128(const float* q, const bf16_t* kc,
+        const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
+        int kps, float qscale, float* part_o, float2* part_ml) {
+    pdl_trigger();
+    pdl_wait();
+    attn_decode_mma_body<128>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
+}
+extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd64(const float* q, const bf16_t* kc,
+        const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
+        int kps, float qscale, float* part_o, float2* part_ml) {
+    pdl_trigger();
+    pdl_wait();
+    attn_decode_mma_body<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
+}
+
+#define CMB_GROUPS 8  // split groups per combine block (blockDim.x == 32 * CMB_GROUPS)
+
+// Merge split partials. Row r = qh * T + token (T = 32 prefill, 1 decode). Block: 32 dims x CMB_GROUPS split
+// groups (each group walks every CMB_GROUPS-th split, so the loads of all splits are in flight together);
+// grid.x = nrows * HD / 32. Active splits: ceil(L / kps), L = meta[meta_idx] + add.
+// Output [token][Hq * HD], fp32 and/or bf16.
+extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* __restrict__ part_o,
+        const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta,
+        int meta_idx, int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
+    pdl_trigger();
+    pdl_wait();
+    __shared__ float s_m[CMB_GROUPS], s_num[CMB_GROUPS][32], s_den[CMB_GROUPS];
+    const int per_row = HD >> 5;
+    const int r = blockIdx.x / per_row;
+    const int d = (blockIdx.x - r * per_row) * 32 + (threadIdx.x & 31);
+    const int sg = threadIdx.x >> 5;
+    const int L = meta[meta_idx] + add;
+    const int nsplit = (L + kps - 1) / kps;
+    float M = -INFINITY;
+    for (int s = sg; s < nsplit; s += CMB_GROUPS) M = fmaxf(M, part_ml[(size_t)s * nrows + r].x);
+    if ((threadIdx.x & 31) == 0) s_m[sg] = M;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < CMB_GROUPS; ++i) M = fmaxf(M, s_m[i]);
+    float num = 0.f, den = 0.f;
+    for (int s = sg; s < nsplit; s += CMB_GROUPS) {
+        const float2 ml = part_ml[(size_t)s * nrows + r];
+        const float e = ml.x == -INFINITY ? 0.f : exp2f(ml.x - M);
+        num = fmaf(e, part_o[((size_t)s * nrows + r) * HD + d], num);
+        den = fmaf(e, ml.y, den);
+    }
+    s_num[sg][threadIdx.x & 31] = num;
+    if ((threadIdx.x & 31) == 0) s_den[sg] = den;
+    __syncthreads();
+    if (sg != 0) return;
+#pragma unroll
+    for (int i = 1; i < CMB_GROUPS; ++i) { num += s_num[i][threadIdx.x]; den += s_den[i]; }
+    const float y = num / den;
+    const int qh = r / T, tok = r - qh * T;
+    const size_t o = (size_t)tok * Hq * HD + (size_t)qh * HD + d;
+    if (out_f32 != nullptr) out_f32[o] = y;
+    if (out_bf16 != nullptr) out_bf16[o] = f32_to_bf16(y);
+}

@@ -1,0 +1,404 @@
+"""Each CUDA kernel (cuda/*.cu) against a float64 numpy reference on fresh random inputs (GPU only).
+
+Outputs are poisoned (all bits set: NaN in fp32 and bf16) before every launch, so an element the kernel fails
+to write shows up as NaN. Skips cleanly without PyCUDA or a GPU.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from vla_edge_ros.engine.cuda_backend import CUDA_DIR, KERNEL_FILES, cuda_status, interleave_gate_up
+
+pytestmark = pytest.mark.gpu
+
+LOG2E = math.log2(math.e)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+
+
+def bits_f32(b: np.ndarray) -> np.ndarray:
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def rand_bf16(rng, shape, std=1.0):
+    """(bits, float64 values) of a random bf16 tensor."""
+    b = bf16_bits(rng.standard_normal(shape).astype(np.float32) * std)
+    return b, bits_f32(b).astype(np.float64)
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(out, dtype=np.float64)
+    assert np.all(np.isfinite(out)), f"{np.count_nonzero(~np.isfinite(out))} outputs not written / not finite"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def rope_table(npos: int, hd: int, theta: float) -> np.ndarray:
+    inv = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    ang = np.arange(npos, dtype=np.float64)[:, None] * inv[None, :]
+    cs = np.empty((npos, hd // 2, 2), np.float32)
+    cs[..., 0], cs[..., 1] = np.cos(ang), np.sin(ang)
+    return cs
+
+
+def rope_ref(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
+    """x (..., n, hd) float64 rotated at positions (n,) (HF rotate_half)."""
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    ang = pos.astype(np.float64)[:, None] * inv[None, :]
+    c, s = np.cos(ang), np.sin(ang)
+    lo, hi = x[..., : hd // 2], x[..., hd // 2:]
+    return np.concatenate([lo * c - hi * s, hi * c + lo * s], axis=-1)
+
+
+class Dev:
+    def __init__(self, cuda, mods):
+        self.cuda, self.mods = cuda, mods
+        self.bufs = []
+
+    def fn(self, name):
+        for m in self.mods.values():
+            try:
+                return m.get_function(name)
+            except self.cuda.LogicError:
+                continue
+        raise KeyError(name)
+
+    def up(self, a: np.ndarray):
+        a = np.ascontiguousarray(a)
+        buf = self.cuda.mem_alloc(max(a.nbytes, 4))
+        self.cuda.memcpy_htod(buf, a)
+        self.bufs.append(buf)
+        return buf
+
+    def poisoned(self, nbytes: int):
+        buf = self.cuda.mem_alloc(nbytes)
+        self.cuda.memset_d8(buf, 0xFF, nbytes)
+        self.bufs.append(buf)
+        return buf
+
+    def down(self, buf, shape, dtype):
+        out = np.empty(shape, dtype)
+        self.cuda.Context.synchronize()
+        self.cuda.memcpy_dtoh(out, buf)
+        return out
+
+    def free(self):
+        for b in self.bufs:
+            b.free()
+        self.bufs = []
+
+
+@pytest.fixture(scope="module")
+def dev():
+    ok, why = cuda_status()
+    if not ok:
+        pytest.skip(f"no usable GPU: {why}")
+    import pycuda.driver as cuda
+    from pycuda.compiler import SourceModule
+    ctx = cuda.Device(0).retain_primary_context()
+    ctx.push()
+    try:
+        mods = {f: SourceModule((CUDA_DIR / f).read_text(), no_extern_c=True, include_dirs=[str(CUDA_DIR)],
+                                options=["-O3", "-std=c++17"]) for f in KERNEL_FILES}
+        d = Dev(cuda, mods)
+        yield d
+        d.free()
+    finally:
+        ctx.pop()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+I32, F32 = np.int32, np.float32
+
+
+def smem_words(ks: int) -> int:
+    q = ks // 8
+    return q + (4 - q % 8) % 8
+
+
+def set_smem(dev, f, nbytes):
+    if nbytes > 48 * 1024:
+        f.set_attribute(dev.cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("wpb", [4, 8])
+@pytest.mark.parametrize("N,K,ks", [(2048, 1536, 256), (1536, 8960, 832), (1152, 896, 896), (1536, 1536, 1536)])
+def test_gemm32_atomic(dev, rng, version, wpb, N, K, ks):
+    a_b, a = rand_bf16(rng, (32, K))
+    w_b, w = rand_bf16(rng, (N, K), 0.05)
+    c0 = rng.standard_normal((32, N)).astype(np.float32)
+    C = dev.up(c0)
+    rows = 16 * wpb
+    grid, block = (math.ceil(N / rows), math.ceil(K / ks)), (32 * wpb, 1, 1)
+    if version == 1:
+        dev.fn(f"gemm32_atomic_w{wpb}")(dev.up(a_b), I32(K), dev.up(w_b), I32(N), I32(K), I32(ks), C, I32(N),
+                                        block=block, grid=grid)
+    else:
+        sa = smem_words(ks)
+        f = dev.fn(f"gemm32s_atomic_w{wpb}")
+        set_smem(dev, f, 32 * sa * 16)
+        f(dev.up(a_b), I32(K), dev.up(w_b), I32(N), I32(K), I32(ks), I32(sa), C, I32(N), block=block, grid=grid,
+          shared=32 * sa * 16)
+    ref = c0 + a @ w.T
+    assert rel_err(dev.down(C, (32, N), np.float32), ref) < 1e-5
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("wpb", [4, 8])
+@pytest.mark.parametrize("I,K", [(8960, 1536), (704, 256), (4864, 896)])
+def test_gemm32_silu(dev, rng, version, wpb, I, K):
+    a_b, a = rand_bf16(rng, (32, K))
+    g_b, g = rand_bf16(rng, (I, K), 0.05)
+    u_b, u = rand_bf16(rng, (I, K), 0.05)
+    wgu = interleave_gate_up(g_b, u_b)
+    act = dev.poisoned(2 * 32 * I)
+    grid, block = (math.ceil(2 * I / (16 * wpb)), 1), (32 * wpb, 1, 1)
+    if version == 1:
+        dev.fn(f"gemm32_silu_w{wpb}")(dev.up(a_b), I32(K), dev.up(wgu), I32(2 * I), I32(K), act, block=block, grid=grid)
+    else:
+        sa = smem_words(K)
+        f = dev.fn(f"gemm32s_silu_w{wpb}")
+        set_smem(dev, f, 32 * sa * 16)
+        f(dev.up(a_b), I32(K), dev.up(wgu), I32(2 * I), I32(K), I32(sa), act, block=block, grid=grid,
+          shared=32 * sa * 16)
+    gg, uu = a @ g.T, a @ u.T
+    ref = gg / (1 + np.exp(-gg)) * uu
+    out = bits_f32(dev.down(act, (32, I), np.uint16))
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("H,G,nkv_heads,hd", [(1536, 6, 2, 128), (896, 7, 2, 64)])
+def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd):
+    nq, nkv = H, nkv_heads * hd
+    N = nq + 2 * nkv
+    x = rng.standard_normal(H).astype(np.float32)
+    nw_b, nw = rand_bf16(rng, H)
+    w_b, w = rand_bf16(rng, (N, H), 0.05)
+    bias = rng.standard_normal(N).astype(np.float32)
+    slots_n = 64
+    key_slots = rng.permutation(slots_n).astype(np.int32)
+    meta = np.array([0, 0, 0, 40], np.int32)
+    step = 3
+    slot = key_slots[meta[3] + step - 1]
+    q = dev.poisoned(4 * nq)
+    kc, vc = dev.poisoned(2 * slots_n * nkv), dev.poisoned(2 * slots_n * nkv)
+    dev.fn("gemv_qkv")(dev.up(x), dev.up(nw_b), F32(1e-6), dev.up(w_b), dev.up(bias), I32(H), I32(nq), I32(nkv), q,
+                       kc, vc, dev.up(key_slots), dev.up(meta), I32(step), block=(256, 1, 1),
+                       grid=(math.ceil(N / 16), 1), shared=4 * H)
+    xd = x.astype(np.float64)
+    h = xd / np.sqrt(np.mean(xd * xd) + 1e-6) * nw
+    y = w @ h + bias
+    assert rel_err(dev.down(q, nq, np.float32), y[:nq]) < 1e-5
+    kout = bits_f32(dev.down(kc, (slots_n, nkv), np.uint16)[slot])
+    vout = bits_f32(dev.down(vc, (slots_n, nkv), np.uint16)[slot])
+    assert rel_err(kout, y[nq:nq + nkv]) < 1e-2
+    assert rel_err(vout, y[nq + nkv:]) < 1e-2
+
+
+@pytest.mark.parametrize("N,K,ks", [(1536, 1536, 1536), (1536, 8960, 4608), (896, 4864, 1024), (1536, 1536, 768)])
+def test_gemv_resid(dev, rng, N, K, ks):
+    v = rng.standard_normal(K).astype(np.float32)
+    w_b, w = rand_bf16(rng, (N, K), 0.05)
+    x0 = rng.standard_normal(N).astype(np.float32)
+    x = dev.up(x0)
+    dev.fn("gemv_resid")(dev.up(v), dev.up(w_b), I32(N), I32(K), I32(ks), x, block=(256, 1, 1),
+                         grid=(math.ceil(N / 16), math.ceil(K / ks)), shared=4 * ks)
+    assert rel_err(dev.down(x, N, np.float32), x0 + w @ v.astype(np.float64)) < 1e-5
+
+
+def test_gemv_gateup(dev, rng):
+    I, K = 8960, 1536
+    x = rng.standard_normal(K).astype(np.float32)
+    nw_b, nw = rand_bf16(rng, K)
+    g_b, g = rand_bf16(rng, (I, K), 0.05)
+    u_b, u = rand_bf16(rng, (I, K), 0.05)
+    act = dev.poisoned(4 * I)
+    dev.fn("gemv_gateup")(dev.up(x), dev.up(nw_b), F32(1e-6), dev.up(interleave_gate_up(g_b, u_b)), I32(I), I32(K),
+                          act, block=(256, 1, 1), grid=(I // 8, 1), shared=4 * K)
+    xd = x.astype(np.float64)
+    h = xd / np.sqrt(np.mean(xd * xd) + 1e-6) * nw
+    gg, uu = g @ h, u @ h
+    assert rel_err(dev.down(act, I, np.float32), gg / (1 + np.exp(-gg)) * uu) < 1e-5
+
+
+@pytest.mark.parametrize("use_norm", [True, False])
+def test_gemv_logits(dev, rng, use_norm):
+    K, N, T = 1536, 256, 32
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    nw_b, nw = rand_bf16(rng, K)
+    w_b, w = rand_bf16(rng, (N, K), 0.05)
+    meta = np.array([0, 0, 17, 0], np.int32)  # row meta[2]-1 = 16
+    logits = dev.poisoned(4 * N)
+    norm_out = dev.poisoned(4 * K)
+    dev.fn("gemv_logits")(dev.up(x), dev.up(meta), I32(2), dev.up(nw_b) if use_norm else np.intp(0), F32(1e-6),
+                          dev.up(w_b), I32(N), I32(K), logits, norm_out if use_norm else np.intp(0),
+                          block=(256, 1, 1), grid=(N // 8, 1), shared=4 * K)
+    xd = x[16].astype(np.float64)
+    h = xd / np.sqrt(np.mean(xd * xd) + 1e-6) * nw if use_norm else xd
+    assert rel_err(dev.down(logits, N, np.float32), w @ h) < 1e-5
+    if use_norm:
+        assert rel_err(dev.down(norm_out, K, np.float32), h) < 1e-6
+
+
+def test_rmsnorm_rows(dev, rng):
+    T, H, nb = 32, 1536, 2048
+    x = (rng.standard_normal((T, H)) * rng.uniform(0.1, 10, (T, 1))).astype(np.float32)
+    w_b, w = rand_bf16(rng, H)
+    bias = rng.standard_normal(nb).astype(np.float32)
+    out = dev.poisoned(2 * T * H)
+    bout = dev.poisoned(4 * T * nb)
+    xb = dev.up(x)
+    dev.fn("rmsnorm_rows_bf16")(xb, dev.up(w_b), out, I32(H), F32(1e-6), dev.up(bias), bout, I32(nb),
+                                block=(256, 1, 1), grid=(T, 1))
+    xd = x.astype(np.float64)
+    ref = xd / np.sqrt(np.mean(xd * xd, axis=1, keepdims=True) + 1e-6) * w
+    assert rel_err(bits_f32(dev.down(out, (T, H), np.uint16)), ref) < 1e-2
+    np.testing.assert_array_equal(dev.down(bout, (T, nb), np.float32), np.broadcast_to(bias, (T, nb)))
+    out32 = dev.poisoned(4 * T * H)
+    dev.fn("rmsnorm_rows_f32")(xb, dev.up(w_b), out32, I32(H), F32(1e-6), block=(256, 1, 1), grid=(T, 1))
+    assert rel_err(dev.down(out32, (T, H), np.float32), ref) < 1e-6
+
+
+def test_embed_gather(dev, rng):
+    V, H = 1000, 1536
+    e_b, e = rand_bf16(rng, (V, H))
+    toks = rng.integers(0, V, 5).astype(np.int32)
+    x = dev.poisoned(4 * H)
+    dev.fn("embed_gather")(dev.up(e_b), dev.up(toks), I32(3), x, I32(H), block=(256, 1, 1), grid=(6, 1))
+    np.testing.assert_array_equal(dev.down(x, H, np.float32), e[toks[3]].astype(np.float32))
+
+
+def test_argmax_tokens(dev, rng):
+    n = 256
+    for trial in range(3):
+        logits = rng.standard_normal(n).astype(np.float32)
+        if trial == 2:  # a tie: the lowest index wins, like numpy.argmax
+            i, j = sorted(rng.choice(n, 2, replace=False))
+            logits[i] = logits[j] = logits.max() + 1.0
+        tok = dev.up(np.full(4, -1, np.int32))
+        dev.fn("argmax_tokens")(dev.up(logits), I32(n), I32(151680), tok, I32(2), block=(256, 1, 1), grid=(1, 1))
+        got = dev.down(tok, 4, np.int32)
+        assert got[2] == 151680 + int(np.argmax(logits))
+        assert got[0] == got[1] == got[3] == -1
+
+
+def test_kv_store_and_move(dev, rng):
+    T, nq, nkv, S = 32, 1536, 256, 100
+    ld = nq + 2 * nkv
+    qkv = rng.standard_normal((T, ld)).astype(np.float32)
+    key_slots = rng.permutation(S).astype(np.int32)
+    meta = np.array([70, 38, 20, 0], np.int32)  # p0=38, T=20 valid tokens
+    k0 = np.zeros((S, nkv), np.uint16)
+    kc, vc = dev.up(k0), dev.up(k0)
+    dev.fn("kv_store_prefill")(dev.up(qkv), I32(ld), I32(nq), I32(nkv), kc, vc, dev.up(key_slots), dev.up(meta),
+                               block=(256, 1, 1), grid=(T, 1))
+    K, Vv = dev.down(kc, (S, nkv), np.uint16), dev.down(vc, (S, nkv), np.uint16)
+    written = key_slots[38:58]
+    np.testing.assert_array_equal(K[written], bf16_bits(qkv[:20, nq:nq + nkv]))
+    np.testing.assert_array_equal(Vv[written], bf16_bits(qkv[:20, nq + nkv:]))
+    untouched = np.setdiff1d(np.arange(S), written)
+    assert not K[untouched].any() and not Vv[untouched].any()
+    # relocation over 2 layers
+    L2 = np.stack([K, K[::-1]]), np.stack([Vv, Vv[::-1]])
+    kc2, vc2 = dev.up(L2[0]), dev.up(L2[1])
+    src = np.array([90, 91, 95], np.int32)
+    dst = np.array([3, 4, 7], np.int32)
+    dev.fn("kv_move")(kc2, vc2, I32(2), I32(S), I32(nkv), dev.up(src), dev.up(dst), I32(3), block=(256, 1, 1),
+                      grid=(8, 1))
+    Kn = dev.down(kc2, (2, S, nkv), np.uint16)
+    Vn = dev.down(vc2, (2, S, nkv), np.uint16)
+    expK, expV = L2[0].copy(), L2[1].copy()
+    expK[:, dst] = L2[0][:, src]
+    expV[:, dst] = L2[1][:, src]
+    np.testing.assert_array_equal(Kn, expK)
+    np.testing.assert_array_equal(Vn, expV)
+
+
+def attention_ref(q, kc, vc, key_slots, n_keys, qpos, theta, G):
+    """q (T, Hq, hd) pre-RoPE at positions qpos (T,); keys j < n_keys at slot key_slots[j], position j."""
+    T, Hq, hd = q.shape
+    n_kvh = Hq // G
+    keys = kc[key_slots[:n_keys]].reshape(n_keys, n_kvh, hd).transpose(1, 0, 2)
+    vals = vc[key_slots[:n_keys]].reshape(n_keys, n_kvh, hd).transpose(1, 0, 2)
+    kr = rope_ref(keys, np.arange(n_keys), theta)
+    qr = rope_ref(q.transpose(1, 0, 2), qpos, theta)  # (Hq, T, hd)
+    out = np.empty((T, Hq, hd))
+    for h in range(Hq):
+        s = qr[h] @ kr[h // G].T / math.sqrt(hd)
+        s[np.arange(n_keys)[None, :] > qpos[:, None]] = -np.inf
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        out[:, h] = p @ vals[h // G]
+    return out.reshape(T, Hq * hd)
+
+
+@pytest.mark.parametrize("hd,G,n_kvh,L,kps", [(128, 6, 2, 4082, 128), (128, 6, 2, 178, 64), (64, 7, 2, 1000, 256),
+                                              (64, 2, 2, 530, 128)])
+def test_attention_prefill(dev, rng, hd, G, n_kvh, L, kps):
+    T, theta = 32, 1e6
+    Hq = G * n_kvh
+    nq, nkv = Hq * hd, n_kvh * hd
+    ld = nq + 2 * nkv
+    S = L + 40
+    key_slots = rng.permutation(S).astype(np.int32)
+    kc_b, kc = rand_bf16(rng, (S, nkv))
+    vc_b, vc = rand_bf16(rng, (S, nkv))
+    qkv = rng.standard_normal((T, ld)).astype(np.float32)
+    p0 = L - T
+    meta = np.array([L, p0, T, 0], np.int32)
+    cs = rope_table(S + 64, hd, theta)
+    nsplit = math.ceil(L / kps)
+    rows = Hq * T
+    part_o, part_ml = dev.poisoned(4 * nsplit * rows * hd), dev.poisoned(8 * nsplit * rows)
+    ks_d, meta_d, cs_d = dev.up(key_slots), dev.up(meta), dev.up(cs)
+    dev.fn(f"attn_prefill_hd{hd}")(dev.up(qkv), I32(ld), dev.up(kc_b), dev.up(vc_b), ks_d, meta_d, cs_d, I32(G),
+                                   I32(n_kvh), I32(kps), F32(LOG2E / math.sqrt(hd)), part_o, part_ml,
+                                   block=(64 * G, 1, 1), grid=(nsplit + 2, n_kvh))  # extra blocks must exit
+    out_b, out_f = dev.poisoned(2 * T * nq), dev.poisoned(4 * T * nq)
+    dev.fn("attn_combine")(part_o, part_ml, I32(rows), I32(hd), I32(T), I32(Hq), meta_d, I32(0), I32(0), I32(kps),
+                           out_f, out_b, block=(256, 1, 1), grid=(rows * hd // 32, 1))
+    ref = attention_ref(qkv[:, :nq].astype(np.float64).reshape(T, Hq, hd), kc, vc, key_slots, L,
+                        p0 + np.arange(T), theta, G)
+    assert rel_err(dev.down(out_f, (T, nq), np.float32), ref) < 2e-2
+    assert rel_err(bits_f32(dev.down(out_b, (T, nq), np.uint16)), ref) < 2e-2
+
+
+@pytest.mark.parametrize("kernel", ["attn_decode_mma", "attn_decode"])
+@pytest.mark.parametrize("hd,G,n_kvh,nctx,kps", [(128, 6, 2, 4082, 64), (64, 7, 2, 300, 32), (64, 2, 2, 50, 64),
+                                                 (128, 6, 2, 1000, 256)])
+def test_attention_decode(dev, rng, kernel, hd, G, n_kvh, nctx, kps):
+    theta, step = 1e6, 5
+    Hq = G * n_kvh
+    nkv = n_kvh * hd
+    S = nctx + 20
+    key_slots = rng.permutation(S).astype(np.int32)
+    kc_b, kc = rand_bf16(rng, (S, nkv))
+    vc_b, vc = rand_bf16(rng, (S, nkv))
+    q = rng.standard_normal(Hq * hd).astype(np.float32)
+    meta = np.array([0, 0, 0, nctx], np.int32)
+    L = nctx + step
+    cs = rope_table(S + 64, hd, theta)
+    nsplit = math.ceil(L / kps)
+    part_o, part_ml = dev.poisoned(4 * nsplit * Hq * hd), dev.poisoned(8 * nsplit * Hq)
+    meta_d = dev.up(meta)
+    dev.fn(f"{kernel}_hd{hd}")(dev.up(q), dev.up(kc_b), dev.up(vc_b), dev.up(key_slots), meta_d, I32(step),
+                                  dev.up(cs), I32(G), I32(n_kvh), I32(kps), F32(LOG2E / math.sqrt(hd)), part_o,
+                                  part_ml, block=(128, 1, 1), grid=(nsplit + 3, n_kvh))
+    out = dev.poisoned(4 * Hq * hd)
+    dev.fn("attn_combine")(part_o, part_ml, I32(Hq), I32(hd), I32(1), I32(Hq), meta_d, I32(3), I32(step), I32(kps),
+                           out, np.intp(0), block=(256, 1, 1), grid=(Hq * hd // 32, 1))
+    ref = attention_ref(q.astype(np.float64).reshape(1, Hq, hd), kc, vc, key_slots, L, np.array([L - 1]), theta, G)
+    # simt: fp32 all through; mma: bf16 Q, rotated K and P on the tensor cores
+    assert rel_err(dev.down(out, Hq * hd, np.float32), ref[0]) < (1e-4 if kernel == "attn_decode" else 2e-2)

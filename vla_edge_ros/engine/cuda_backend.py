@@ -1,0 +1,925 @@
+"""GPU backend: the Qwen2 decoder as hand-written CUDA kernels (cuda/*.cu) compiled at run time by PyCUDA.
+
+No cuBLAS / torch / cupy in this path. bf16 weights uploaded once from safetensors, fp32 accumulation and an
+fp32 residual stream; bf16 K/V cache stored BEFORE RoPE in ``[layers, budget + decode_tokens, kv_heads *
+head_dim]``, keys rotated inside the attention kernels from each slot's logical position (its index in
+``KVManager.context_slots()``), so eviction never touches a stored key.
+
+One chunk = two CUDA graphs replayed on one stream:
+
+* prefill graph: for each layer RMSNorm(+QKV bias init) -> QKV skinny GEMM (tensor cores, split-K atomics)
+  -> K/V store -> flash attention over the retained cache (split-K) -> combine -> o_proj GEMM (+residual)
+  -> RMSNorm -> gate/up GEMM with SiLU*up epilogue -> down GEMM (+residual); final norm, LM head over the
+  action rows, argmax -> ``tok_buf[0]``;
+* decode graph: ``decode_tokens`` steps, each: embedding gather of ``tok_buf[i-1]`` -> per layer fused
+  RMSNorm+QKV GEMV (+bias, K/V store), split-K decode attention, combine, o_proj GEMV (+residual), fused
+  RMSNorm+gate/up GEMV (SiLU*up), down GEMV (+residual); LM head GEMV (final norm fused) -> argmax ->
+  ``tok_buf[i]``. The greedy chain stays on the device.
+
+Everything that changes between chunks (slot list, lengths, positions, the frame's vision tokens) lives in
+device buffers written by async copies before the replay; kernel arguments are frozen at capture.
+``meta`` = [L keys seen by the prefill, p0 position of prefill token 0, T prefill tokens, n_ctx].
+
+Kernels are launched with programmatic dependent launch (libcuda ``cuLaunchKernelEx``, see graphs.py) when the
+driver has it (``tuning["pdl"]``), else with PyCUDA's prepared calls; both run the same cubin. Tuning knobs
+(``DEFAULT_TUNING``) and their measured effect: docs/KERNEL_NOTES.md.
+
+PyCUDA is imported lazily: this module imports on a machine without a driver. ``cuda_available()`` returns a
+bool (what engine/factory.py expects); ``cuda_status()`` returns ``(usable, reason)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError
+from vla_edge_ros.engine.vram import VramTracker, check_budget
+
+def _find_cuda_dir() -> Path:
+    """$VLA_CUDA_DIR, else the source tree's cuda/, else the installed share/vla_edge_ros/cuda (colcon)."""
+    if os.environ.get("VLA_CUDA_DIR"):
+        return Path(os.environ["VLA_CUDA_DIR"])
+    here = Path(__file__).resolve().parents[2] / "cuda"
+    if here.is_dir():
+        return here
+    try:
+        from ament_index_python.packages import get_package_share_directory
+        return Path(get_package_share_directory("vla_edge_ros")) / "cuda"
+    except Exception:  # not installed through ament: report the source-tree path in the error
+        return here
+
+
+CUDA_DIR = _find_cuda_dir()
+KERNEL_FILES = ("embed.cu", "rmsnorm.cu", "gemm_skinny.cu", "gemv.cu", "rope_attention.cu", "lm_head_action.cu")
+T_CHUNK = 32  # prefill rows per kernel pass (the GEMM's two m16 tiles)
+GEMV_WARPS = 8
+
+_status: tuple[bool, str] | None = None
+
+
+def cuda_status() -> tuple[bool, str]:
+    """(usable, reason). Imports PyCUDA lazily; never raises."""
+    global _status
+    if _status is not None:
+        return _status
+    try:
+        import pycuda.driver as cuda  # noqa: F401  (ImportError without libcuda)
+    except ImportError as exc:
+        _status = (False, f"PyCUDA not importable: {exc}")
+        return _status
+    except Exception as exc:  # a broken install must not break backend selection
+        _status = (False, f"PyCUDA import failed: {type(exc).__name__}: {exc}")
+        return _status
+    try:
+        cuda.init()
+        n = cuda.Device.count()
+    except cuda.Error as exc:
+        _status = (False, f"CUDA driver initialisation failed: {exc}")
+        return _status
+    if n < 1:
+        _status = (False, "no CUDA device present")
+        return _status
+    dev = cuda.Device(0)
+    cc = dev.compute_capability()
+    if cc < (8, 0):
+        _status = (False, f"{dev.name()} has compute capability {cc[0]}.{cc[1]}; the kernels need >= 8.0 "
+                          "(bf16 tensor cores)")
+        return _status
+    _status = (True, f"{dev.name()} (sm_{cc[0]}{cc[1]}, {dev.total_memory() / 2**30:.0f} GiB)")
+    return _status
+
+
+def cuda_available() -> bool:
+    """True when PyCUDA imports, the driver initialises and a compute-capability >= 8.0 GPU is present."""
+    return cuda_status()[0]
+
+
+def cuda_unavailable_reason() -> str:
+    ok, why = cuda_status()
+    return "" if ok else why
+
+
+def _f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    from vla_edge_ros.engine.checkpoint import f32_to_bf16_bits
+    return f32_to_bf16_bits(np.asarray(a, dtype=np.float32))
+
+
+def _as_bf16_bits(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype == np.uint16:
+        return np.ascontiguousarray(a)
+    return _f32_to_bf16_bits(a)
+
+
+def _bf16_bits_to_f32(a: np.ndarray) -> np.ndarray:
+    return (np.asarray(a, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def interleave_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """Rows 16b..16b+7 = gate rows 8b..8b+7, rows 16b+8..16b+15 = up rows 8b..8b+7 (the SiLU epilogue layout)."""
+    inter, h = gate.shape
+    if inter % 8:
+        raise EngineError(f"intermediate_size={inter} must be a multiple of 8 for the fused gate/up kernels")
+    out = np.empty((inter // 8, 2, 8, h), dtype=gate.dtype)
+    out[:, 0] = gate.reshape(inter // 8, 8, h)
+    out[:, 1] = up.reshape(inter // 8, 8, h)
+    return out.reshape(2 * inter, h)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def split_len(K: int, row_blocks: int, target_blocks: int, quantum: int, min_len: int) -> int:
+    """Split-K length (multiple of ``quantum``, >= min_len) giving about ``target_blocks`` blocks in all."""
+    splits = max(1, math.ceil(target_blocks / max(1, row_blocks)))
+    ks = _round_up(math.ceil(K / splits), quantum)
+    return min(_round_up(K, quantum), max(ks, min_len))
+
+
+DEFAULT_TUNING = {
+    "gemm_version": 1,      # 1: A staged per 256-wide K chunk; 2: whole A slice staged once, W double-buffered
+                            # (v2 measured slower on the H200: docs/KERNEL_NOTES.md)
+    "gemm_wpb": 8,          # warps per block of the split-K skinny GEMMs (16 weight rows each)
+    "gemm_silu_wpb": 8,     # warps per block of the gate/up GEMM (full K per block)
+    "decode_attn": "mma",   # "mma" (tensor cores) or "simt" (first version, CUDA cores)
+    "pdl": True,            # programmatic dependent launch (cuLaunchKernelEx): weight prefetch overlaps the tail
+                            # of the previous kernel (-0.44 ms/chunk with these kernels: docs/KERNEL_NOTES.md)
+    "gemm_target_blocks": 264,
+    "gemm_min_ks": 256,
+    "gemv_target_blocks": 264,
+    "gemv_min_ks": 512,
+    "attn_prefill_kps": 128,  # keys per split, multiple of 64
+    "attn_decode_kps": 64,
+}
+
+
+class CudaEngine(Engine):
+    name = "cuda"
+
+    def __init__(self, cfg: ModelConfig, checkpoint: str | Path | Mapping[str, np.ndarray], kv,
+                 instruction: str = "", decode_tokens: int = 8, max_vram_gb: float = 8.0,
+                 log: Callable[[str], None] = print, use_graphs: bool = True,
+                 tuning: Mapping[str, Any] | None = None):
+        ok, why = cuda_status()
+        if not ok:
+            raise EngineError(f"CUDA backend unavailable: {why}")
+        import pycuda.driver as cuda
+        self._cuda = cuda
+        self.cfg = cfg
+        self.kv = kv
+        self.log = log
+        self.use_graphs = bool(use_graphs)
+        self.tuning = {**DEFAULT_TUNING, **(tuning or {})}
+        self.decode_tokens = int(decode_tokens)
+        self.max_vram_gb = float(max_vram_gb)
+        if self.decode_tokens < cfg.action_dims:
+            raise EngineError(f"decode_tokens={decode_tokens} is smaller than the {cfg.action_dims} action dimensions")
+        if kv.tokens_per_frame != cfg.n_patches:
+            raise EngineError(f"tokens_per_frame={kv.tokens_per_frame} must equal the patch embedder's "
+                              f"{cfg.n_patches} tokens (patch_grid {list(cfg.patch_grid)})")
+        if kv.tokens_per_frame > T_CHUNK:
+            raise EngineError(f"tokens_per_frame={kv.tokens_per_frame}: the CUDA prefill handles at most "
+                              f"{T_CHUNK} tokens per frame")
+        self.prefix_ids = np.frombuffer(instruction.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        if kv.prefix_tokens != len(self.prefix_ids):
+            raise EngineError(f"KV manager pins {kv.prefix_tokens} prefix tokens but the instruction encodes to "
+                              f"{len(self.prefix_ids)} bytes")
+        self.H = cfg.hidden_size
+        self.Hq, self.n_kvh, self.HD = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.G = self.Hq // self.n_kvh
+        self.I = cfg.intermediate_size
+        self.nkv = self.n_kvh * self.HD
+        self.nqkv = self.Hq * self.HD + 2 * self.nkv
+        self.nlayers = cfg.num_hidden_layers
+        self.eps = float(cfg.rms_norm_eps)
+        self.n_bins = cfg.n_action_bins
+        self._check_geometry()
+
+        from vla_edge_ros.core.action_tokenizer import ActionTokenizer
+        self.tokenizer = ActionTokenizer(cfg.vocab_size, cfg.action_q01, cfg.action_q99, cfg.n_action_bins)
+
+        dev = cuda.Device(0)
+        self._ctx = dev.retain_primary_context()
+        self._ctx.push()
+        try:
+            self.device_name = dev.name()
+            self.tracker = VramTracker(cuda.mem_alloc)
+            self._graphs: dict[str, Any] = {}
+            self._setup(checkpoint)
+        except BaseException:
+            try:
+                self._release()
+            finally:
+                self._ctx.pop()
+            raise
+        self._ctx.pop()
+
+    # ---- context -----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _active(self):
+        """Make the engine's (primary) context current on the calling thread for the duration."""
+        self._ctx.push()
+        try:
+            yield
+        finally:
+            self._ctx.pop()
+
+    # ---- set-up ------------------------------------------------------------------------------------------
+    def _check_geometry(self) -> None:
+        cfg = self.cfg
+        problems = []
+        if self.HD not in (64, 128):
+            problems.append(f"head_dim={self.HD} (kernels built for 64 and 128)")
+        if self.G > 8:
+            problems.append(f"{self.G} query heads per KV head (decode kernel supports <= 8)")
+        for name, v in (("hidden_size", self.H), ("intermediate_size", self.I)):
+            if v % 32:
+                problems.append(f"{name}={v} is not a multiple of 32")
+        if self.n_bins > 1024:
+            problems.append(f"n_action_bins={self.n_bins} > 1024")
+        if problems:
+            raise EngineError(f"model {cfg.source}: geometry not supported by the CUDA kernels: " + "; ".join(problems))
+
+    def _load_weights(self, checkpoint) -> dict[str, np.ndarray]:
+        if isinstance(checkpoint, Mapping):
+            from vla_edge_ros.engine.checkpoint import expected_shapes
+            want = expected_shapes(self.cfg)
+            for name, shape in want.items():
+                if name not in checkpoint:
+                    raise EngineError(f"weights: missing tensor {name}")
+                if tuple(np.shape(checkpoint[name])) != shape:
+                    raise EngineError(f"weights: tensor {name}: expected shape {list(shape)}, found "
+                                      f"{list(np.shape(checkpoint[name]))}")
+            return {k: _as_bf16_bits(v) for k, v in checkpoint.items()}
+        from vla_edge_ros.engine.checkpoint import load_checkpoint
+        return load_checkpoint(checkpoint, self.cfg, dtype="bfloat16")
+
+    def _sizes(self, capacity: int) -> dict[str, int]:
+        """Bytes of model, KV cache and scratch for a KV capacity (check_budget's three parts)."""
+        H, I, L, V = self.H, self.I, self.nlayers, self.cfg.vocab_size
+        per_layer = 2 * (self.nqkv * H + H * H + 2 * I * H + H * I + 2 * H) + 4 * self.nqkv
+        model = L * per_layer + 2 * V * H + 2 * H + 2 * H * self.cfg.patch_dim + 4 * self.cfg.n_patches * H
+        if not self.cfg.tie_word_embeddings:
+            model += 2 * self.n_bins * H
+        slots = capacity + self.decode_tokens
+        kv = 2 * L * slots * self.nkv * 2
+        n_pf = math.ceil(slots / self.tuning["attn_prefill_kps"])
+        n_dec = math.ceil(slots / self.tuning["attn_decode_kps"])
+        scratch = (4 * T_CHUNK * (3 * H + self.nqkv) + 2 * T_CHUNK * (2 * H + I)
+                   + 4 * (n_pf * self.Hq * T_CHUNK * (self.HD + 2)) + 4 * (n_dec * self.Hq * (self.HD + 2))
+                   + 4 * (3 * H + self.Hq * self.HD + I + self.decode_tokens * H)
+                   + 4 * (self.decode_tokens + 1) * self.n_bins + 8 * (slots + 64) * self.HD // 2
+                   + 4 * (slots + 8) + 64 + 2 * T_CHUNK * self.cfg.patch_dim + 4096)
+        return {"model": int(model), "kv": int(kv), "scratch": int(scratch)}
+
+    def _alloc(self, name: str, nbytes: int, host: np.ndarray | None = None) -> int:
+        """Tracked device allocation; returns the device pointer as an int (optionally filled from host)."""
+        buf = self.tracker.alloc(name, nbytes)
+        if host is not None:
+            host = np.ascontiguousarray(host)
+            if host.nbytes != nbytes:
+                raise EngineError(f"upload of {name}: {host.nbytes} bytes for a {nbytes}-byte buffer")
+            self._cuda.memcpy_htod(buf, host)
+        return int(buf)
+
+    def _setup(self, checkpoint) -> None:
+        cuda = self._cuda
+        t0 = time.perf_counter()
+        self.capacity = int(self.kv.budget_tokens)
+        sizes = self._sizes(self.capacity)
+        total = check_budget(sizes["model"], sizes["kv"], sizes["scratch"], self.max_vram_gb)
+        self.tracker.limit_bytes = int(self.max_vram_gb * 2**30)
+        w = self._load_weights(checkpoint)
+        t1 = time.perf_counter()
+        self._compile()
+        t2 = time.perf_counter()
+        # ---- weights (bf16), fused layouts built on the host once
+        self.layers = []
+        for i in range(self.nlayers):
+            p = f"model.layers.{i}."
+            wqkv = np.concatenate([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
+                                   w[p + "self_attn.v_proj.weight"]], axis=0)
+            bqkv = np.concatenate([_bf16_bits_to_f32(w[p + f"self_attn.{n}_proj.bias"]) for n in "qkv"])
+            wgu = interleave_gate_up(w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"])
+            self.layers.append({
+                "wqkv": self._alloc(f"L{i}.wqkv", wqkv.nbytes, wqkv),
+                "bqkv": self._alloc(f"L{i}.bqkv", bqkv.nbytes, bqkv.astype(np.float32)),
+                "wo": self._alloc(f"L{i}.wo", 2 * self.H * self.H, w[p + "self_attn.o_proj.weight"]),
+                "wgu": self._alloc(f"L{i}.wgu", wgu.nbytes, wgu),
+                "wd": self._alloc(f"L{i}.wd", 2 * self.H * self.I, w[p + "mlp.down_proj.weight"]),
+                "ln1": self._alloc(f"L{i}.ln1", 2 * self.H, w[p + "input_layernorm.weight"]),
+                "ln2": self._alloc(f"L{i}.ln2", 2 * self.H, w[p + "post_attention_layernorm.weight"]),
+            })
+        emb = w["model.embed_tokens.weight"]
+        self.embed = self._alloc("embed", emb.nbytes, emb)
+        self.final_norm = self._alloc("final_norm", 2 * self.H, w["model.norm.weight"])
+        off = self.cfg.action_token_offset
+        if self.cfg.tie_word_embeddings:
+            self.head_rows = self.embed + 2 * off * self.H
+        else:
+            rows = np.ascontiguousarray(w["lm_head.weight"][off:])
+            self.head_rows = self._alloc("lm_head_action_rows", rows.nbytes, rows)
+        self.prefix_embed = _bf16_bits_to_f32(emb[self.prefix_ids]) if len(self.prefix_ids) else None
+        # ---- vision patch embedder (GEMM on the GPU; patchify on the host)
+        from vla_edge_ros.engine.vision import PatchEmbedder
+        vis = {k: _bf16_bits_to_f32(w[k]) for k in ("vision.patch_embed.weight", "vision.patch_embed.bias",
+                                                     "vision.pos_embed") if k in w}
+        self.vision = PatchEmbedder(self.cfg, vis if len(vis) == 3 else None)
+        wpatch = _f32_to_bf16_bits(self.vision.weight_t.T)  # (hidden, 768)
+        self.w_patch = self._alloc("vision.w", wpatch.nbytes, wpatch)
+        bias_pos = np.zeros((T_CHUNK, self.H), np.float32)
+        bias_pos[:self.cfg.n_patches] = self.vision.bias_pos
+        self.vis_bias_pos = self._alloc("vision.bias_pos", bias_pos.nbytes, bias_pos)
+        self.vis_out = self._alloc("vision.out", bias_pos.nbytes)
+        self.vis_in = self._alloc("vision.patches", 2 * T_CHUNK * self.cfg.patch_dim,
+                                  np.zeros((T_CHUNK, self.cfg.patch_dim), np.uint16))
+        del w
+        # ---- activations (fixed, graph-static)
+        H, I, T = self.H, self.I, T_CHUNK
+        self.x_pre = self._alloc("x_pre", 4 * T * H, np.zeros((T, H), np.float32))
+        self.h_bf = self._alloc("h_bf", 2 * T * H, np.zeros((T, H), np.uint16))
+        self.qkv = self._alloc("qkv", 4 * T * self.nqkv, np.zeros((T, self.nqkv), np.float32))
+        self.attn_bf = self._alloc("attn_bf", 2 * T * self.Hq * self.HD)
+        self.act_bf = self._alloc("act_bf", 2 * T * I)
+        self.final_h = self._alloc("final_h", 4 * T * H)
+        self.x_dec = self._alloc("x_dec", 4 * H)
+        self.q_dec = self._alloc("q_dec", 4 * self.Hq * self.HD)
+        self.attn_dec = self._alloc("attn_dec", 4 * self.Hq * self.HD)
+        self.act_dec = self._alloc("act_dec", 4 * I)
+        self.final_h_dec = self._alloc("final_h_dec", 4 * self.decode_tokens * H)
+        self.logits = self._alloc("logits", 4 * (self.decode_tokens + 1) * self.n_bins)
+        self.tok_buf = self._alloc("tok_buf", 4 * (self.decode_tokens + 1))
+        self.meta = self._alloc("meta", 16, np.zeros(4, np.int32))
+        self.move_buf = None
+        # pinned host staging for the per-chunk copies
+        self.h_x = cuda.pagelocked_zeros((T, H), np.float32)
+        self.h_meta = cuda.pagelocked_zeros(4, np.int32)
+        self.h_tok = cuda.pagelocked_zeros(self.decode_tokens + 1, np.int32)
+        self.h_logits = cuda.pagelocked_zeros((self.decode_tokens + 1, self.n_bins), np.float32)
+        self.stream = cuda.Stream()
+        self.ev = [cuda.Event() for _ in range(4)]
+        self._alloc_kv(self.capacity)
+        self._plan()
+        t3 = time.perf_counter()
+        self._prefill_prefix()
+        self._capture()
+        self.stream.synchronize()
+        t4 = time.perf_counter()
+        self.last_logits: np.ndarray | None = None
+        self.log(f"cuda engine: {self.device_name}, {self.nlayers} layers, hidden {H}, budget {self.capacity} "
+                 f"tokens; device memory {self.tracker.current_bytes / 2**30:.3f} GiB (planned {total / 2**30:.3f}); "
+                 f"load {t1 - t0:.1f}s, compile {t2 - t1:.1f}s, upload {t3 - t2:.1f}s, prefix+capture {t4 - t3:.1f}s, "
+                 f"graphs {'on' if self.use_graphs else 'off'}")
+
+    def _alloc_kv(self, capacity: int) -> None:
+        """KV cache, slot list, RoPE table and split partials for ``capacity`` retained tokens."""
+        old = getattr(self, "kc", None)
+        old_slots = getattr(self, "slots_alloc", 0)
+        self.capacity = int(capacity)
+        S = self.capacity + self.decode_tokens
+        kv_bytes = 2 * self.nlayers * S * self.nkv
+        kc = int(self.tracker.alloc("kc_new" if old is not None else "kc", kv_bytes))
+        vc = int(self.tracker.alloc("vc_new" if old is not None else "vc", kv_bytes))
+        self._cuda.memset_d16(kc, 0, kv_bytes // 2)
+        self._cuda.memset_d16(vc, 0, kv_bytes // 2)
+        if old is not None:  # keep retained rows: copy every layer's first old_slots rows
+            row = 2 * self.nkv
+            for layer in range(self.nlayers):
+                for src, dst in ((self.kc, kc), (self.vc, vc)):
+                    self._cuda.memcpy_dtod(int(dst) + layer * S * row, int(src) + layer * old_slots * row,
+                                           old_slots * row)
+            for name in ("kc", "vc", "key_slots", "rope", "part_o_pf", "part_ml_pf", "part_o_dec", "part_ml_dec"):
+                self.tracker.free(name)
+            self.tracker._live["kc"] = self.tracker._live.pop("kc_new")
+            self.tracker._live["vc"] = self.tracker._live.pop("vc_new")
+        self.kc, self.vc = kc, vc
+        self.slots_alloc = S
+        self.key_slots = self._alloc("key_slots", 4 * (S + 8), np.zeros(S + 8, np.int32))
+        self.h_slots = self._cuda.pagelocked_zeros(S + 8, np.int32)
+        npos = S + 64
+        half = self.HD // 2
+        inv = 1.0 / (float(self.cfg.rope_theta) ** (np.arange(0, self.HD, 2, dtype=np.float64) / self.HD))
+        ang = np.arange(npos, dtype=np.float64)[:, None] * inv[None, :]
+        cs = np.empty((npos, half, 2), np.float32)
+        cs[..., 0] = np.cos(ang)
+        cs[..., 1] = np.sin(ang)
+        self.rope = self._alloc("rope", cs.nbytes, cs)
+        self._alloc_partials()
+
+    def _alloc_partials(self) -> None:
+        """Split-K partial buffers of the two attention kernels (sized by the keys-per-split tuning)."""
+        S = self.slots_alloc
+        kps_pf, kps_dec = int(self.tuning["attn_prefill_kps"]), int(self.tuning["attn_decode_kps"])
+        if kps_pf % 64 or kps_pf < 64 or kps_dec < 1:
+            raise EngineError(f"attention split lengths: prefill {kps_pf} must be a positive multiple of 64, "
+                              f"decode {kps_dec} positive")
+        self.nsplit_pf = math.ceil(S / kps_pf)
+        self.nsplit_dec = math.ceil(S / kps_dec)
+        rows_pf = self.Hq * T_CHUNK
+        self.part_o_pf = self._alloc("part_o_pf", 4 * self.nsplit_pf * rows_pf * self.HD)
+        self.part_ml_pf = self._alloc("part_ml_pf", 8 * self.nsplit_pf * rows_pf)
+        self.part_o_dec = self._alloc("part_o_dec", 4 * self.nsplit_dec * self.Hq * self.HD)
+        self.part_ml_dec = self._alloc("part_ml_dec", 8 * self.nsplit_dec * self.Hq)
+
+    def retune(self, **tuning: Any) -> None:
+        """Change launch tuning (split lengths, GEMM block size) and re-capture the graphs (benchmarks)."""
+        with self._active():
+            self.stream.synchronize()
+            if "use_graphs" in tuning:
+                self.use_graphs = bool(tuning.pop("use_graphs"))
+            self.tuning.update(tuning)
+            for name in ("part_o_pf", "part_ml_pf", "part_o_dec", "part_ml_dec"):
+                self.tracker.free(name)
+            self._alloc_partials()
+            self._plan()
+            self._capture()
+            self.stream.synchronize()
+
+    def _compile(self) -> None:
+        from pycuda.compiler import compile as nvcc_compile
+        cuda = self._cuda
+        if not CUDA_DIR.is_dir():
+            raise EngineError(f"CUDA kernel sources not found in {CUDA_DIR} (set VLA_CUDA_DIR)")
+        self.modules = {}
+        self.k: dict[str, Any] = {}
+        sigs = {
+            "embed_gather": "PPiPi", "kv_move": "PPiiiPPi",
+            "rmsnorm_rows_bf16": "PPPifPPi", "rmsnorm_rows_f32": "PPPif",
+            "gemm32_atomic_w4": "PiPiiiPi", "gemm32_atomic_w8": "PiPiiiPi",
+            "gemm32_silu_w4": "PiPiiP", "gemm32_silu_w8": "PiPiiP",
+            "gemm32s_atomic_w4": "PiPiiiiPi", "gemm32s_atomic_w8": "PiPiiiiPi",
+            "gemm32s_silu_w4": "PiPiiiP", "gemm32s_silu_w8": "PiPiiiP",
+            "attn_decode_mma_hd128": "PPPPPiPiiifPP", "attn_decode_mma_hd64": "PPPPPiPiiifPP",
+            "gemv_qkv": "PPfPPiiiPPPPPi", "gemv_resid": "PPiiiP", "gemv_gateup": "PPfPiiP",
+            "gemv_logits": "PPiPfPiiPP",
+            "kv_store_prefill": "PiiiPPPP",
+            "attn_prefill_hd128": "PiPPPPPiiifPP", "attn_prefill_hd64": "PiPPPPPiiifPP",
+            "attn_decode_hd128": "PPPPPiPiiifPP", "attn_decode_hd64": "PPPPPiPiiifPP",
+            "attn_combine": "PPiiiiPiiiPP",
+            "argmax_tokens": "PiiPi",
+        }
+        self.sigs = sigs
+        self.kx: dict[str, Any] = {}  # the same kernels, loaded for cuLaunchKernelEx (PDL)
+        self.pdl_launcher = None
+        try:
+            from vla_edge_ros.engine.graphs import PdlLauncher
+            self.pdl_launcher = PdlLauncher()
+        except EngineError as exc:
+            self.log(f"cuda engine: programmatic dependent launch unavailable ({exc}); plain launches")
+        for fname in KERNEL_FILES:
+            src = (CUDA_DIR / fname).read_text(encoding="utf-8")
+            try:
+                cubin = nvcc_compile(src, no_extern_c=True, include_dirs=[str(CUDA_DIR)],
+                                     options=["-O3", "-std=c++17"])
+            except Exception as exc:
+                raise EngineError(f"compiling {CUDA_DIR / fname} failed: {exc}") from exc
+            mod = cuda.module_from_buffer(cubin)
+            self.modules[fname] = mod
+            xmod = self.pdl_launcher.load(cubin) if self.pdl_launcher is not None else None
+            for name, sig in sigs.items():
+                try:
+                    f = mod.get_function(name)
+                except cuda.LogicError:
+                    continue
+                f.prepare(sig)
+                self.k[name] = f
+                if xmod is not None:
+                    self.kx[name] = self.pdl_launcher.function(xmod, name, sig)
+        missing = sorted(set(sigs) - set(self.k))
+        if missing:
+            raise EngineError(f"kernels missing from {CUDA_DIR}: {', '.join(missing)}")
+
+    def _plan(self) -> None:
+        """Grid shapes, split-K lengths and dynamic shared memory for this geometry and tuning."""
+        t = self.tuning
+        H, I = self.H, self.I
+        cuda = self._cuda
+        wpb, swpb, ver = int(t["gemm_wpb"]), int(t["gemm_silu_wpb"]), int(t["gemm_version"])
+        if wpb not in (4, 8) or swpb not in (4, 8) or ver not in (1, 2):
+            raise EngineError(f"gemm tuning: wpb {wpb} / silu wpb {swpb} must be 4 or 8, version {ver} 1 or 2")
+        if t["decode_attn"] not in ("mma", "simt"):
+            raise EngineError(f"decode_attn must be 'mma' or 'simt', got {t['decode_attn']!r}")
+        self.gemm_wpb, self.gemm_silu_wpb, self.gemm_version = wpb, swpb, ver
+        tb, mk = int(t["gemm_target_blocks"]), int(t["gemm_min_ks"])
+        smem_need: dict[str, int] = {}
+
+        def sa_of(ks: int) -> int:
+            q = ks // 8
+            return q + (4 - q % 8) % 8
+
+        def gemm(N: int, K: int) -> tuple[int, int, int, int, int]:
+            rb = math.ceil(N / (16 * wpb))
+            ks = split_len(K, rb, tb, 32, mk)
+            sa = sa_of(ks)
+            if ver == 2:
+                name = f"gemm32s_atomic_w{wpb}"
+                smem_need[name] = max(smem_need.get(name, 0), 32 * sa * 16)
+            return rb, math.ceil(K / ks), ks, sa, 32 * sa * 16
+
+        self.p_qkv = gemm(self.nqkv, H)
+        self.p_o = gemm(H, self.Hq * self.HD)
+        self.p_d = gemm(H, I)
+        sa = sa_of(H)
+        self.p_gu = (math.ceil(2 * I / (16 * swpb)), 1, H, sa, 32 * sa * 16)
+        if ver == 2:
+            smem_need[f"gemm32s_silu_w{swpb}"] = 32 * sa * 16
+        gtb, gmk = int(t["gemv_target_blocks"]), int(t["gemv_min_ks"])
+
+        def gemv(N: int, K: int) -> tuple[int, int, int]:
+            rb = math.ceil(N / (2 * GEMV_WARPS))
+            ks = split_len(K, rb, gtb, 256, gmk)
+            return rb, math.ceil(K / ks), ks
+
+        self.v_o = gemv(H, self.Hq * self.HD)
+        self.v_d = gemv(H, I)
+        gsm = 4 * max(H, self.v_o[2], self.v_d[2])
+        for name in ("gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits"):
+            smem_need[name] = gsm
+        max_optin = cuda.Device(0).get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        for name, need in smem_need.items():
+            if need > max_optin:
+                raise EngineError(f"{name} needs {need} bytes of shared memory, the device allows {max_optin}: "
+                                  "lower gemm_min_ks / gemv_min_ks or use gemm_version 1")
+            if need > 48 * 1024:
+                self.k[name].set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, need)
+                if name in self.kx:
+                    self.kx[name].set_max_dynamic_shared(need)
+        self.pdl = bool(t["pdl"]) and self.pdl_launcher is not None and len(self.kx) == len(self.k)
+        attn = "attn_prefill_hd%d" % self.HD
+        threads = 64 * self.G
+        regs = self.k[attn].num_regs
+        if threads > 1024 or threads * regs > 65536:
+            raise EngineError(f"prefill attention needs {threads} threads x {regs} registers per block: "
+                              f"{self.G} query heads per KV head is too many for head_dim {self.HD}")
+
+    # ---- enqueue (the same code runs eagerly and under graph capture) ------------------------------------
+    def _launch(self, name: str, grid, block, *args, smem: int = 0) -> None:
+        if self._only is not None and self._tag_of(name) not in self._only:
+            return
+        if self.pdl:
+            self.kx[name].launch(grid, block, self.stream.handle, args, smem=smem)
+        else:
+            args = [np.intp(a) if type(a) is int else a for a in args]  # device pointers
+            self.k[name].prepared_async_call(grid, block, self.stream, *args, shared_size=smem)
+        self._launches += 1
+
+    @staticmethod
+    def _tag_of(name: str) -> str:
+        for tag in ("gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits",
+                    "attn_prefill", "attn_decode", "attn_combine", "rmsnorm", "kv_store", "embed", "argmax"):
+            if name.startswith(tag):
+                return tag
+        return name
+
+    _only: set[str] | None = None
+    _launches = 0
+    pdl = False
+
+    def _layer_ptrs(self, i: int) -> tuple[int, int]:
+        off = i * self.slots_alloc * self.nkv * 2
+        return int(self.kc) + off, int(self.vc) + off
+
+    def _gemm(self, plan, blk, A, lda: int, W, N: int, K: int, C, ldc: int) -> None:
+        rb, ns, ks, sa, smem = plan
+        if self.gemm_version == 2:
+            self._launch(f"gemm32s_atomic_w{self.gemm_wpb}", (rb, ns), blk, A, np.int32(lda), W, np.int32(N),
+                         np.int32(K), np.int32(ks), np.int32(sa), C, np.int32(ldc), smem=smem)
+        else:
+            self._launch(f"gemm32_atomic_w{self.gemm_wpb}", (rb, ns), blk, A, np.int32(lda), W, np.int32(N),
+                         np.int32(K), np.int32(ks), C, np.int32(ldc))
+
+    def _enqueue_prefill(self) -> int:
+        """One prefill pass over x_pre rows (meta: L, p0, T) -> tok_buf[0], logits[0], final_h."""
+        P = np.intp
+        H, I, T = self.H, self.I, T_CHUNK
+        eps = np.float32(self.eps)
+        nq = self.Hq * self.HD
+        qscale = np.float32(math.log2(math.e) / math.sqrt(self.HD))
+        blk = (32 * self.gemm_wpb, 1, 1)
+        sblk = (32 * self.gemm_silu_wpb, 1, 1)
+        attn = "attn_prefill_hd%d" % self.HD
+        kps = int(self.tuning["attn_prefill_kps"])
+        start = self._launches
+        for i, Lw in enumerate(self.layers):
+            kc, vc = self._layer_ptrs(i)
+            self._launch("rmsnorm_rows_bf16", (T, 1), (256, 1, 1), self.x_pre, Lw["ln1"], self.h_bf, np.int32(H), eps,
+                         Lw["bqkv"], self.qkv, np.int32(self.nqkv))
+            self._gemm(self.p_qkv, blk, self.h_bf, H, Lw["wqkv"], self.nqkv, H, self.qkv, self.nqkv)
+            self._launch("kv_store_prefill", (T, 1), (256, 1, 1), self.qkv, np.int32(self.nqkv), np.int32(nq),
+                         np.int32(self.nkv), P(kc), P(vc), self.key_slots, self.meta)
+            self._launch(attn, (self.nsplit_pf, self.n_kvh), (64 * self.G, 1, 1), self.qkv, np.int32(self.nqkv),
+                         P(kc), P(vc), self.key_slots, self.meta, self.rope, np.int32(self.G), np.int32(self.n_kvh),
+                         np.int32(kps), qscale, self.part_o_pf, self.part_ml_pf)
+            self._launch("attn_combine", (self.Hq * T * self.HD // 32, 1), (256, 1, 1), self.part_o_pf, self.part_ml_pf,
+                         np.int32(self.Hq * T), np.int32(self.HD), np.int32(T), np.int32(self.Hq), self.meta,
+                         np.int32(0), np.int32(0), np.int32(kps), P(0), self.attn_bf)
+            self._gemm(self.p_o, blk, self.attn_bf, nq, Lw["wo"], H, nq, self.x_pre, H)
+            self._launch("rmsnorm_rows_bf16", (T, 1), (256, 1, 1), self.x_pre, Lw["ln2"], self.h_bf, np.int32(H), eps,
+                         P(0), P(0), np.int32(0))
+            rb, _, _, sa, smem = self.p_gu
+            if self.gemm_version == 2:
+                self._launch(f"gemm32s_silu_w{self.gemm_silu_wpb}", (rb, 1), sblk, self.h_bf, np.int32(H), Lw["wgu"],
+                             np.int32(2 * I), np.int32(H), np.int32(sa), self.act_bf, smem=smem)
+            else:
+                self._launch(f"gemm32_silu_w{self.gemm_silu_wpb}", (rb, 1), sblk, self.h_bf, np.int32(H), Lw["wgu"],
+                             np.int32(2 * I), np.int32(H), self.act_bf)
+            self._gemm(self.p_d, blk, self.act_bf, I, Lw["wd"], H, I, self.x_pre, H)
+        self._launch("rmsnorm_rows_f32", (T, 1), (256, 1, 1), self.x_pre, self.final_norm, self.final_h,
+                     np.int32(H), eps)
+        self._launch("gemv_logits", (math.ceil(self.n_bins / GEMV_WARPS), 1), (256, 1, 1), self.final_h, self.meta,
+                     np.int32(2), P(0), eps, P(self.head_rows), np.int32(self.n_bins), np.int32(H), self.logits, P(0),
+                     smem=4 * H)
+        self._launch("argmax_tokens", (1, 1), (256, 1, 1), self.logits, np.int32(self.n_bins),
+                     np.int32(self.cfg.action_token_offset), self.tok_buf, np.int32(0))
+        return self._launches - start
+
+    def _enqueue_decode(self, steps: int | None = None) -> int:
+        P = np.intp
+        H, I = self.H, self.I
+        eps = np.float32(self.eps)
+        nq = self.Hq * self.HD
+        qscale = np.float32(math.log2(math.e) / math.sqrt(self.HD))
+        attn = ("attn_decode_mma_hd%d" if self.tuning["decode_attn"] == "mma" else "attn_decode_hd%d") % self.HD
+        kps = int(self.tuning["attn_decode_kps"])
+        start = self._launches
+        for s in range(1, (steps or self.decode_tokens) + 1):
+            st = np.int32(s)
+            self._launch("embed_gather", (math.ceil(H / 256), 1), (256, 1, 1), self.embed, self.tok_buf,
+                         np.int32(s - 1), self.x_dec, np.int32(H))
+            for i, Lw in enumerate(self.layers):
+                kc, vc = self._layer_ptrs(i)
+                self._launch("gemv_qkv", (math.ceil(self.nqkv / (2 * GEMV_WARPS)), 1), (256, 1, 1), self.x_dec, Lw["ln1"],
+                             eps, Lw["wqkv"], Lw["bqkv"], np.int32(H), np.int32(nq), np.int32(self.nkv), self.q_dec,
+                             P(kc), P(vc), self.key_slots, self.meta, st, smem=4 * H)
+                self._launch(attn, (self.nsplit_dec, self.n_kvh), (128, 1, 1), self.q_dec, P(kc), P(vc),
+                             self.key_slots, self.meta, st, self.rope, np.int32(self.G), np.int32(self.n_kvh),
+                             np.int32(kps), qscale, self.part_o_dec, self.part_ml_dec)
+                self._launch("attn_combine", (self.Hq * self.HD // 32, 1), (256, 1, 1), self.part_o_dec, self.part_ml_dec,
+                             np.int32(self.Hq), np.int32(self.HD), np.int32(1), np.int32(self.Hq), self.meta,
+                             np.int32(3), st, np.int32(kps), self.attn_dec, P(0))
+                rb, ns, ks = self.v_o
+                self._launch("gemv_resid", (rb, ns), (256, 1, 1), self.attn_dec, Lw["wo"], np.int32(H), np.int32(nq),
+                             np.int32(ks), self.x_dec, smem=4 * ks)
+                self._launch("gemv_gateup", (math.ceil(I / GEMV_WARPS), 1), (256, 1, 1), self.x_dec, Lw["ln2"], eps,
+                             Lw["wgu"], np.int32(I), np.int32(H), self.act_dec, smem=4 * H)
+                rb, ns, ks = self.v_d
+                self._launch("gemv_resid", (rb, ns), (256, 1, 1), self.act_dec, Lw["wd"], np.int32(H), np.int32(I),
+                             np.int32(ks), self.x_dec, smem=4 * ks)
+            self._launch("gemv_logits", (math.ceil(self.n_bins / GEMV_WARPS), 1), (256, 1, 1), self.x_dec, self.meta,
+                         np.int32(-1), self.final_norm, eps, P(self.head_rows), np.int32(self.n_bins), np.int32(H),
+                         P(int(self.logits) + 4 * s * self.n_bins), P(int(self.final_h_dec) + 4 * (s - 1) * H),
+                         smem=4 * H)
+            self._launch("argmax_tokens", (1, 1), (256, 1, 1), P(int(self.logits) + 4 * s * self.n_bins),
+                         np.int32(self.n_bins), np.int32(self.cfg.action_token_offset), self.tok_buf, st)
+        return self._launches - start
+
+    def _capture(self) -> None:
+        from vla_edge_ros.engine.graphs import CudaGraph
+        for g in self._graphs.values():
+            g.destroy()
+        self._graphs = {}
+        if not self.use_graphs:
+            return
+        self.stream.synchronize()
+        self._graphs["prefill"] = CudaGraph("prefill").capture(self.stream, self._enqueue_prefill)
+        self._graphs["decode"] = CudaGraph("decode").capture(self.stream, self._enqueue_decode)
+
+    def _run_prefill(self) -> None:
+        if self.use_graphs:
+            self._graphs["prefill"].launch(self.stream)
+        else:
+            self._enqueue_prefill()
+
+    def _run_decode(self) -> None:
+        if self.use_graphs:
+            self._graphs["decode"].launch(self.stream)
+        else:
+            self._enqueue_decode()
+
+    # ---- host-side inputs --------------------------------------------------------------------------------
+    def _set_inputs(self, rows: np.ndarray, slots: np.ndarray, L: int, p0: int, T: int, n_ctx: int) -> None:
+        cuda = self._cuda
+        self.h_x[:] = 0.0
+        self.h_x[:T] = rows
+        n = len(slots)
+        self.h_slots[:n] = slots
+        self.h_meta[:] = (L, p0, T, n_ctx)
+        cuda.memcpy_htod_async(self.x_pre, self.h_x, self.stream)
+        cuda.memcpy_htod_async(self.key_slots, self.h_slots[:max(n, 1)], self.stream)
+        cuda.memcpy_htod_async(self.meta, self.h_meta, self.stream)
+
+    def _prefill_prefix(self) -> None:
+        """The pinned instruction prefix, in chunks of up to 32 tokens (eager launches, once)."""
+        n = len(self.prefix_ids)
+        if n == 0:
+            return
+        slots = np.asarray(self.kv.prefix_slots, dtype=np.int32)
+        for p0 in range(0, n, T_CHUNK):
+            T = min(T_CHUNK, n - p0)
+            self._set_inputs(self.prefix_embed[p0:p0 + T], slots[:p0 + T], p0 + T, p0, T, 0)
+            self._enqueue_prefill()
+        self.stream.synchronize()
+
+    # ---- engine API --------------------------------------------------------------------------------------
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.kv.tokens_per_frame
+
+    def encode_frame(self, image: np.ndarray) -> np.ndarray:
+        """Patchify on the host, patch projection (+bias+pos) as a tensor-core GEMM on the GPU."""
+        patches = self.vision.patches(image)
+        n = patches.shape[0]
+        buf = np.zeros((T_CHUNK, self.cfg.patch_dim), np.uint16)
+        buf[:n] = _f32_to_bf16_bits(patches)
+        out = np.empty((T_CHUNK, self.H), np.float32)
+        cuda = self._cuda
+        with self._active():
+            cuda.memcpy_htod_async(self.vis_in, buf, self.stream)
+            cuda.memcpy_dtod_async(self.vis_out, self.vis_bias_pos, 4 * T_CHUNK * self.H, self.stream)
+            K = self.cfg.patch_dim
+            rows = 16 * self.gemm_wpb
+            ks = split_len(K, math.ceil(self.H / rows), 132, 32, 256)
+            self.k[f"gemm32_atomic_w{self.gemm_wpb}"].prepared_async_call(
+                (math.ceil(self.H / rows), math.ceil(K / ks)), (32 * self.gemm_wpb, 1, 1), self.stream,
+                np.intp(self.vis_in), np.int32(K), np.intp(self.w_patch), np.int32(self.H), np.int32(K), np.int32(ks),
+                np.intp(self.vis_out), np.int32(self.H))
+            cuda.memcpy_dtoh_async(out, self.vis_out, self.stream)
+            self.stream.synchronize()
+        return out[:n]
+
+    def _ensure_capacity(self) -> None:
+        if self.kv.budget_tokens <= self.capacity:
+            return
+        self.log(f"cuda engine: KV budget grew to {self.kv.budget_tokens} tokens: reallocating the cache and "
+                 "re-capturing the graphs")
+        sizes = self._sizes(self.kv.budget_tokens)
+        check_budget(sizes["model"], sizes["kv"], sizes["scratch"], self.max_vram_gb)
+        self.stream.synchronize()
+        self._alloc_kv(self.kv.budget_tokens)
+        self._capture()
+
+    def _apply_moves(self) -> None:
+        take = getattr(self.kv, "take_moves", None)
+        moves = take() if take else []
+        if not moves:
+            return
+        src = np.concatenate([np.asarray(m[1], np.int32) for m in moves])
+        dst = np.concatenate([np.asarray(m[2], np.int32) for m in moves])
+        n = len(src)
+        if self.move_buf is not None:
+            self.tracker.free("moves")
+        self.move_buf = self._alloc("moves", 8 * n, np.concatenate([src, dst]))
+        total = self.nlayers * n * self.nkv
+        self.k["kv_move"].prepared_async_call((min(4096, math.ceil(total / 256)), 1), (256, 1, 1), self.stream,
+                                              np.intp(self.kc), np.intp(self.vc), np.int32(self.nlayers),
+                                              np.int32(self.slots_alloc), np.int32(self.nkv), np.intp(self.move_buf),
+                                              np.intp(self.move_buf + 4 * n),
+                                              np.int32(n))
+
+    def run_chunk(self, vision_tokens: np.ndarray, frame_id: int, salient: bool = False) -> ChunkResult:
+        t0 = time.perf_counter()
+        tpf = self.kv.tokens_per_frame
+        x = np.asarray(vision_tokens)
+        if x.shape != (tpf, self.H):
+            raise ValueError(f"vision tokens must have shape ({tpf}, {self.H}), got {x.shape}")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if not np.all(np.isfinite(x)):
+            raise ValueError("vision tokens contain NaN or infinite values")
+        from vla_edge_ros.engine.vision import pooled
+        cuda = self._cuda
+        try:
+            adm, gen, prefill_ms, decode_ms = self._device_chunk(cuda, x, frame_id, salient, pooled)
+        except cuda.Error as e:
+            # A device error (out of memory, launch failure) can leave the cache half-written and the frame
+            # admitted: the inference loop resets the engine before the next chunk instead of a node restart.
+            self.needs_reset = True
+            raise EngineError(f"CUDA error during chunk {frame_id}: {e}") from e
+        self.last_logits = self.h_logits.copy()
+        off = self.cfg.action_token_offset
+        bins = gen[1:1 + self.cfg.action_dims] - off
+        if np.any(bins < 0) or np.any(bins >= self.n_bins):
+            raise EngineError(f"decode produced token ids outside the action rows: {gen.tolist()}")
+        action = self.tokenizer.bins_to_action(bins)
+        t1 = time.perf_counter()
+        return ChunkResult(frame_id=int(frame_id), token_ids=gen, action_bins=bins, action=action,
+                           prefill_ms=float(prefill_ms), decode_ms=float(decode_ms), total_ms=(t1 - t0) * 1e3,
+                           evicted_frames=list(adm.evicted), kv_occupancy_tokens=int(self.kv.occupancy_tokens),
+                           salient=bool(salient))
+
+    def _device_chunk(self, cuda, x, frame_id, salient, pooled):
+        tpf = self.kv.tokens_per_frame
+        with self._active():
+            self._apply_moves()
+            adm = self.kv.admit(frame_id, pooled(x), salient)
+            self._ensure_capacity()
+            ctx = np.asarray(self.kv.context_slots(), dtype=np.int32)
+            n_ctx = len(ctx)
+            dec = self.decode_tokens
+            slots = np.concatenate([ctx, self.capacity + np.arange(dec, dtype=np.int32)])
+            self._set_inputs(x, slots, n_ctx, n_ctx - tpf, tpf, n_ctx)
+            self.ev[0].record(self.stream)
+            self._run_prefill()
+            self.ev[1].record(self.stream)
+            self._run_decode()
+            self.ev[2].record(self.stream)
+            cuda.memcpy_dtoh_async(self.h_tok, self.tok_buf, self.stream)
+            cuda.memcpy_dtoh_async(self.h_logits, self.logits, self.stream)
+            self.ev[3].record(self.stream)
+            self.ev[3].synchronize()
+            prefill_ms = self.ev[1].time_since(self.ev[0])
+            decode_ms = self.ev[2].time_since(self.ev[1])
+        return adm, self.h_tok.astype(np.int64), prefill_ms, decode_ms
+
+    # ---- read-back for tests and benchmarks --------------------------------------------------------------
+    def read_final_hidden(self) -> tuple[np.ndarray, np.ndarray]:
+        """(prefill rows (32, H), decode steps (decode_tokens, H)) of the final-normed hidden state."""
+        with self._active():
+            self.stream.synchronize()
+            a = np.empty((T_CHUNK, self.H), np.float32)
+            b = np.empty((self.decode_tokens, self.H), np.float32)
+            self._cuda.memcpy_dtoh(a, self.final_h)
+            self._cuda.memcpy_dtoh(b, self.final_h_dec)
+        return a, b
+
+    def time_kernels(self, reps: int = 20) -> dict[str, float]:
+        """GPU ms per chunk of each kernel family: one graph per family holding only its launches of a whole
+        chunk (prefill + decode), replayed ``reps`` times. Scribbles over activations and the decode scratch
+        of the KV cache: call reset() afterwards if the engine is to be used again (benchmark only)."""
+        from vla_edge_ros.engine.graphs import CudaGraph
+        tags = ["rmsnorm", "gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "kv_store", "attn_prefill", "attn_combine",
+                "embed", "gemv_qkv", "attn_decode", "gemv_resid", "gemv_gateup", "gemv_logits", "argmax"]
+        out: dict[str, float] = {}
+        with self._active():
+            for tag in tags:
+                self._only = {tag}
+                try:
+                    g = CudaGraph(tag).capture(self.stream, lambda: self._enqueue_prefill() + self._enqueue_decode())
+                finally:
+                    self._only = None
+                if g.nodes_hint == 0:  # family unused by this configuration
+                    g.destroy()
+                    continue
+                g.launch(self.stream)
+                self.ev[0].record(self.stream)
+                for _ in range(reps):
+                    g.launch(self.stream)
+                self.ev[1].record(self.stream)
+                self.ev[1].synchronize()
+                out[tag] = self.ev[1].time_since(self.ev[0]) / reps
+                g.destroy()
+        return out
+
+    def reset(self) -> None:
+        """Drop every retained frame; the pinned prefix (its K/V and slots) stays."""
+        self.needs_reset = False
+        if hasattr(self.kv, "reset"):
+            self.kv.reset()
+        else:
+            kv = self.kv
+            self.kv = type(kv)(kv.budget_tokens, kv.tokens_per_frame, kv.prefix_tokens, policy=kv.policy,
+                               window_frames=kv.window_frames, semantic_evict=kv.semantic_evict)
+
+    def memory(self) -> dict[str, int]:
+        s = self.tracker.stats()
+        return {"current_bytes": s["current_bytes"], "peak_bytes": s["peak_bytes"]}
+
+    def _release(self) -> None:
+        for g in getattr(self, "_graphs", {}).values():
+            try:
+                g.destroy()
+            except Exception:
+                pass
+        self._graphs = {}
+        tr = getattr(self, "tracker", None)
+        if tr is not None:
+            tr.free_all()
+        if getattr(self, "pdl_launcher", None) is not None:
+            self.pdl_launcher.unload()
+            self.pdl_launcher = None
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None) is None:
+            return
+        with self._active():
+            try:
+                self.stream.synchronize()
+            except Exception:
+                pass
+            self._release()
+        self._ctx.detach()
+        self._ctx = None
+
+    def __del__(self):  # best effort; close() is the contract
+        try:
+            if getattr(self, "_ctx", None) is not None and getattr(self, "tracker", None) is not None:
+                self.close()
+        except Exception:
+            pass
