@@ -9,36 +9,22 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
+
+from vla_edge_ros.bench.procs import Child, ros_child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
 def ros_env(domain_id: int, tmp: Optional[Path] = None) -> dict[str, str]:
-    if not 0 <= domain_id <= 232:
-        raise ValueError(domain_id)
+    """The tests' environment: our middleware settings always win over the shell's (keep_operator_settings off)."""
     home = Path(tmp) if tmp else Path(tempfile.mkdtemp(prefix="vla_ros_home_"))
-    home.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.update({
-        "ROS_DOMAIN_ID": str(domain_id),
-        "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
-        "ROS_HOME": str(home),
-        "ROS_LOG_DIR": str(home / "log"),
-        "RMW_IMPLEMENTATION": "rmw_fastrtps_cpp",
-        "FASTRTPS_DEFAULT_PROFILES_FILE": str(ROOT / "config" / "fastdds_profile.xml"),
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-    })
-    env.pop("ROS_LOCALHOST_ONLY", None)  # deprecated in Jazzy; conflicts with the discovery range
-    return env
+    return ros_child_env(domain_id, home, keep_operator_settings=False)
 
 
 def apply_env(domain_id: int, tmp: Optional[Path] = None) -> dict[str, str]:
@@ -51,43 +37,7 @@ def apply_env(domain_id: int, tmp: Optional[Path] = None) -> dict[str, str]:
     return env
 
 
-class Proc:
-    """A child process with its output in a file (no pipe to fill up), stopped with SIGINT."""
-
-    def __init__(self, args: Sequence[str], env: dict, log_path: Path, name: str = ""):
-        self.name = name or Path(args[2] if len(args) > 2 else args[0]).name
-        self.log_path = Path(log_path)
-        self._log = open(self.log_path, "wb")
-        self.p = subprocess.Popen(list(args), env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT))
-
-    def alive(self) -> bool:
-        return self.p.poll() is None
-
-    def stop(self, timeout_s: float = 15.0) -> int:
-        """SIGINT, wait; returns the exit code (SIGKILL + AssertionError-worthy -9 when it does not exit)."""
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGINT)
-            try:
-                self.p.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(5)
-                self._log.close()
-                return -9
-        self._log.close()
-        return self.p.returncode
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-            self.p.wait(5)
-        self._log.close()
-
-    def output(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+Proc = Child  # the tests' name for vla_edge_ros.bench.procs.Child (stop() waits 15 s by default)
 
 
 def module_cmd(module: str, *args: str) -> list[str]:

@@ -19,8 +19,6 @@ import argparse
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,17 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def ros_child_env(base: Optional[dict] = None) -> dict:
-    env = dict(os.environ if base is None else base)
-    env.setdefault("RMW_IMPLEMENTATION", "rmw_fastrtps_cpp")
-    env.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
-    env.setdefault("FASTRTPS_DEFAULT_PROFILES_FILE", str(ROOT / "config" / "fastdds_profile.xml"))
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.pop("ROS_LOCALHOST_ONLY", None)
-    return env
+# ros_child_env stays importable from here (vla_edge_ros/bench/runtime_bench.py uses it)
+from vla_edge_ros.bench.procs import ROOT, Child, ros_child_env
 
 
 class Watcher:
@@ -179,11 +168,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"vla_demo: {why}", file=sys.stderr)
             return 2
 
-    env = ros_child_env()
+    workdir = Path(tempfile.mkdtemp(prefix="vla_demo_"))
+    env = ros_child_env(None, workdir / "ros_home")  # ROS_DOMAIN_ID: this process's
     os.environ.update({k: env[k] for k in ("RMW_IMPLEMENTATION", "ROS_AUTOMATIC_DISCOVERY_RANGE",
                                            "FASTRTPS_DEFAULT_PROFILES_FILE")})
     os.environ.pop("ROS_LOCALHOST_ONLY", None)
-    workdir = Path(tempfile.mkdtemp(prefix="vla_demo_"))
     stats_path = workdir / "runtime_stats.json"
     py = sys.executable
     runtime_cmd = [py, "-m", "vla_edge_ros.ros.runtime", "--role", "all", "--stats-out", str(stats_path),
@@ -197,12 +186,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         runtime_cmd += ["-p", p]
     camera_cmd = [py, "-m", "vla_edge_ros.ros.test_camera"]
-    logs = {n: open(workdir / f"{n}.log", "wb") for n in ("runtime", "camera")}
     print(f"vla_demo: runtime + 60 Hz test camera, policy={args.policy}, backend={args.backend}, "
           f"{args.duration:.0f} s (logs in {workdir})")
     watcher = Watcher()
-    runtime = subprocess.Popen(runtime_cmd, env=env, stdout=logs["runtime"], stderr=subprocess.STDOUT)
-    camera = subprocess.Popen(camera_cmd, env=env, stdout=logs["camera"], stderr=subprocess.STDOUT)
+    # cwd=None: a relative --checkpoint given by the user stays relative to where the demo was started
+    runtime = Child(runtime_cmd, env, workdir / "runtime.log", name="runtime", cwd=None)
+    camera = Child(camera_cmd, env, workdir / "camera.log", name="camera", cwd=None)
     rc = 0
     try:
         t0 = time.monotonic()
@@ -210,9 +199,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             _, diag = watcher.snapshot()
             if diag.get("vla_inference: engine", {}).get("state") == "active":
                 break
-            if runtime.poll() is not None:
-                raise RuntimeError(f"vla_runtime exited with {runtime.returncode} during start-up; see "
-                                   f"{workdir / 'runtime.log'}:\n" + (workdir / "runtime.log").read_text()[-2000:])
+            if not runtime.alive():
+                raise RuntimeError(f"vla_runtime exited with {runtime.p.returncode} during start-up; see "
+                                   f"{workdir / 'runtime.log'}:\n" + runtime.output()[-2000:])
             if time.monotonic() - t0 > args.startup_timeout:
                 raise RuntimeError(f"vla_runtime not active after {args.startup_timeout:.0f} s; see {workdir}")
             time.sleep(0.1)
@@ -226,30 +215,24 @@ def main(argv: Optional[list[str]] = None) -> int:
             kinds, diag = watcher.snapshot()
             print(live_line(time.monotonic() - t_start, kinds, prev, diag), flush=True)
             prev = kinds
-            if runtime.poll() is not None or camera.poll() is not None:
-                raise RuntimeError(f"a child process exited early (runtime {runtime.returncode}, camera "
-                                   f"{camera.returncode}); logs in {workdir}")
+            if not runtime.alive() or not camera.alive():
+                raise RuntimeError(f"a child process exited early (runtime {runtime.p.returncode}, camera "
+                                   f"{camera.p.returncode}); logs in {workdir}")
     except (RuntimeError, KeyboardInterrupt) as exc:
         print(f"vla_demo: {exc}", file=sys.stderr)
         rc = 1
     finally:
-        for p in (runtime, camera):
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in (runtime, camera):
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        for child in (runtime, camera):  # SIGINT to both first: they shut down in parallel, as before
+            child.interrupt()
+        for child in (runtime, camera):
+            if child.stop(20) == -9:  # did not exit on SIGINT: killed
                 rc = rc or 1
         kinds, _ = watcher.snapshot()
         watcher.close()
-        for f in logs.values():
-            f.close()
     if rc:
         return rc
-    if runtime.returncode != 0 or not stats_path.exists():
-        print(f"vla_demo: runtime exit code {runtime.returncode}, stats {'missing' if not stats_path.exists() else 'ok'}"
+    if runtime.p.returncode != 0 or not stats_path.exists():
+        print(f"vla_demo: runtime exit code {runtime.p.returncode}, stats {'missing' if not stats_path.exists() else 'ok'}"
               f"; see {workdir / 'runtime.log'}", file=sys.stderr)
         return 1
     stats = json.loads(stats_path.read_text())

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--json", default="", help="also write the figures here")
     a = ap.parse_args(argv)
-    from vla_edge_ros.bench.demo import ros_child_env
+    from vla_edge_ros.bench.procs import ros_child_env
 
     env = ros_child_env()
     os.environ.update(env)

@@ -31,7 +31,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,66 +38,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[2]
+from vla_edge_ros.bench.procs import Child, ros_child_env, rss_mb
+
 ACTIVE_LINE = "active: admitting chunks"
-
-
-def child_env(ros_home: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("RMW_IMPLEMENTATION", "rmw_fastrtps_cpp")
-    env.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
-    env.setdefault("FASTRTPS_DEFAULT_PROFILES_FILE", str(ROOT / "config" / "fastdds_profile.xml"))
-    env.setdefault("ROS_HOME", str(ros_home))
-    env.setdefault("ROS_LOG_DIR", str(Path(env["ROS_HOME"]) / "log"))
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("ROS_LOCALHOST_ONLY", None)  # deprecated in Jazzy; conflicts with the discovery range
-    return env
-
-
-def rss_mb(pid: int) -> Optional[float]:
-    """VmRSS of ``pid`` in MiB from /proc (None once the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-class Child:
-    """A child process whose output goes to a file (a pipe could fill up during a 30-minute run)."""
-
-    def __init__(self, name: str, args: list[str], env: dict, log_dir: Path):
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        self.p = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT))
-
-    def alive(self) -> bool:
-        return self.p.poll() is None
-
-    def output(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self, timeout_s: float = 20.0) -> int:
-        """SIGINT and wait; SIGKILL (reported as -9) when it does not exit."""
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGINT)
-            try:
-                self.p.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(5)
-                self._log.close()
-                return -9
-        self._log.close()
-        return self.p.returncode
+STOP_TIMEOUT_S = 20.0  # SIGINT to exit: the runtime writes its final stats while shutting down
 
 
 class TickListener:
@@ -284,7 +227,7 @@ def run(opts: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     log_dir = Path(opts.keep_logs) if opts.keep_logs else Path(tempfile.mkdtemp(prefix="vla_soak_"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = child_env(log_dir / "ros_home")
+    env = ros_child_env(None, log_dir / "ros_home")  # ROS_DOMAIN_ID: this process's
     for k in ("RMW_IMPLEMENTATION", "ROS_AUTOMATIC_DISCOVERY_RANGE", "FASTRTPS_DEFAULT_PROFILES_FILE", "ROS_HOME",
               "ROS_LOG_DIR"):
         os.environ[k] = env[k]  # this process's listener uses the same middleware settings
@@ -298,8 +241,9 @@ def run(opts: argparse.Namespace) -> int:
             print(f"vla_soak: --param expects NAME:=VALUE, got {p!r}", file=sys.stderr)
             return 2
         ros_args += ["-p", p]
-    runtime = Child("runtime", [sys.executable, "-m", "vla_edge_ros.ros.runtime", "--stats-out", str(stats_path),
-                                "--stats-every-s", "2", *(ros_args if len(ros_args) > 1 else [])], env, log_dir)
+    runtime = Child([sys.executable, "-m", "vla_edge_ros.ros.runtime", "--stats-out", str(stats_path),
+                     "--stats-every-s", "2", *(ros_args if len(ros_args) > 1 else [])], env, log_dir / "runtime.log",
+                    name="runtime")
     listener = TickListener("/vla/action")
     camera: Optional[Child] = None
     rss: list[tuple[float, float]] = []
@@ -317,9 +261,9 @@ def run(opts: argparse.Namespace) -> int:
                 break
             time.sleep(0.2)
         if not failure:
-            camera = Child("camera", [sys.executable, "-m", "vla_edge_ros.ros.test_camera", "--ros-args",
-                                      "-p", f"rate_hz:={opts.camera_rate_hz}", "-p", f"width:={opts.camera_width}",
-                                      "-p", f"height:={opts.camera_height}"], env, log_dir)
+            camera = Child([sys.executable, "-m", "vla_edge_ros.ros.test_camera", "--ros-args",
+                            "-p", f"rate_hz:={opts.camera_rate_hz}", "-p", f"width:={opts.camera_width}",
+                            "-p", f"height:={opts.camera_height}"], env, log_dir / "camera.log", name="camera")
             while listener.kinds_total["fresh"] == 0:
                 if not runtime.alive() or time.monotonic() > deadline or stop.is_set():
                     failure = "no fresh action from the runtime"
@@ -358,8 +302,8 @@ def run(opts: argparse.Namespace) -> int:
                 rss.append((t1, v))
     finally:
         final_live = read_stats(stats_path)
-        cam_rc = camera.stop() if camera is not None else None
-        rt_rc = runtime.stop()
+        cam_rc = camera.stop(STOP_TIMEOUT_S) if camera is not None else None
+        rt_rc = runtime.stop(STOP_TIMEOUT_S)
         listener.close()
     final = read_stats(stats_path) or final_live  # written by the runtime at SIGINT shutdown
     if failure or t0 is None:

@@ -23,8 +23,6 @@ import json
 import math
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,6 +33,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from vla_edge_ros import params as registry
+from vla_edge_ros.bench.procs import Child, ros_child_env, rss_mb
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_OXE = REPO.parent / "shared" / "data" / "oxe"
@@ -165,15 +164,6 @@ class ActionListener:
 # one run
 # ---------------------------------------------------------------------------------------------------------------
 
-def ros_env(domain_id: int, ros_home: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(ROS_DOMAIN_ID=str(domain_id), ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_HOME=str(ros_home),
-               PYTHONUNBUFFERED="1")
-    env.setdefault("RMW_IMPLEMENTATION", "rmw_fastrtps_cpp")
-    env.setdefault("FASTRTPS_DEFAULT_PROFILES_FILE", str(REPO / "config" / "fastdds_profile.xml"))
-    return env
-
-
 def write_params(path: Path, policy: str, overrides: dict[str, Any], backend: str, checkpoint: str,
                  instruction: Optional[str]) -> dict[str, Any]:
     import yaml
@@ -191,16 +181,6 @@ def write_params(path: Path, policy: str, overrides: dict[str, Any], backend: st
            "vla_camera": {"ros__parameters": {"frozen_frame_limit": 0}}}
     path.write_text(yaml.safe_dump(doc, sort_keys=True))
     return inference
-
-
-def _process_tree_rss_mb(pid: int) -> Optional[float]:
-    try:
-        import psutil
-
-        p = psutil.Process(pid)
-        return sum(q.memory_info().rss for q in [p] + p.children(recursive=True)) / 2**20
-    except Exception:
-        return None
 
 
 def _read_json(path: Path) -> Optional[dict]:
@@ -242,27 +222,25 @@ def run_once(bag: Path, policy: str, setting: str, duration: float, out_dir: Pat
     replay_stats = logs / f"{tag}.replay.json"
     for p in (stats_path, replay_stats):
         p.unlink(missing_ok=True)
-    rt_log = open(logs / f"{tag}.runtime.log", "w")
-    rp_log = open(logs / f"{tag}.replay.log", "w")
-    runtime = subprocess.Popen(
+    runtime = Child(
         [sys.executable, "-m", "vla_edge_ros.ros.runtime", "--stats-out", str(stats_path), "--stats-every-s", "0.5",
          "--duration-s", str(duration + startup_timeout + 60), "--ros-args", "--params-file", str(params_path)],
-        env=env, stdout=rt_log, stderr=subprocess.STDOUT, cwd=REPO)
+        env, logs / f"{tag}.runtime.log", name="runtime", cwd=REPO)
     if listener is not None:
         listener.reset()
-    replay = subprocess.Popen(
+    replay = Child(
         [sys.executable, "-m", "vla_edge_ros.ros.bag_replay", str(bag), "--camera-hz", str(camera_hz), "--decode",
          "--loop", "--duration-s", str(duration), "--wait-for", "/camera/image_raw", "--wait-timeout-s",
          str(startup_timeout), "--stats-out", str(replay_stats)],
-        env=env, stdout=rp_log, stderr=subprocess.STDOUT, cwd=REPO)
+        env, logs / f"{tag}.replay.log", name="replay", cwd=REPO)
     timeline: list[dict[str, Any]] = []
     t0 = time.monotonic()
     last_mtime = 0.0
     try:
-        while replay.poll() is None and runtime.poll() is None:
+        while replay.alive() and runtime.alive():
             time.sleep(0.25)
             sample: dict[str, Any] = {"t_s": round(time.monotonic() - t0, 3),
-                                      "rss_mb": _process_tree_rss_mb(runtime.pid)}
+                                      "rss_mb": rss_mb(runtime.p.pid, tree=True)}
             try:
                 mtime = stats_path.stat().st_mtime
             except OSError:
@@ -275,28 +253,18 @@ def run_once(bag: Path, policy: str, setting: str, duration: float, out_dir: Pat
                 sample["admitted"] = _get(st, "chunks", "admitted")
                 sample["refused"] = _get(st, "chunks", "refused")
             timeline.append(sample)
-        if runtime.poll() is not None and replay.poll() is None:  # the runtime died: no point replaying on
-            replay.send_signal(signal.SIGINT)
-        replay.wait(timeout=startup_timeout + duration + 30)
+        if not runtime.alive() and replay.alive():  # the runtime died: no point replaying on
+            replay.interrupt()
+        replay.p.wait(timeout=startup_timeout + duration + 30)
     finally:
-        if runtime.poll() is None:
-            runtime.send_signal(signal.SIGINT)
-        try:
-            runtime.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            runtime.kill()
-            runtime.wait()
-        if replay.poll() is None:
-            replay.send_signal(signal.SIGINT)
-            replay.wait(timeout=10)
-        rt_log.close()
-        rp_log.close()
+        runtime.stop(30)
+        replay.stop(10)
     stats = _read_json(stats_path)
     rstats = _read_json(replay_stats) or {}
     result = summarise(policy, setting, inference_params, stats or {}, rstats, timeline,
-                       listener.action_error() if listener is not None else None, runtime.returncode)
+                       listener.action_error() if listener is not None else None, runtime.p.returncode)
     if stats is None:  # recorded as a failed run; the other runs go on
-        result["error"] = (f"the runtime wrote no stats (exit code {runtime.returncode}); see "
+        result["error"] = (f"the runtime wrote no stats (exit code {runtime.p.returncode}); see "
                            f"{logs / (tag + '.runtime.log')}")
     return result
 
@@ -595,7 +563,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     else:
         bag, desc = default_bag(work)
     instruction = first_instruction(bag)
-    env = ros_env(args.domain_id, work / "ros_home")
+    env = ros_child_env(args.domain_id, work / "ros_home")
     for k in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "RMW_IMPLEMENTATION", "FASTRTPS_DEFAULT_PROFILES_FILE", "ROS_HOME"):
         os.environ[k] = env[k]  # the in-process listener's middleware
     listener = None
