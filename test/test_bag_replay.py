@@ -169,3 +169,145 @@ def test_bad_arguments_are_reported(ros_env, tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr
     r = replay(ros_env, "--bag", tmp_path / "other_missing_bag")  # the launch file's spelling
     assert r.returncode == 2 and "other_missing_bag" in r.stderr
+
+
+# ---- bad bags: a clear error and exit 2, or the valid part replayed and the loss reported with exit 3 -------
+@pytest.fixture(scope="module")
+def bags(tmp_path_factory, bag):
+    """{'mcap': bag, 'sqlite3': bag}: the same synthetic episodes in both storages."""
+    d = tmp_path_factory.mktemp("replay_sqlite")
+    src = rlds.write_synthetic_dataset(d / "src", "bridge_dataset", episodes=EPISODES, steps=STEPS)
+    oxe_to_bag.convert(src, d / "bag", progress=False, episode_gap_s=GAP_S, storage="sqlite3")
+    return {"mcap": bag, "sqlite3": d / "bag"}
+
+
+def damaged_copy(bags, storage, tmp_path) -> tuple[Path, Path]:
+    """A copy of the bag to damage: (bag dir, its data file)."""
+    import shutil
+
+    out = tmp_path / f"{storage}_bag"
+    shutil.copytree(bags[storage], out)
+    (data,) = [p for p in out.iterdir() if p.suffix in (".mcap", ".db3")]
+    return out, data
+
+
+def replay_json(env, bag_dir, tmp_path, *args):
+    out = tmp_path / "summary.json"
+    r = replay(env, bag_dir, "--rate", 20, "--stats-out", out, *args)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r, (json.loads(out.read_text()) if out.exists() else None)
+
+
+@pytest.mark.parametrize("storage", ["mcap", "sqlite3"])
+def test_truncated_bag(ros_env, bags, storage, tmp_path):
+    bag_dir, data = damaged_copy(bags, storage, tmp_path)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    r, summary = replay_json(ros_env, bag_dir, tmp_path)
+    if storage == "mcap":
+        # MCAP is a sequence of self-contained records: the complete ones before the cut are replayed
+        assert r.returncode == 3, r.stderr
+        assert "partial replay" in r.stderr and "truncated" in r.stderr
+        n = summary["published"]["/vla/recorded_action"]
+        assert 0 < n < EPISODES * STEPS, summary
+        assert not summary["complete"] and "complete messages in its first" in summary["bag_note"]
+    else:
+        # sqlite refuses a database cut in half: nothing to replay, one clear line
+        assert r.returncode == 2 and summary is None, r.stderr
+        assert "cannot be read (sqlite3)" in r.stderr and "malformed" in r.stderr, r.stderr
+    # a data file cut to nothing, or with its first bytes overwritten: refused with the reason
+    data.write_bytes(b"")
+    r, _ = replay_json(ros_env, bag_dir, tmp_path)
+    assert r.returncode == 2 and "cannot be read" in r.stderr and ("empty" in r.stderr or "database" in r.stderr), \
+        r.stderr
+
+
+@pytest.mark.parametrize("storage", ["mcap", "sqlite3"])
+def test_corrupt_messages_skipped_and_counted(ros_env, bags, storage, tmp_path):
+    """Bytes overwritten inside one recorded action and one JPEG frame in the middle of the bag: those two
+    messages are skipped and reported, everything else is replayed."""
+    from rosbags.rosbag2 import Reader
+
+    bag_dir, data = damaged_copy(bags, storage, tmp_path)
+    with Reader(bag_dir) as reader:
+        raws = {}
+        for conn, _, raw in reader.messages():
+            raws.setdefault(conn.topic, []).append(bytes(raw))
+    blob = bytearray(data.read_bytes())
+    action = raws["/vla/recorded_action"][STEPS]  # first action of the second episode
+    at = blob.find(action)
+    assert at > 0 and blob.find(action, at + 1) < 0
+    blob[at + 12:at + 16] = b"\xff" * 4  # CDR header (4) + stamp (8), then the frame_id length: 4 GiB
+    frame = raws["/camera/image_raw/compressed"][STEPS]
+    at = blob.find(frame)
+    soi = frame.find(b"\xff\xd8\xff")
+    assert at > 0 and soi > 0
+    blob[at + soi:at + soi + 3] = b"\x00\x00\x00"  # not a JPEG any more
+    data.write_bytes(bytes(blob))
+
+    r, summary = replay_json(ros_env, bag_dir, tmp_path, "--decode")
+    assert r.returncode == 3, r.stderr
+    assert summary["skipped_messages"] == {"/vla/recorded_action": 1, "/camera/image_raw/compressed": 1}, summary
+    assert "deserialize" in summary["skip_reasons"]["/vla/recorded_action"]
+    assert summary["published"]["/vla/recorded_action"] == EPISODES * STEPS - 1
+    assert summary["published"]["/camera/image_raw"] == EPISODES * STEPS - 1
+    assert "partial replay" in r.stderr and "2 message(s)" not in r.stderr and "skipped" in r.stderr
+
+
+@pytest.mark.parametrize("storage", ["mcap", "sqlite3"])
+def test_missing_or_broken_metadata(ros_env, bags, storage, tmp_path):
+    bag_dir, data = damaged_copy(bags, storage, tmp_path)
+    meta = bag_dir / "metadata.yaml"
+    text = meta.read_text()
+    meta.unlink()
+    r, _ = replay_json(ros_env, bag_dir, tmp_path)
+    assert r.returncode == 2 and "metadata.yaml is missing" in r.stderr and data.name in r.stderr, r.stderr
+    assert "ros2 bag reindex" in r.stderr
+    meta.write_text(text[: len(text) // 2] + "\n  - [unclosed\n")
+    r, _ = replay_json(ros_env, bag_dir, tmp_path)
+    assert r.returncode == 2 and "cannot be read" in r.stderr and "metadata.yaml" in r.stderr, r.stderr
+    meta.write_text(text)
+    data.unlink()
+    r, _ = replay_json(ros_env, bag_dir, tmp_path)
+    assert r.returncode == 2 and "missing" in r.stderr and data.name in r.stderr, r.stderr
+    r, _ = replay_json(ros_env, data, tmp_path)  # a file, not a bag directory
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    r, _ = replay_json(ros_env, meta, tmp_path)
+    assert r.returncode == 2 and "not a directory" in r.stderr
+
+
+def test_read_error_mid_playback_keeps_what_was_replayed(ros_env, bag, monkeypatch):
+    """The reader failing in the middle of the bag (a damaged block further in): playback ends with what was
+    published, the error is recorded, nothing raises out of the player thread."""
+    from rosbags.rosbag2.errors import ReaderError
+
+    from vla_edge_ros.ros import bag_replay
+
+    ctx = Context()
+    rclpy.init(context=ctx, domain_id=DOMAIN_ID)
+    try:
+        node = bag_replay.BagReplay({"bag": str(bag), "rate": 50.0}, context=ctx)
+        real_open = bag_replay.open_bag
+
+        class FailingSource:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def messages(self, topics, start):
+                for i, item in enumerate(self.inner.messages(topics, start)):
+                    if i == 5:
+                        raise ReaderError("Chunk checksum mismatch.")
+                    yield item
+
+            def close(self):
+                self.inner.close()
+
+        monkeypatch.setattr(bag_replay, "open_bag", lambda b: FailingSource(real_open(b)))
+        node.run()  # in this thread: an exception would fail the test
+        assert node.done.is_set() and node.partial and node.passes == 0
+        assert "Chunk checksum mismatch" in node.read_error and "after 5 published" in node.read_error
+        assert sum(node.counts.values()) == 5
+        s = node.summary()
+        assert s["read_error"] == node.read_error and s["complete"] is False
+        node.destroy_node()
+    finally:
+        rclpy.shutdown(context=ctx)

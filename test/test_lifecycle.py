@@ -1,8 +1,10 @@
 """The lifecycle of vla_inference driven through its lifecycle services from another process:
 configure / activate / deactivate / cleanup, an invalid transition answered (not crashing the node), and a
-failing configure leaving the node in a defined state with the reason on /diagnostics."""
+failing configure leaving the node in a defined state with the reason on /diagnostics, then configured with a
+valid checkpoint once one is installed."""
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 
@@ -165,6 +167,19 @@ def test_failed_configure_reports_reason_and_stays_unconfigured(tmp_path):
         assert runtime.alive()
         s = _stats(stats)
         assert s["ticks"]["fresh"] == 0 and s["ticks"]["hold"] > 0  # the publisher holds throughout
+        # the operator installs the checkpoint where the parameter points: configure again works, the error
+        # clears from /diagnostics, and the node runs
+        from vla_edge_ros.engine.factory import resolve_checkpoint
+
+        shutil.copytree(resolve_checkpoint(""), tmp_path / "no_such_checkpoint")
+        assert lc.transition(T.TRANSITION_CONFIGURE) is True
+        assert lc.state() == "inactive"
+        assert wait_for(lambda: lc.diag.get("last_error", "x") == "" and lc.diag.get("state") == "inactive", 5.0), \
+            lc.diag
+        assert lc.diag["_level"] in (b"\x01", 1)  # WARN: inactive
+        assert lc.transition(T.TRANSITION_ACTIVATE) is True
+        assert wait_for(lambda: lc.diag.get("state") == "active" and lc.diag["_level"] in (b"\x00", 0), 5.0), \
+            lc.diag
     finally:
         lc.close()
         rc = runtime.stop()

@@ -138,3 +138,63 @@ def test_runtime_args(tmp_path):
     assert runtime.parse_args(["x", "--no-autostart"]).autostart is False
     with pytest.raises(SystemExit):
         runtime.parse_args(["x", "--role", "everything"])
+
+
+def test_inference_health_error_then_recovered_then_ok():
+    h = diagnostics.inference_health
+    E, W, O = diagnostics.ERROR, diagnostics.WARN, diagnostics.OK
+    err = "chunk_error: InjectedFault: boom"
+    assert h("active") == (O, "active")
+    # a chunk fault: ERROR while recent, WARN "recovered" for a while, then OK
+    assert h("active", err, 0.0, False) == (E, err)
+    assert h("active", err, diagnostics.ERROR_HOLD_S - 0.1, False)[0] == E
+    lvl, msg = h("active", err, diagnostics.ERROR_HOLD_S + 0.1, False)
+    assert lvl == W and msg.startswith("recovered") and err in msg
+    assert h("active", err, diagnostics.RECOVERED_WARN_S - 0.1, False)[0] == W
+    assert h("active", err, diagnostics.RECOVERED_WARN_S + 0.1, False) == (O, "active")
+    # the thresholds are parameters of the pure function
+    assert h("active", err, 2.0, False, error_hold_s=1.0, recovered_warn_s=3.0)[0] == W
+    assert h("active", err, 3.5, False, error_hold_s=1.0, recovered_warn_s=3.0)[0] == O
+    # a failed transition (sticky) or an error of unknown age never decays
+    assert h("unconfigured", "configure failed: x", 1e6, True) == (E, "configure failed: x")
+    assert h("active", err, None, False)[0] == E
+    # after recovery an inactive node is still reported as such
+    assert h("inactive", err, diagnostics.RECOVERED_WARN_S + 1, False) == (W, "inference inactive")
+
+
+def test_inference_health_in_flight_chunk():
+    h = diagnostics.inference_health
+    E, W, O = diagnostics.ERROR, diagnostics.WARN, diagnostics.OK
+    assert h("active", in_flight_ms=20.0, deadline_ms=33.0) == (O, "active")
+    lvl, msg = h("active", in_flight_ms=120.0, deadline_ms=33.0)
+    assert lvl == W and "120 ms" in msg and "deadline_ms=33" in msg
+    assert h("active", in_flight_ms=120.0)[0] == O  # no deadline known: only the hung limit applies
+    lvl, msg = h("active", in_flight_ms=diagnostics.HUNG_CHUNK_MS + 1, deadline_ms=33.0)
+    assert lvl == E and "hung" in msg
+    # a recent fault outranks the in-flight warning; the in-flight warning outranks "recovered"
+    assert h("active", "chunk_error: x", 1.0, False, in_flight_ms=50.0, deadline_ms=33.0)[0] == E
+    assert "in flight" in h("active", "chunk_error: x", diagnostics.ERROR_HOLD_S + 1, False, in_flight_ms=50.0,
+                            deadline_ms=33.0)[1]
+
+
+def test_inference_status_carries_loop_counters_and_decays():
+    def values(st):
+        return {kv.key: kv.value for kv in st.values}
+
+    loop = {"in_flight_ms": 250.0, "errors": 3, "engine_resets": 2, "late_discarded": 1,
+            "admission": {"deadline_ms": 33.0}}
+    st = diagnostics.inference_status({"state": "active", "loop": loop})
+    v = values(st)
+    assert st.level == diagnostics.WARN and "250 ms" in st.message
+    assert (v["chunk_in_flight_ms"], v["deadline_ms"], v["loop_errors"], v["engine_resets"],
+            v["late_discarded"]) == ("250.000", "33.000", "3", "2", "1")
+    snap = {"state": "active", "loop": {**loop, "in_flight_ms": 0.0}, "deadline_ms": 33.0,
+            "last_error": "chunk_error: MemoryError: x", "last_error_sticky": False}
+    assert diagnostics.inference_status({**snap, "last_error_age_s": 1.0}).level == diagnostics.ERROR
+    rec = diagnostics.inference_status({**snap, "last_error_age_s": 7.0})
+    assert rec.level == diagnostics.WARN and rec.message.startswith("recovered")
+    assert values(rec)["last_error"] == "chunk_error: MemoryError: x" and values(rec)["last_error_age_s"] == "7.000"
+    assert diagnostics.inference_status({**snap, "last_error_age_s": 600.0}).level == diagnostics.OK
+    # the snapshot's own deadline_ms wins over the loop's admission figure
+    assert diagnostics.inference_status({"state": "active", "deadline_ms": 300.0, "loop": loop}).level == \
+        diagnostics.OK

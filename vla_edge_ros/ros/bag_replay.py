@@ -22,6 +22,14 @@ recorded ones) and ``/vla/episode_events``.
 - ``wait_for``: topics that must have a matched subscriber before playback starts (``wait_timeout_s``), so a
   consumer started at the same time (the runtime, a test) does not miss the beginning.
 
+Bad bags: an unreadable bag (missing directory, missing or invalid ``metadata.yaml``, missing or corrupt data
+file) is refused with one clear line on stderr and exit code 2, never a traceback. An MCAP file cut short (a
+recorder killed before writing its footer, a copy truncated) is replayed up to its last complete record and the
+loss is reported. A message that cannot be deserialized or decoded (corrupt bytes) is skipped and counted per
+topic, and a read error in the middle of playback ends the replay with what was read so far. Exit code 0: the
+whole bag was replayed; 3: a partial replay (prefix of a truncated file, skipped messages or a read error; the
+``--stats-out`` summary and the log say what was skipped); 2: nothing could be replayed.
+
 Every option is also a ROS parameter (``--ros-args -p camera_hz:=60.0``); the command-line flags give the
 parameters' defaults. Camera topics use the camera publisher QoS of ros/qos.py (best effort, keep last 1, with
 a deadline, so they match the runtime's camera subscription); ``/vla/instruction`` is reliable +
@@ -34,9 +42,11 @@ import importlib
 import io
 import json
 import signal
+import struct
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -52,8 +62,8 @@ from vla_edge_ros.ros import conversions, qos
 
 IMAGE_TYPES = ("sensor_msgs/msg/Image", "sensor_msgs/msg/CompressedImage")
 COMPRESSED_SUFFIX = "/compressed"
-LATE_MS = 5.0
-LINGER_S = 0.5  # stay up this long after the last message before destroying the publishers  # a message published more than this after its due time counts as late
+LATE_MS = 5.0  # a message published more than this after its due time counts as late
+LINGER_S = 0.5  # stay up this long after the last message before destroying the publishers
 
 
 def message_class(msgtype: str):
@@ -71,6 +81,225 @@ def _decode_jpeg(data) -> "object":
 
     with PILImage.open(io.BytesIO(bytes(data))) as im:
         return np.asarray(im.convert("RGB"), dtype=np.uint8)
+
+
+EXIT_OK, EXIT_UNREADABLE, EXIT_PARTIAL = 0, 2, 3
+MCAP_MAGIC = b"\x89MCAP0\r\n"
+# rosbags refuses an MCAP file without a valid footer / summary; these are the messages it raises then.
+MCAP_TRUNCATION_ERRORS = ("File end magic is invalid", "Invalid MCAP footer", "Invalid MCAP summary offset")
+
+
+class BagError(ValueError):
+    """A bag that cannot be replayed at all (the message says why)."""
+
+
+class RosbagsSource:
+    """A readable rosbag2 bag (rosbags Reader): topics, time range and raw messages."""
+
+    def __init__(self, reader):
+        self._reader = reader
+        self.start_time, self.end_time = reader.start_time, reader.end_time
+        self.topics = [(c.topic, c.msgtype) for c in reader.connections]
+        self.note = ""  # what was lost (empty: nothing)
+
+    def messages(self, topics, start):
+        conns = [c for c in self._reader.connections if c.topic in topics]
+        for conn, t_ns, raw in self._reader.messages(connections=conns, start=start):
+            yield conn.topic, t_ns, raw
+
+    def close(self):
+        self._reader.close()
+
+
+class McapPrefixSource:
+    """The complete records at the start of an MCAP file whose end is missing (no footer / summary).
+
+    MCAP is a sequence of records ``opcode u8, length u64 LE, content``; a truncated file holds every record up
+    to the cut intact. Schema (0x03), Channel (0x04), Message (0x05) and Chunk (0x06, holding those, possibly
+    compressed) records are read in file order; the scan stops at the first record that does not fit in the file
+    or cannot be parsed, and ``valid_bytes`` says where."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path = Path(path)
+        self.file_bytes = self.path.stat().st_size
+        self.channels: dict[int, tuple[str, str]] = {}  # id -> (topic, msgtype)
+        self.valid_bytes = 0
+        self.stop_reason = ""
+        self.message_count = 0
+        self.start_time, self.end_time = 2**63 - 1, 0
+        schemas: dict[int, str] = {}
+        for kind, rec in self._records():
+            if kind == 0x03:
+                sid, name = rec
+                schemas[sid] = name
+            elif kind == 0x04:
+                cid, sid, topic = rec
+                self.channels[cid] = (topic, schemas.get(sid, "?"))
+            elif kind == 0x05:
+                self.message_count += 1
+                self.start_time = min(self.start_time, rec[1])
+                self.end_time = max(self.end_time, rec[1])
+        if not self.message_count:
+            raise BagError(f"{self.path}: MCAP file truncated ({reason}) and no complete message before the cut "
+                           f"({self.stop_reason or 'empty'})")
+        self.topics = sorted(set(self.channels.values()))
+        self.note = (f"MCAP file {self.path.name} is truncated ({reason}): replaying the {self.message_count} "
+                     f"complete messages in its first {self.valid_bytes} of {self.file_bytes} bytes"
+                     f" ({self.stop_reason})")
+
+    @staticmethod
+    def _string(buf: bytes, off: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<I", buf, off)
+        if off + 4 + n > len(buf):
+            raise ValueError("string runs past its record")
+        return buf[off + 4:off + 4 + n].decode("utf-8"), off + 4 + n
+
+    def _parse(self, op: int, body: bytes):
+        if op == 0x03:
+            (sid,) = struct.unpack_from("<H", body, 0)
+            name, _ = self._string(body, 2)
+            return sid, name
+        if op == 0x04:
+            cid, sid = struct.unpack_from("<HH", body, 0)
+            topic, _ = self._string(body, 4)
+            return cid, sid, topic
+        if op == 0x05:
+            cid, _seq, log_time = struct.unpack_from("<HIQ", body, 0)
+            return cid, log_time, body[22:]
+        return None
+
+    def _chunk_records(self, body: bytes):
+        _t0, _t1, size, crc = struct.unpack_from("<QQQI", body, 0)
+        compression, off = self._string(body, 28)
+        (clen,) = struct.unpack_from("<Q", body, off)
+        data = body[off + 8:off + 8 + clen]
+        if len(data) != clen:
+            raise ValueError("chunk data runs past its record")
+        if compression:
+            from rosbags.rosbag2.storage_mcap import decompress  # zstd / lz4, with the CRC check
+
+            data = decompress(data, compression, size, crc)
+        elif crc and zlib.crc32(data) != crc:
+            raise ValueError("chunk checksum mismatch")
+        pos, out = 0, []
+        while pos < len(data):
+            op, length = struct.unpack_from("<BQ", data, pos)
+            inner = data[pos + 9:pos + 9 + length]
+            if len(inner) != length:
+                raise ValueError("record runs past its chunk")
+            out.append((op, inner))
+            pos += 9 + length
+        return out
+
+    def _cut_chunk(self, body: bytes, pos: int):
+        """The complete records of an uncompressed chunk whose end is missing (the file was cut inside it)."""
+        try:
+            compression, off = self._string(body, 28)
+        except (struct.error, ValueError, UnicodeDecodeError):
+            return
+        if compression:  # a compressed stream cut short cannot be decoded
+            return
+        off += 8  # records length: what the chunk should have held
+        while off + 9 <= len(body):
+            op, length = struct.unpack_from("<BQ", body, off)
+            if off + 9 + length > len(body):
+                break
+            try:
+                rec = self._parse(op, body[off + 9:off + 9 + length])
+            except Exception:
+                break
+            off += 9 + length
+            self.valid_bytes = pos + 9 + off
+            if rec is not None:
+                yield op, rec
+
+    def _records(self):
+        """(opcode, parsed) of every complete schema / channel / message record, in file order."""
+        with open(self.path, "rb") as f:
+            if f.read(8) != MCAP_MAGIC:
+                self.stop_reason = "bad file magic"
+                return
+            pos = 8
+            while True:
+                head = f.read(9)
+                if len(head) < 9:
+                    self.stop_reason = "file ends inside a record header" if head else "file ends"
+                    break
+                op, length = struct.unpack("<BQ", head)
+                if length > self.file_bytes - pos - 9:
+                    self.stop_reason = f"record at byte {pos} (opcode 0x{op:02x}) cut short"
+                    if op == 0x06:  # an uncompressed chunk cut short still holds complete records
+                        for o, rec in self._cut_chunk(f.read(), pos):
+                            yield o, rec
+                    break
+                body = f.read(length)
+                if op in (0x02, 0x0F):  # footer / data end: the data section is complete
+                    self.valid_bytes = pos + 9 + length
+                    self.stop_reason = "end of data"
+                    break
+                try:
+                    inner = self._chunk_records(body) if op == 0x06 else [(op, body)]
+                    parsed = [(o, self._parse(o, b)) for o, b in inner]
+                except Exception as exc:  # a damaged record: everything before it is still good
+                    self.stop_reason = f"record at byte {pos} (opcode 0x{op:02x}) unreadable: {exc}"
+                    break
+                pos += 9 + length
+                self.valid_bytes = pos
+                for o, rec in parsed:
+                    if rec is not None:
+                        yield o, rec
+
+    def messages(self, topics, start):
+        for kind, rec in self._records():
+            if kind == 0x04:
+                cid, sid, topic = rec
+                self.channels.setdefault(cid, (topic, "?"))
+            elif kind == 0x05:
+                cid, t_ns, raw = rec
+                topic = self.channels.get(cid, ("", ""))[0]
+                if topic in topics and t_ns >= start:
+                    yield topic, t_ns, raw
+
+    def close(self):
+        pass
+
+
+def _metadata_files(path: Path) -> tuple[str, list[Path]]:
+    """(storage identifier, data files) from metadata.yaml; ('', []) when it cannot be parsed."""
+    import yaml
+
+    try:
+        info = (yaml.safe_load((path / "metadata.yaml").read_text()) or {})["rosbag2_bagfile_information"]
+        return str(info.get("storage_identifier", "")), [path / p for p in info.get("relative_file_paths", [])]
+    except Exception:
+        return "", []
+
+
+def open_bag(bag: str):
+    """A message source for ``bag`` (a rosbag2 directory), or BagError saying why it cannot be replayed."""
+    from rosbags.rosbag2 import Reader
+
+    path = Path(bag)
+    if not path.exists():
+        raise BagError(f"bag {bag} does not exist")
+    if not path.is_dir():
+        raise BagError(f"bag {bag} is not a directory (a rosbag2 bag is a directory holding metadata.yaml and "
+                       f"the data files)")
+    if not (path / "metadata.yaml").is_file():
+        data = sorted(p.name for p in path.iterdir() if p.suffix in (".mcap", ".db3"))
+        raise BagError(f"bag {bag}: metadata.yaml is missing" + (
+            f" (data files present: {', '.join(data)}; `ros2 bag reindex {bag}` rebuilds it)" if data else
+            " and no .mcap / .db3 data file: not a rosbag2 bag"))
+    reader = Reader(path)
+    try:
+        reader.open()
+    except Exception as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        storage, files = _metadata_files(path)
+        if any(m in str(exc) for m in MCAP_TRUNCATION_ERRORS) and len(files) == 1 and files[0].suffix == ".mcap":
+            return McapPrefixSource(files[0], text)
+        raise BagError(f"bag {bag} cannot be read" + (f" ({storage})" if storage else "") + f": {text}") from None
+    return RosbagsSource(reader)
 
 
 class BagReplay(Node):
@@ -91,14 +320,16 @@ class BagReplay(Node):
         self.wait_timeout_s = float(g("wait_timeout_s"))
         if not self.bag:
             raise ValueError("no bag given (positional BAG or -p bag:=PATH)")
-        if not Path(self.bag).exists():
-            raise ValueError(f"bag {self.bag} does not exist")
         if not self.rate > 0:
             raise ValueError(f"rate must be > 0, got {self.rate}")
         if self.camera_hz < 0 or self.start_offset < 0 or self.duration_s < 0:
             raise ValueError("camera_hz, start_offset and duration_s must be >= 0")
         self.counts: dict[str, int] = {}
         self.skipped_topics: dict[str, str] = {}
+        self.skipped_messages: dict[str, int] = {}  # topic -> messages not replayed (corrupt / undecodable)
+        self.skip_reasons: dict[str, str] = {}  # topic -> the first reason
+        self.read_error = ""  # the bag could not be read further (playback ended early)
+        self.bag_note = ""  # what the reader could not recover (truncated file)
         self.camera_ticks = 0
         self.late = 0
         self.max_lag_ms = 0.0
@@ -115,36 +346,43 @@ class BagReplay(Node):
 
     # ---- topics -----------------------------------------------------------------------------------------
     def _setup_topics(self) -> None:
-        from rosbags.rosbag2 import Reader
-
         self._plan: dict[str, tuple] = {}  # bag topic -> (out topic, class, kind) kind: image|decode|plain
-        with Reader(self.bag) as reader:
-            self.bag_start_ns, self.bag_end_ns = reader.start_time, reader.end_time
-            for conn in reader.connections:
-                cls = message_class(conn.msgtype)
-                if cls is None:
-                    self.skipped_topics[conn.topic] = f"message type {conn.msgtype} not installed"
-                    continue
-                if conn.msgtype in IMAGE_TYPES:
-                    if self.decode and conn.msgtype.endswith("CompressedImage"):
-                        out = conn.topic[:-len(COMPRESSED_SUFFIX)] if conn.topic.endswith(COMPRESSED_SUFFIX) \
-                            else conn.topic + "/decoded"
-                        from sensor_msgs.msg import Image
+        source = open_bag(self.bag)
+        try:
+            self.bag_start_ns, self.bag_end_ns = source.start_time, source.end_time
+            self.bag_note = source.note
+            topics = list(source.topics)
+        finally:
+            source.close()
+        if self.bag_note:
+            self.get_logger().warning(self.bag_note)
+        for topic, msgtype in topics:
+            if topic in self._plan:
+                continue
+            cls = message_class(msgtype)
+            if cls is None:
+                self.skipped_topics[topic] = f"message type {msgtype} not installed"
+                continue
+            if msgtype in IMAGE_TYPES:
+                if self.decode and msgtype.endswith("CompressedImage"):
+                    out = topic[:-len(COMPRESSED_SUFFIX)] if topic.endswith(COMPRESSED_SUFFIX) \
+                        else topic + "/decoded"
+                    from sensor_msgs.msg import Image
 
-                        self._plan[conn.topic] = (out, cls, "decode")
-                        self._publisher(out, Image, qos.camera_publisher_qos(self.camera_deadline_ms))
-                    else:
-                        self._plan[conn.topic] = (conn.topic, cls, "image")
-                        self._publisher(conn.topic, cls, qos.camera_publisher_qos(self.camera_deadline_ms))
+                    self._plan[topic] = (out, cls, "decode")
+                    self._publisher(out, Image, qos.camera_publisher_qos(self.camera_deadline_ms))
                 else:
-                    self._plan[conn.topic] = (conn.topic, cls, "plain")
-                    if conn.topic == "/vla/instruction":
-                        profile = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
-                                             reliability=ReliabilityPolicy.RELIABLE,
-                                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
-                    else:
-                        profile = qos.reliable_qos(depth=50)
-                    self._publisher(conn.topic, cls, profile)
+                    self._plan[topic] = (topic, cls, "image")
+                    self._publisher(topic, cls, qos.camera_publisher_qos(self.camera_deadline_ms))
+            else:
+                self._plan[topic] = (topic, cls, "plain")
+                if topic == "/vla/instruction":
+                    profile = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
+                                         reliability=ReliabilityPolicy.RELIABLE,
+                                         durability=DurabilityPolicy.TRANSIENT_LOCAL)
+                else:
+                    profile = qos.reliable_qos(depth=50)
+                self._publisher(topic, cls, profile)
         for topic, why in self.skipped_topics.items():
             self.get_logger().warning(f"topic {topic} not replayed: {why}")
 
@@ -207,58 +445,98 @@ class BagReplay(Node):
         self._publish(topic, msg, self.get_clock().now().nanoseconds)
         self.camera_ticks += 1
 
-    def run(self) -> None:
-        """Playback loop (its own thread); sets ``done`` when the bag (or duration) ends or on stop()."""
-        from rosbags.rosbag2 import Reader
+    def _skip(self, topic: str, reason: str) -> None:
+        n = self.skipped_messages.get(topic, 0) + 1
+        self.skipped_messages[topic] = n
+        self.skip_reasons.setdefault(topic, reason)
+        if n == 1 or n % 100 == 0:  # a bag full of bad messages must not flood the log
+            self.get_logger().warning(f"message on {topic} skipped ({n} so far on this topic): {reason}")
 
+    def run(self) -> None:
+        """Playback loop (its own thread); sets ``done`` when the bag (or duration) ends, on stop() or when the
+        bag cannot be read further (``read_error``). Never raises: a bad message is skipped and counted."""
         try:
             if self.wait_for:
                 self.wait_for_subscribers()
             self._deadline = time.monotonic() + self.duration_s if self.duration_s > 0 else None
             next_tick = [time.monotonic()]
             while not self._stop.is_set():
-                first_ns = self.bag_start_ns + int(self.start_offset * 1e9)
-                base_wall = base_ros = None
-                with Reader(self.bag) as reader:
-                    conns = [c for c in reader.connections if c.topic in self._plan]
-                    for conn, t_ns, raw in reader.messages(connections=conns, start=first_ns):
-                        if base_wall is None:
-                            base_wall, base_ros = time.monotonic(), self.get_clock().now().nanoseconds
-                            first_ns = t_ns
-                        rel_s = (t_ns - first_ns) / 1e9 / self.rate
-                        target = base_wall + rel_s
-                        if not self._wait_until(target, next_tick):
-                            return
-                        lag_ms = (time.monotonic() - target) * 1e3
-                        self.max_lag_ms = max(self.max_lag_ms, lag_ms)
-                        self.late += lag_ms > LATE_MS
-                        out, cls, kind = self._plan[conn.topic]
-                        msg = deserialize_message(bytes(raw), cls)
-                        stamp = base_ros + int(rel_s * 1e9) if self.restamp else None
-                        if kind == "decode":
-                            rgb = _decode_jpeg(msg.data)
-                            msg = conversions.rgb_to_image_msg(rgb, "rgb8", stamp if stamp is not None else
-                                                               conversions.stamp_to_ns(msg.header.stamp),
-                                                               msg.header.frame_id or "camera")
-                            stamp = None  # already stamped
-                        if kind in ("image", "decode") and self.camera_hz > 0:
-                            self._latest_frame = (out, msg)  # the fixed-rate camera tick publishes it
-                            self.counts[f"{out} (bag frames)"] = self.counts.get(f"{out} (bag frames)", 0) + 1
-                            continue
-                        self._publish(out, msg, stamp)
-                self.passes += 1
-                if base_wall is None:
-                    self.get_logger().warning(f"no message after start offset {self.start_offset} s")
+                if not self._play_once(next_tick):
                     return
+                self.passes += 1
                 if not self.loop:
                     return
+        except Exception as exc:  # a bug or an unexpected reader failure: report it, end the replay cleanly
+            self.read_error = self.read_error or f"{type(exc).__name__}: {exc}"
+            self.get_logger().error(f"replay stopped: {self.read_error}")
         finally:
             self.done.set()
+
+    def _play_once(self, next_tick: list) -> bool:
+        """One pass over the bag; False when playback must end (stopped, duration over, nothing to play, or
+        the bag could not be read further)."""
+        first_ns = self.bag_start_ns + int(self.start_offset * 1e9)
+        base_wall = base_ros = None
+        source = open_bag(self.bag)
+        try:
+            messages = source.messages(set(self._plan), first_ns)
+            while True:
+                try:
+                    item = next(messages, None)
+                except Exception as exc:  # corrupt data past this point: keep what was replayed
+                    self.read_error = (f"bag unreadable after {sum(self.counts.values())} published messages: "
+                                       f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                    self.get_logger().error(self.read_error)
+                    return False
+                if item is None:
+                    break
+                topic, t_ns, raw = item
+                if base_wall is None:
+                    base_wall, base_ros = time.monotonic(), self.get_clock().now().nanoseconds
+                    first_ns = t_ns
+                rel_s = (t_ns - first_ns) / 1e9 / self.rate
+                target = base_wall + rel_s
+                if not self._wait_until(target, next_tick):
+                    return False
+                lag_ms = (time.monotonic() - target) * 1e3
+                self.max_lag_ms = max(self.max_lag_ms, lag_ms)
+                self.late += lag_ms > LATE_MS
+                out, cls, kind = self._plan[topic]
+                stamp = base_ros + int(rel_s * 1e9) if self.restamp else None
+                try:
+                    msg = deserialize_message(bytes(raw), cls)
+                    if kind == "decode":
+                        rgb = _decode_jpeg(msg.data)
+                        msg = conversions.rgb_to_image_msg(rgb, "rgb8", stamp if stamp is not None else
+                                                           conversions.stamp_to_ns(msg.header.stamp),
+                                                           msg.header.frame_id or "camera")
+                        stamp = None  # already stamped
+                except Exception as exc:  # corrupt bytes in this message: skip it, count it, go on
+                    self._skip(topic, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                    continue
+                if kind in ("image", "decode") and self.camera_hz > 0:
+                    self._latest_frame = (out, msg)  # the fixed-rate camera tick publishes it
+                    self.counts[f"{out} (bag frames)"] = self.counts.get(f"{out} (bag frames)", 0) + 1
+                    continue
+                self._publish(out, msg, stamp)
+        finally:
+            source.close()
+        if base_wall is None:
+            self.get_logger().warning(f"no message after start offset {self.start_offset} s")
+            return False
+        return True
+
+    @property
+    def partial(self) -> bool:
+        """Something in the bag was not replayed (truncated file, skipped messages, read error)."""
+        return bool(self.bag_note or self.skipped_messages or self.read_error)
 
     def summary(self) -> dict:
         return {"bag": self.bag, "passes": self.passes, "published": dict(self.counts),
                 "camera_ticks": self.camera_ticks, "late_messages": self.late,
-                "max_lag_ms": round(self.max_lag_ms, 3), "skipped_topics": dict(self.skipped_topics)}
+                "max_lag_ms": round(self.max_lag_ms, 3), "skipped_topics": dict(self.skipped_topics),
+                "skipped_messages": dict(self.skipped_messages), "skip_reasons": dict(self.skip_reasons),
+                "read_error": self.read_error, "bag_note": self.bag_note, "complete": not self.partial}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -288,8 +566,8 @@ def main(args=None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        node = BagReplay({"bag": opts.bag or opts.bag_path, "rate": opts.rate, "camera_hz": opts.camera_hz, "loop": opts.loop,
-                          "start_offset": opts.start_offset, "decode": opts.decode, "restamp": opts.restamp,
+        node = BagReplay({"bag": opts.bag or opts.bag_path, "rate": opts.rate, "camera_hz": opts.camera_hz,
+                          "loop": opts.loop, "start_offset": opts.start_offset, "decode": opts.decode, "restamp": opts.restamp,
                           "duration_s": opts.duration_s, "wait_for": opts.wait_for or [""],
                           "wait_timeout_s": opts.wait_timeout_s})
         unknown = [t for t in node.wait_for if t not in node._pubs]
@@ -298,7 +576,7 @@ def main(args=None) -> int:
     except Exception as exc:  # bad arguments / unreadable bag: say so and exit non-zero
         print(f"vla_bag_replay: error: {exc}", file=sys.stderr)
         rclpy.try_shutdown()
-        return 2
+        return EXIT_UNREADABLE
     ex = SingleThreadedExecutor()
     ex.add_node(node)
     spin = threading.Thread(target=ex.spin, name="bag_replay_spin", daemon=True)
@@ -320,7 +598,15 @@ def main(args=None) -> int:
     spin.join(timeout=2.0)
     node.destroy_node()
     rclpy.try_shutdown()
-    return 0
+    if not node.partial:
+        return EXIT_OK
+    lost = [node.bag_note] if node.bag_note else []
+    lost += [f"{n} message(s) on {t} skipped ({node.skip_reasons[t]})" for t, n in node.skipped_messages.items()]
+    lost += [node.read_error] if node.read_error else []
+    published = sum(n for k, n in summary["published"].items())
+    print(f"vla_bag_replay: {'partial replay' if published else 'nothing replayed'} of {node.bag}: "
+          + "; ".join(lost), file=sys.stderr)
+    return EXIT_PARTIAL if published else EXIT_UNREADABLE
 
 
 if __name__ == "__main__":

@@ -4,7 +4,11 @@ One DiagnosticStatus per concern, so ``rqt_robot_monitor`` / ``ros2 topic echo /
 - ``vla_camera: ingest``     frames received / accepted / dropped (overwritten unread) / rejected by reason,
                              frame rate, QoS deadline misses, liveliness, frozen flag, callback cost p99;
 - ``vla_inference: engine``  lifecycle state, backend, chunks admitted / refused / deadline misses, latency
-                             p50/p95/p99, fresh rate, KV occupancy / budget / policy, VRAM, last error;
+                             p50/p95/p99, fresh rate, KV occupancy / budget / policy, VRAM, last error (and its
+                             age), chunk in-flight time, loop errors / engine resets / late-discarded chunks.
+                             Level: see ``inference_health`` (ERROR for ERROR_HOLD_S after a chunk fault, then
+                             WARN "recovered" until RECOVERED_WARN_S, then OK; a failed transition stays ERROR;
+                             a chunk in flight past deadline_ms WARN, past HUNG_CHUNK_MS ERROR);
 - ``vla_action: publisher``  fresh / repeat(fallback) / hold rates and counts, timer period error, missed ticks;
 - ``vla_runtime: memory``    RSS now and peak.
 The building of statuses is separate from the timer (pure functions of the snapshot dicts) so tests can check
@@ -56,9 +60,50 @@ def camera_status(s: dict[str, Any]) -> DiagnosticStatus:
     return _status("vla_camera: ingest", WARN if problems else OK, ", ".join(problems) or "ok", values)
 
 
+# A chunk fault (exception, out-of-memory, KV change refused) keeps the inference status at ERROR for
+# ERROR_HOLD_S after the last one, then WARN "recovered; last error: ..." until RECOVERED_WARN_S after it, then OK
+# again (the error text and the counters stay in the values). A failed lifecycle transition is "sticky": ERROR
+# until the next successful transition (a configure also clears chunk faults: new engine), because the node is
+# then not doing what was asked of it.
+ERROR_HOLD_S = 5.0
+RECOVERED_WARN_S = 60.0
+
+
+def inference_health(state: str, last_error: str = "", last_error_age_s: Optional[float] = None,
+                     error_sticky: bool = True, in_flight_ms: float = 0.0, deadline_ms: float = math.nan,
+                     error_hold_s: float = ERROR_HOLD_S, recovered_warn_s: float = RECOVERED_WARN_S,
+                     hung_chunk_ms: float = HUNG_CHUNK_MS) -> tuple[int, str]:
+    """(level, message) of the inference status; a pure function of the node's figures so it is unit-tested.
+
+    Order: a chunk in flight longer than ``hung_chunk_ms`` (ERROR: Python cannot pre-empt it, but it can say so);
+    a sticky (transition) error or a chunk error younger than ``error_hold_s`` (ERROR); a chunk in flight longer
+    than ``deadline_ms`` (WARN: it will miss its deadline, maybe hung); a chunk error younger than
+    ``recovered_warn_s`` (WARN "recovered; last error: ..."); the node not active (WARN); else OK.
+    ``last_error_age_s`` None with an error text is treated as sticky (no time known: do not downgrade)."""
+    in_flight_ms = float(in_flight_ms or 0.0)
+    if in_flight_ms > hung_chunk_ms:
+        return ERROR, f"chunk running for {in_flight_ms:.0f} ms (hung?)"
+    recent = recovered = False
+    if last_error:
+        if error_sticky or last_error_age_s is None or last_error_age_s < error_hold_s:
+            recent = True
+        elif last_error_age_s < recovered_warn_s:
+            recovered = True
+    if recent:
+        return ERROR, last_error
+    if math.isfinite(deadline_ms) and in_flight_ms > deadline_ms:
+        return WARN, f"chunk in flight for {in_flight_ms:.0f} ms, past deadline_ms={deadline_ms:g}"
+    if recovered:
+        return WARN, f"recovered {last_error_age_s:.0f} s ago; last error: {last_error}"
+    if state != "active":
+        return WARN, f"inference {state}"
+    return OK, "active"
+
+
 def inference_status(s: dict[str, Any]) -> DiagnosticStatus:
     lat = s.get("latency_ms", {})
     kv = s.get("kv", {})
+    loop = s.get("loop") or {}
     values = {
         "state": s.get("state", "?"), "backend": s.get("backend", "?"),
         "chunks_admitted": s.get("admitted", 0), "chunks_refused": s.get("refused", 0),
@@ -71,16 +116,21 @@ def inference_status(s: dict[str, Any]) -> DiagnosticStatus:
         "vram_mb": _fmt(s.get("vram_mb", math.nan)), "peak_vram_mb": _fmt(s.get("peak_vram_mb", math.nan)),
         "last_error": s.get("last_error", ""),
     }
-    in_flight = float((s.get("loop") or {}).get("in_flight_ms", 0.0) or 0.0)
+    age = s.get("last_error_age_s")
+    values["last_error_age_s"] = "" if age is None else float(age)
+    # The loop's own counters: a hung chunk is visible while it runs (in-flight time), faults after it.
+    in_flight = float(loop.get("in_flight_ms", 0.0) or 0.0)
+    deadline_ms = s.get("deadline_ms")
+    if deadline_ms is None:
+        deadline_ms = (loop.get("admission") or {}).get("deadline_ms", math.nan)
+    deadline_ms = math.nan if deadline_ms is None else float(deadline_ms)
     values["chunk_in_flight_ms"] = in_flight
-    if in_flight > HUNG_CHUNK_MS:  # watchdog: Python cannot pre-empt a chunk, but it can say one is stuck
-        level, msg = ERROR, f"chunk running for {in_flight:.0f} ms (hung?)"
-    elif s.get("last_error"):
-        level, msg = ERROR, s["last_error"]
-    elif s.get("state") != "active":
-        level, msg = WARN, f"inference {s.get('state', '?')}"
-    else:
-        level, msg = OK, "active"
+    values["deadline_ms"] = _fmt(deadline_ms)
+    values["loop_errors"] = loop.get("errors", 0)
+    values["engine_resets"] = loop.get("engine_resets", 0)
+    values["late_discarded"] = loop.get("late_discarded", 0)
+    level, msg = inference_health(s.get("state", "?"), s.get("last_error", ""), age,
+                                  bool(s.get("last_error_sticky", True)), in_flight, deadline_ms)
     return _status("vla_inference: engine", level, msg, values)
 
 

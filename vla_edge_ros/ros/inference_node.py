@@ -8,7 +8,11 @@ Transitions (``ros2 lifecycle set /vla_inference <transition>``):
   robot side of a split: fresh actions stop, so it repeats, then holds after stale_after_ms);
 - cleanup / shutdown: the loop stops, ``engine.close()`` frees model and KV memory, references are dropped.
 An exception in a transition returns FAILURE (configure/activate) or ERROR, logs the reason and reports it on
-/diagnostics (``last_error``); the node stays in a defined lifecycle state.
+/diagnostics (``last_error``); the node stays in a defined lifecycle state (FAILURE: the state it was in;
+ERROR: error processing releases everything and leaves it 'unconfigured'). Such an error is "sticky": ERROR on
+/diagnostics until the next successful transition. A chunk fault reported by the inference loop is not: ERROR
+for diagnostics.ERROR_HOLD_S after the last one, then WARN "recovered; last error: ..." until
+diagnostics.RECOVERED_WARN_S, then OK (``last_error_age_s`` says how old it is).
 
 Guard: with the Jazzy wheels (rclpy 7.1) an invalid transition request (e.g. 'activate' while unconfigured)
 raises an uncaught RCLError inside the change_state service callback and kills the whole process. The service
@@ -127,6 +131,11 @@ class InferenceNode(LifecycleNode):
         self.loop = None
         self.action_names: tuple[str, ...] = ()
         self.last_error = ""
+        # When last_error was set (monotonic s) and whether it is a transition failure ("sticky": ERROR on
+        # /diagnostics until the next successful transition) or a chunk fault (ERROR for a few seconds, then
+        # "recovered"; see diagnostics.inference_health).
+        self.last_error_at: Optional[float] = None
+        self.last_error_sticky = False
         self.transitions: list[tuple[str, str]] = []  # (transition, result) history, for tests/diagnostics
         self.fresh_rate = RateCounter(1.0)
         self.frame_to_action_ms = LatencyStats(4096)  # camera stamp -> action offered/published
@@ -179,8 +188,19 @@ class InferenceNode(LifecycleNode):
             return False
 
     # ---- transitions ----------------------------------------------------------------------------------
+    def _set_error(self, text: str, sticky: bool) -> None:
+        self.last_error = text
+        self.last_error_at = time.monotonic()
+        self.last_error_sticky = sticky
+
+    def _succeeded(self, transition: str) -> None:
+        # A successful transition ends the condition a failed one reported (chunk faults keep their own clock).
+        if self.last_error_sticky:
+            self.last_error, self.last_error_at, self.last_error_sticky = "", None, False
+        self.transitions.append((transition, "success"))
+
     def _fail(self, transition: str, exc: BaseException, code=TransitionCallbackReturn.FAILURE):
-        self.last_error = f"{transition} failed: {type(exc).__name__}: {exc}"
+        self._set_error(f"{transition} failed: {type(exc).__name__}: {exc}", sticky=True)
         self.get_logger().error(self.last_error)
         self.get_logger().debug(traceback.format_exc())
         self.transitions.append((transition, "failure"))
@@ -211,8 +231,8 @@ class InferenceNode(LifecycleNode):
         except Exception as exc:
             self._release()
             return self._fail("configure", exc)
-        self.last_error = ""
-        self.transitions.append(("configure", "success"))
+        self.last_error, self.last_error_at, self.last_error_sticky = "", None, False  # a new engine: clean slate
+        self._succeeded("configure")
         self.get_logger().info(f"configured: backend {self.backend}, warm-up {values['warmup_chunks']} chunks, "
                                f"{time.monotonic() - t0:.1f} s")
         return TransitionCallbackReturn.SUCCESS
@@ -229,7 +249,7 @@ class InferenceNode(LifecycleNode):
                 self.arbiter.clear_stale(INACTIVE_REASON)
         except Exception as exc:
             return self._fail("activate", exc)
-        self.transitions.append(("activate", "success"))
+        self._succeeded("activate")
         self.get_logger().info("active: admitting chunks")
         return super().on_activate(state)
 
@@ -240,7 +260,7 @@ class InferenceNode(LifecycleNode):
             self.loop.pause()
         except Exception as exc:
             return self._fail("deactivate", exc, TransitionCallbackReturn.ERROR)
-        self.transitions.append(("deactivate", "success"))
+        self._succeeded("deactivate")
         self.get_logger().info("inactive: inference paused, action publisher holds")
         return super().on_deactivate(state)
 
@@ -249,7 +269,7 @@ class InferenceNode(LifecycleNode):
             self._release()
         except Exception as exc:
             return self._fail("cleanup", exc, TransitionCallbackReturn.ERROR)
-        self.transitions.append(("cleanup", "success"))
+        self._succeeded("cleanup")
         self.get_logger().info("cleaned up: engine closed, model and KV memory released")
         return TransitionCallbackReturn.SUCCESS
 
@@ -258,7 +278,7 @@ class InferenceNode(LifecycleNode):
             self._release()
         except Exception as exc:
             return self._fail("shutdown", exc, TransitionCallbackReturn.ERROR)
-        self.transitions.append(("shutdown", "success"))
+        self._succeeded("shutdown")
         return TransitionCallbackReturn.SUCCESS
 
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -327,12 +347,12 @@ class InferenceNode(LifecycleNode):
         info = info or {}
         if kind in ("chunk_error", "loop_error"):
             self.chunk_errors += 1
-            self.last_error = f"{kind}: {info.get('error', info)}"
+            self._set_error(f"{kind}: {info.get('error', info)}", sticky=False)
             self.get_logger().error(self.last_error, throttle_duration_sec=1.0)
         elif kind == "update_rejected":
             self.get_logger().warning(f"live change not applied: {info}")
         elif kind == "kv_update_failed":
-            self.last_error = f"KV change {info.get('values')} failed: {info.get('error')}"
+            self._set_error(f"KV change {info.get('values')} failed: {info.get('error')}", sticky=False)
             self.get_logger().error(self.last_error)
 
     # ---- live parameters ------------------------------------------------------------------------------
@@ -422,6 +442,9 @@ class InferenceNode(LifecycleNode):
             "vram_mb": mem.get("current_bytes", 0) / 2**20 if mem else 0.0,
             "peak_vram_mb": self.peak_vram_mb,
             "last_error": self.last_error,
+            "last_error_age_s": None if self.last_error_at is None else time.monotonic() - self.last_error_at,
+            "last_error_sticky": self.last_error_sticky,
+            "deadline_ms": adm.get("deadline_ms", vals["deadline_ms"]),
             "admission": adm,
             "loop": loop_stats,
             "transitions": list(self.transitions),
