@@ -386,3 +386,22 @@ def test_stop_reports_a_hung_chunk_and_in_flight_time():
     assert loop.stop() is True
     assert loop.stats()["deadline_misses"] == 1  # the hung chunk overran its 20 ms deadline
     assert loop.in_flight_ms() == 0.0
+
+
+def test_loop_thread_alone_runs_at_lower_os_priority():
+    import os
+
+    engine = FakeEngine(encode_ms=0.5, prefill_ms=1.0, decode_ms=1.0, sleep=True)
+    adm = AdmissionController(deadline_ms=20.0, safety_margin_ms=1.0)
+    caller_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    loop = InferenceLoop(engine, DoubleBuffer(), adm, 20.0, on_action=lambda r, f: None, thread_nice=3,
+                         wait_timeout_s=0.02)
+    loop.start()
+    try:
+        assert wait_for(lambda: loop.stats()["thread_nice"] is not None)
+    finally:
+        assert loop.stop()
+    assert loop.stats()["thread_nice"] == min(19, caller_nice + 3)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller_nice  # other threads untouched
+    with pytest.raises(ValueError, match="thread_nice"):
+        InferenceLoop(engine, DoubleBuffer(), adm, 20.0, on_action=lambda r, f: None, thread_nice=25)

@@ -99,6 +99,9 @@ PARAMS: tuple[ParamSpec, ...] = (
               min=0.001, max=1.0, live=True, applies="next chunk"),
     ParamSpec("warmup_chunks", int, 3, "chunks run at configure time to seed the cost EMAs", INFERENCE,
               min=0, max=1000),
+    ParamSpec("inference_thread_nice", int, 5, "OS nice increment of the inference thread (Linux, per thread): on "
+              "a small CPU the camera callback and the 30 Hz action timer win the cores over a chunk (0 = off)",
+              INFERENCE, min=0, max=19),
     ParamSpec("max_vram_gb", float, 8.0, "refuse to start when model + KV budget + scratch exceed this",
               INFERENCE, min=0.01, max=1024.0),
     ParamSpec("saliency_threshold", float, 0.2, "a frame whose pooled embedding has cosine distance above this "

@@ -225,7 +225,8 @@ class InferenceNode(LifecycleNode):
             self.loop = InferenceLoop(self.engine, self.buffer, self.admission, self.cycle_period_ms(),
                                       on_action=self._on_action, on_event=self._on_event,
                                       decode_tokens=values["decode_tokens"],
-                                      saliency_threshold=values["saliency_threshold"])
+                                      saliency_threshold=values["saliency_threshold"],
+                                      thread_nice=values["inference_thread_nice"])
             self.warmup_stats = self.loop.warmup(values["warmup_chunks"])
             self._note_memory()
         except Exception as exc:
