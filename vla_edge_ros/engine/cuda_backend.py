@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError
+from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
 from vla_edge_ros.engine.vram import VramTracker, check_budget
 
 def _find_cuda_dir() -> Path:
@@ -786,13 +786,7 @@ class CudaEngine(Engine):
 
     def run_chunk(self, vision_tokens: np.ndarray, frame_id: int, salient: bool = False) -> ChunkResult:
         t0 = time.perf_counter()
-        tpf = self.kv.tokens_per_frame
-        x = np.asarray(vision_tokens)
-        if x.shape != (tpf, self.H):
-            raise ValueError(f"vision tokens must have shape ({tpf}, {self.H}), got {x.shape}")
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if not np.all(np.isfinite(x)):
-            raise ValueError("vision tokens contain NaN or infinite values")
+        x = check_vision_tokens(vision_tokens, self.kv.tokens_per_frame, self.H)
         from vla_edge_ros.engine.vision import pooled
         cuda = self._cuda
         try:

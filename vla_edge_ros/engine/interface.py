@@ -19,6 +19,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def check_vision_tokens(vision_tokens: np.ndarray, tokens_per_frame: int, hidden: int) -> np.ndarray:
+    """Validate a chunk's vision tokens (both backends): (tokens_per_frame, hidden), finite; C-contiguous f32."""
+    x = np.asarray(vision_tokens)
+    if x.shape != (tokens_per_frame, hidden):
+        raise ValueError(f"vision tokens must have shape ({tokens_per_frame}, {hidden}), got {x.shape}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if not np.all(np.isfinite(x)):
+        raise ValueError("vision tokens contain NaN or infinite values")
+    return x
+
+
 class EngineError(RuntimeError):
     """A configuration / checkpoint / device problem with a message an operator can act on."""
 

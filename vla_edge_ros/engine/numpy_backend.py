@@ -34,7 +34,7 @@ import numpy as np
 from vla_edge_ros.core.action_tokenizer import ActionTokenizer
 from vla_edge_ros.engine.checkpoint import expected_shapes
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError
+from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
 from vla_edge_ros.engine.rope import RopeTable
 from vla_edge_ros.engine.vision import PatchEmbedder, pooled
 
@@ -211,12 +211,7 @@ class NumpyEngine(Engine):
         if self._closed:
             raise EngineError("the numpy engine was closed")
         tpf = self.kv.tokens_per_frame
-        x = np.asarray(vision_tokens)
-        if x.shape != (tpf, self.hidden):
-            raise ValueError(f"vision tokens must have shape ({tpf}, {self.hidden}), got {x.shape}")
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if not np.all(np.isfinite(x)):
-            raise ValueError("vision tokens contain NaN or infinite values")
+        x = check_vision_tokens(vision_tokens, tpf, self.hidden)
 
         self._apply_moves()
         adm = self.kv.admit(frame_id, pooled(x), salient)
