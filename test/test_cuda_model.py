@@ -102,21 +102,12 @@ def torch_cuda():
 
 
 def random_checkpoint(torch, cfg_dict: dict, path, seed: int) -> dict:
-    """Random bf16 weights (GPU-generated), written as safetensors with config.json; returns torch tensors."""
+    """Random bf16 weights (GPU-generated, the benchmark's generator), written as safetensors with config.json;
+    returns torch tensors."""
     from safetensors.torch import save_file
     import json
-    cfg = ModelConfig.from_json(cfg_dict)
-    from vla_edge_ros.engine.checkpoint import expected_shapes
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    tensors = {}
-    for name, shape in expected_shapes(cfg).items():
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g, device="cuda")
-        elif name.endswith(".bias"):
-            t = 0.1 * torch.randn(shape, generator=g, device="cuda")
-        else:
-            t = 0.02 * torch.randn(shape, generator=g, device="cuda")
-        tensors[name] = t.to(torch.bfloat16).contiguous()
+    from vla_edge_ros.bench.gpu_chunk_bench import random_weights
+    tensors = random_weights(torch, ModelConfig.from_json(cfg_dict), seed)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg_dict))
     save_file({k: v.cpu() for k, v in tensors.items()}, str(path / "model.safetensors"))
