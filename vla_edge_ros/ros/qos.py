@@ -24,6 +24,16 @@ def _duration_from_ms(ms: float) -> Duration:
     return Duration(nanoseconds=int(round(ms * 1e6)))
 
 
+def _latest_frame_qos(deadline_ms: float | None = None, lease_ms: float | None = None) -> QoSProfile:
+    """Keep last 1, best effort, volatile (sensor data); with a deadline and automatic liveliness when given."""
+    extra = {}
+    if deadline_ms is not None:
+        extra = dict(deadline=_duration_from_ms(deadline_ms), liveliness=LivelinessPolicy.AUTOMATIC,
+                     liveliness_lease_duration=_duration_from_ms(lease_ms))
+    return QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.BEST_EFFORT,
+                      durability=DurabilityPolicy.VOLATILE, **extra)
+
+
 def camera_subscription_qos(deadline_ms: float, liveliness_lease_ms: float | None = None) -> QoSProfile:
     """Sensor-data QoS plus a deadline (the largest acceptable gap between frames) and automatic liveliness.
 
@@ -34,39 +44,18 @@ def camera_subscription_qos(deadline_ms: float, liveliness_lease_ms: float | Non
     one and cameras from other vendors usually publish without a deadline -- see README, 'limits').
     """
     lease = liveliness_lease_ms if liveliness_lease_ms is not None else max(deadline_ms, 1000.0)
-    return QoSProfile(
-        history=HistoryPolicy.KEEP_LAST,
-        depth=1,
-        reliability=ReliabilityPolicy.BEST_EFFORT,
-        durability=DurabilityPolicy.VOLATILE,
-        deadline=_duration_from_ms(deadline_ms),
-        liveliness=LivelinessPolicy.AUTOMATIC,
-        liveliness_lease_duration=_duration_from_ms(lease),
-    )
+    return _latest_frame_qos(deadline_ms, lease)
 
 
 def camera_subscription_qos_no_deadline() -> QoSProfile:
     """Plain sensor-data QoS (KEEP_LAST 1, best effort) without deadline/liveliness requirements."""
-    return QoSProfile(
-        history=HistoryPolicy.KEEP_LAST,
-        depth=1,
-        reliability=ReliabilityPolicy.BEST_EFFORT,
-        durability=DurabilityPolicy.VOLATILE,
-    )
+    return _latest_frame_qos()
 
 
 def camera_publisher_qos(deadline_ms: float = 50.0, liveliness_lease_ms: float = 1000.0) -> QoSProfile:
     """What the built-in test camera and the bag replayer offer: best effort, keep last 1, with a deadline
     and liveliness lease at least as tight as the subscriber's request so the two match."""
-    return QoSProfile(
-        history=HistoryPolicy.KEEP_LAST,
-        depth=1,
-        reliability=ReliabilityPolicy.BEST_EFFORT,
-        durability=DurabilityPolicy.VOLATILE,
-        deadline=_duration_from_ms(deadline_ms),
-        liveliness=LivelinessPolicy.AUTOMATIC,
-        liveliness_lease_duration=_duration_from_ms(liveliness_lease_ms),
-    )
+    return _latest_frame_qos(deadline_ms, liveliness_lease_ms)
 
 
 def reliable_qos(depth: int = 10) -> QoSProfile:
