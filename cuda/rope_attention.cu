@@ -9,6 +9,7 @@
 // Softmax runs in the log2 domain: queries are pre-scaled by log2(e)/sqrt(HD).
 // Split-K (flash-decoding): grid.x splits the keys in runs of kps; attn_combine merges the partials.
 #include "common.cuh"
+#include "attn_core.cuh"
 
 // K/V of the T prefill tokens (fp32 QKV GEMM output, bias included) -> cache rows key_slots[p0 + t].
 extern "C" __global__ void kv_store_prefill(const float* __restrict__ qkv, int ld, int nq, int nkv,
@@ -23,85 +24,6 @@ extern "C" __global__ void kv_store_prefill(const float* __restrict__ qkv, int l
     for (int i = threadIdx.x; i < nkv; i += blockDim.x) {
         kc[(size_t)slot * nkv + i] = f32_to_bf16(row[i]);
         vc[(size_t)slot * nkv + i] = f32_to_bf16(row[nkv + i]);
-    }
-}
-
-#define ATT_KC 64  // keys per shared-memory chunk
-
-// Stage keys [kc0, kc0 + ATT_KC) (those >= kend as zeros) of KV head kvh: keys RoPE-rotated at their logical
-// position j into sK [key][HD + 8] (bf16), values transposed into sVt [dim][ATT_KC + 8] (bf16).
-// Latency: the chunk's slot indices go to shared memory first (one coalesced load), then each thread issues the
-// loads of STAGE_B items before using any of them, so a chunk costs ~2 memory round trips, not one per item.
-// V items run key-fastest across a warp so the transposed 2-byte stores hit consecutive addresses.
-#define STAGE_B 4
-template <int HD>
-__device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSlot, const bf16_t* __restrict__ kc,
-        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const float2* __restrict__ rope_cs,
-        int kvh, int nkv, int kc0, int kend) {
-    constexpr int HALF = HD / 2;
-    constexpr int KSTR = HD + 8;
-    constexpr int VSTR = ATT_KC + 8;
-    constexpr int NK = ATT_KC * (HALF / 4);  // K items: (key, 4 dims of the low half)
-    constexpr int NV = ATT_KC * (HD / 8);    // V items: (key, 8 dims)
-    if (threadIdx.x < ATT_KC) sSlot[threadIdx.x] = kc0 + (int)threadIdx.x < kend ? key_slots[kc0 + threadIdx.x] : -1;
-    __syncthreads();
-    for (int base = threadIdx.x; base < NK; base += STAGE_B * blockDim.x) {
-        uint2 lo[STAGE_B], hi[STAGE_B];
-        float4 c01[STAGE_B], c23[STAGE_B];
-#pragma unroll
-        for (int b = 0; b < STAGE_B; ++b) {
-            const int it = base + b * blockDim.x;
-            const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
-            const int slot = it < NK ? sSlot[key] : -1;
-            lo[b] = hi[b] = make_uint2(0u, 0u);
-            c01[b] = c23[b] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (slot >= 0) {
-                const bf16_t* kr = kc + (size_t)slot * nkv + kvh * HD;
-                lo[b] = *reinterpret_cast<const uint2*>(kr + d);
-                hi[b] = *reinterpret_cast<const uint2*>(kr + HALF + d);
-                c01[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(kc0 + key) * HALF + d);
-                c23[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(kc0 + key) * HALF + d + 2);
-            }
-        }
-#pragma unroll
-        for (int b = 0; b < STAGE_B; ++b) {
-            const int it = base + b * blockDim.x;
-            if (it >= NK) break;
-            const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
-            const float l[4] = {bf16_lo(lo[b].x), bf16_hi(lo[b].x), bf16_lo(lo[b].y), bf16_hi(lo[b].y)};
-            const float hv[4] = {bf16_lo(hi[b].x), bf16_hi(hi[b].x), bf16_lo(hi[b].y), bf16_hi(hi[b].y)};
-            const float c[4] = {c01[b].x, c01[b].z, c23[b].x, c23[b].z}, sn[4] = {c01[b].y, c01[b].w, c23[b].y, c23[b].w};
-            float rl[4], rh[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) { rl[i] = l[i] * c[i] - hv[i] * sn[i]; rh[i] = hv[i] * c[i] + l[i] * sn[i]; }
-            *reinterpret_cast<uint2*>(sK + key * KSTR + d) =
-                make_uint2(pack_bf16x2(rl[0], rl[1]), pack_bf16x2(rl[2], rl[3]));
-            *reinterpret_cast<uint2*>(sK + key * KSTR + HALF + d) =
-                make_uint2(pack_bf16x2(rh[0], rh[1]), pack_bf16x2(rh[2], rh[3]));
-        }
-    }
-    for (int base = threadIdx.x; base < NV; base += 2 * STAGE_B * blockDim.x) {
-        uint4 v[2 * STAGE_B];
-#pragma unroll
-        for (int b = 0; b < 2 * STAGE_B; ++b) {
-            const int it = base + b * blockDim.x;
-            const int key = it % ATT_KC, d = (it / ATT_KC) * 8;
-            const int slot = it < NV ? sSlot[key] : -1;
-            v[b] = make_uint4(0u, 0u, 0u, 0u);
-            if (slot >= 0) v[b] = *reinterpret_cast<const uint4*>(vc + (size_t)slot * nkv + kvh * HD + d);
-        }
-#pragma unroll
-        for (int b = 0; b < 2 * STAGE_B; ++b) {
-            const int it = base + b * blockDim.x;
-            if (it >= NV) break;
-            const int key = it % ATT_KC, d = (it / ATT_KC) * 8;
-            const uint32_t w[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                sVt[(d + 2 * i) * VSTR + key] = (bf16_t)(w[i] & 0xffffu);
-                sVt[(d + 2 * i + 1) * VSTR + key] = (bf16_t)(w[i] >> 16);
-            }
-        }
     }
 }
 
@@ -277,9 +199,6 @@ extern "C" __global__ void __launch_bounds__(512) attn_prefill_hd64(const float*
     attn_prefill_body<64>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
 }
 
-#define DEC_WARPS 4
-#define DEC_KB 8      // keys per warp whose K/V loads are in flight together
-#define DEC_MAXG 8    // query heads per KV head supported by the decode kernel
 
 // Decode: one query token (G heads of KV head blockIdx.y) against keys [split*kps, min(L, +kps)).
 // Lane l holds DPL = HD/32 dims: base (l & 15) * DPL in the low half, + HALF for lanes 16..31; the RoPE partner
@@ -426,199 +345,25 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_hd64(const float* 
     attn_decode_body<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
 }
 
-// Decode on tensor cores: the G query heads of KV head blockIdx.y are the rows of one m16 tile (rows >= G are
-// zero), keys [split*kps, min(L, +kps)) staged 64 at a time (rotated K, transposed V) as in the prefill; warp w
-// takes keys 16w..16w+15 of each chunk (two n8 tiles for S = QK^T, one k16 step for PV), online softmax per
-// warp, then the 4 warps merge in shared memory into one partial per (split, head).
-// Partials: part_o [split][Hq][HD], part_ml [split][Hq].
-template <int HD>
-__device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q, const bf16_t* __restrict__ kc,
-        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const int* __restrict__ meta, int step,
-        const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* __restrict__ part_o,
-        float2* __restrict__ part_ml) {
-    constexpr int KS = HD / 16;
-    constexpr int HALF = HD / 2;
-    constexpr int NT_O = HD / 8;
-    constexpr int KSTR = HD + 8;
-    constexpr int VSTR = ATT_KC + 8;
-    constexpr int STAGE_BYTES = (ATT_KC * KSTR + HD * VSTR) * 2;
-    constexpr int MERGE_BYTES = (4 * DEC_MAXG * HD + 2 * 4 * DEC_MAXG) * 4;
-    __shared__ __align__(16) unsigned char smem[STAGE_BYTES > MERGE_BYTES ? STAGE_BYTES : MERGE_BYTES];
-    bf16_t* sK = reinterpret_cast<bf16_t*>(smem);
-    bf16_t* sVt = sK + ATT_KC * KSTR;
-    __shared__ int sSlot[ATT_KC];
-
-    const int L = meta[3] + step;
-    const int qpos = L - 1;
-    const int kvh = blockIdx.y;
-    const int kbeg = blockIdx.x * kps;
-    if (kbeg >= L) return;
-    const int kend = min(L, kbeg + kps);
-    const int nkv = n_kvh * HD;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-
-    // query fragments: row r = head r of the group (zero for r >= G), RoPE at qpos, scaled. The raw loads are
-    // issued here; the rotation runs after the first chunk is staged, so both latencies overlap.
-    uint32_t qa[KS][4];
-    float qv[2][KS][4];
-    {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int h = g + 8 * r;
-            const float* qh = q + (size_t)(kvh * G + h) * HD;
-#pragma unroll
-            for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int d = ks * 16 + hh * 8 + 2 * t;
-                    float2 a = make_float2(0.f, 0.f);
-                    if (h < G) a = *reinterpret_cast<const float2*>(qh + d);
-                    qv[r][ks][2 * hh] = a.x;
-                    qv[r][ks][2 * hh + 1] = a.y;
-                }
-        }
-    }
-    auto build_q = [&]() {
-        float qr[2][KS][4];
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int ks = 0; ks < KS / 2; ++ks)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int d = ks * 16 + (j >> 1) * 8 + 2 * t + (j & 1);
-                    const float2 cs = rope_cs[(size_t)qpos * HALF + d];
-                    const float lo = qv[r][ks][j], hi = qv[r][ks + KS / 2][j];
-                    qr[r][ks][j] = (lo * cs.x - hi * cs.y) * qscale;
-                    qr[r][ks + KS / 2][j] = (hi * cs.x + lo * cs.y) * qscale;
-                }
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            qa[ks][0] = pack_bf16x2(qr[0][ks][0], qr[0][ks][1]);
-            qa[ks][1] = pack_bf16x2(qr[1][ks][0], qr[1][ks][1]);
-            qa[ks][2] = pack_bf16x2(qr[0][ks][2], qr[0][ks][3]);
-            qa[ks][3] = pack_bf16x2(qr[1][ks][2], qr[1][ks][3]);
-        }
-    };
-    float o[NT_O][4];
-#pragma unroll
-    for (int i = 0; i < NT_O; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-
-    for (int kc0 = kbeg; kc0 < kend; kc0 += ATT_KC) {
-        __syncthreads();
-        stage_kv_chunk<HD>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kc0, kend);
-        __syncthreads();
-        if (kc0 == kbeg) build_q();
-        float s[2][4];
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            const bf16_t* kr = sK + (warp * 16 + n * 8 + g) * KSTR + 2 * t;
-#pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-                const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + ks * 16);
-                const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + ks * 16 + 8);
-                mma_bf16_16816(s[n], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
-            }
-        }
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int j = kc0 + warp * 16 + n * 8 + 2 * t + (c & 1);
-                if (j >= kend) s[n][c] = -INFINITY;
-                if (c < 2) mx0 = fmaxf(mx0, s[n][c]); else mx1 = fmaxf(mx1, s[n][c]);
-            }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
-        const float cr0 = exp2f(m0 - mu0), cr1 = exp2f(m1 - mu1);
-        m0 = mn0; m1 = mn1;
-        l0 *= cr0; l1 *= cr1;
-#pragma unroll
-        for (int i = 0; i < NT_O; ++i) { o[i][0] *= cr0; o[i][1] *= cr0; o[i][2] *= cr1; o[i][3] *= cr1; }
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            s[n][0] = exp2f(s[n][0] - mu0); s[n][1] = exp2f(s[n][1] - mu0);
-            s[n][2] = exp2f(s[n][2] - mu1); s[n][3] = exp2f(s[n][3] - mu1);
-            l0 += s[n][0] + s[n][1];
-            l1 += s[n][2] + s[n][3];
-        }
-        const uint32_t a0 = pack_bf16x2(s[0][0], s[0][1]), a1 = pack_bf16x2(s[0][2], s[0][3]);
-        const uint32_t a2 = pack_bf16x2(s[1][0], s[1][1]), a3 = pack_bf16x2(s[1][2], s[1][3]);
-#pragma unroll
-        for (int dn = 0; dn < NT_O; ++dn) {
-            const bf16_t* vr = sVt + (dn * 8 + g) * VSTR + warp * 16 + 2 * t;
-            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(vr);
-            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(vr + 8);
-            mma_bf16_16816(o[dn], a0, a1, a2, a3, b0, b1);
-        }
-    }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-
-    // merge the 4 warps (shared memory reused: every warp is past its last read of sK / sVt)
-    __syncthreads();
-    float* s_o = reinterpret_cast<float*>(smem);             // [4][DEC_MAXG][HD]
-    float* s_m = s_o + 4 * DEC_MAXG * HD;                      // [4][DEC_MAXG]
-    float* s_l = s_m + 4 * DEC_MAXG;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int h = g + 8 * r;
-        if (h < G) {
-#pragma unroll
-            for (int dn = 0; dn < NT_O; ++dn) {
-                s_o[(warp * DEC_MAXG + h) * HD + dn * 8 + 2 * t] = o[dn][2 * r];
-                s_o[(warp * DEC_MAXG + h) * HD + dn * 8 + 2 * t + 1] = o[dn][2 * r + 1];
-            }
-            if (t == 0) {
-                s_m[warp * DEC_MAXG + h] = r == 0 ? m0 : m1;
-                s_l[warp * DEC_MAXG + h] = r == 0 ? l0 : l1;
-            }
-        }
-    }
-    __syncthreads();
-    const int Hq = n_kvh * G;
-    for (int it = threadIdx.x; it < G * HD; it += blockDim.x) {
-        const int h = it / HD, d = it - h * HD;
-        float M = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) M = fmaxf(M, s_m[w * DEC_MAXG + h]);
-        float num = 0.f, den = 0.f;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-            const float mw = s_m[w * DEC_MAXG + h];
-            const float e = mw == -INFINITY ? 0.f : exp2f(mw - M);
-            num = fmaf(e, s_o[(w * DEC_MAXG + h) * HD + d], num);
-            den = fmaf(e, s_l[w * DEC_MAXG + h], den);
-        }
-        const size_t row = (size_t)blockIdx.x * Hq + kvh * G + h;
-        part_o[row * HD + d] = num;
-        if (d == 0) part_ml[row] = make_float2(M, den);
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd128(const float* q, const bf16_t* kc,
         const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
         int kps, float qscale, float* part_o, float2* part_ml) {
+    __shared__ __align__(16) unsigned char smem[DecAttnSmem<128>::BYTES];
+    __shared__ int sSlot[ATT_KC];
     pdl_trigger();
     pdl_wait();
-    attn_decode_mma_body<128>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
+    attn_decode_mma_body<128>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
+                              smem, sSlot, blockIdx.x, blockIdx.y);
 }
 extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd64(const float* q, const bf16_t* kc,
         const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
         int kps, float qscale, float* part_o, float2* part_ml) {
+    __shared__ __align__(16) unsigned char smem[DecAttnSmem<64>::BYTES];
+    __shared__ int sSlot[ATT_KC];
     pdl_trigger();
     pdl_wait();
-    attn_decode_mma_body<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
+    attn_decode_mma_body<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
+                              smem, sSlot, blockIdx.x, blockIdx.y);
 }
 
 #define CMB_GROUPS 8  // split groups per combine block (blockDim.x == 32 * CMB_GROUPS)
