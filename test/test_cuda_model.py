@@ -10,6 +10,8 @@ CPU tests: the VRAM budget check and tracker, the gate/up interleave, the split 
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -154,14 +156,16 @@ def make_engine(cfg_dict, ckpt, budget, policy="fifo", use_graphs=True, instruct
 
 
 @gpu
-@pytest.mark.parametrize("geometry", ["1.5b", "0.5b"])
-def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry):
+@pytest.mark.parametrize("geometry,decode_kernel", [("1.5b", "layered"), ("0.5b", "layered"),
+                                                    ("1.5b", "persistent"), ("0.5b", "persistent")])
+def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel):
     torch = torch_cuda
     cfg_dict = qwen2_5_1_5b_dict() if geometry == "1.5b" else qwen2_5_0_5b_dict()
     tensors = random_checkpoint(torch, cfg_dict, tmp_path / geometry, seed=1 if geometry == "1.5b" else 2)
     n_frames = 6
     budget = 288  # 21 prefix + 8 frames (+11 spare): no eviction, so HF's causal recompute is the exact reference
-    cfg, kv, eng = make_engine(cfg_dict, tmp_path / geometry, budget)
+    cfg, kv, eng = make_engine(cfg_dict, tmp_path / geometry, budget, tuning={"decode_kernel": decode_kernel})
+    assert eng.persistent == (decode_kernel == "persistent")
     try:
         rng = np.random.default_rng()
         frames = [(0.02 * rng.standard_normal((32, cfg.hidden_size))).astype(np.float32) for _ in range(n_frames)]
@@ -189,7 +193,7 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry):
         for i in range(1, 9):
             report.append((f"decode {i} hidden", cosine(fin_dec[i - 1], hs[n_ctx + i - 1])))
             report.append((f"decode {i} action logits", cosine(logits[i], ref_logits[n_ctx + i - 1])))
-        print(f"\n[{geometry}] cosine vs HF transformers (fp32):")
+        print(f"\n[{geometry}, {decode_kernel} decode] cosine vs HF transformers (fp32):")
         for name, c in report:
             print(f"  {name:28s} {c:.6f}")
         bad = [(n, c) for n, c in report if not c >= 0.999]
@@ -202,9 +206,10 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry):
 
 
 @gpu
-@pytest.mark.parametrize("policy,use_graphs,pdl", [("semantic", True, True), ("fifo", False, True),
-                                                   ("sliding_window", True, False)])
-def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_graphs, pdl):
+@pytest.mark.parametrize("policy,use_graphs,pdl,decode_kernel", [
+    ("semantic", True, True, "persistent"), ("fifo", False, True, "persistent"),
+    ("sliding_window", True, False, "persistent"), ("semantic", True, True, "layered")])
+def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_graphs, pdl, decode_kernel):
     """Tiny geometry, budget of 4 frames, 9 frames: eviction, slot reuse and a budget shrink, vs NumpyEngine."""
     from vla_edge_ros.core.kv.manager import KVManager
     from vla_edge_ros.engine.checkpoint import load_checkpoint
@@ -214,8 +219,8 @@ def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_g
     random_checkpoint(torch, cfg_dict, tmp_path / "tiny", seed=3)
     budget = 21 + 11 + 32 * 4  # 160
     cfg, kv, eng = make_engine(cfg_dict, tmp_path / "tiny", budget, policy=policy, use_graphs=use_graphs,
-                               tuning={"pdl": pdl})
-    assert eng.pdl == pdl
+                               tuning={"pdl": pdl, "decode_kernel": decode_kernel})
+    assert eng.pdl == pdl and eng.persistent == (decode_kernel == "persistent")
     weights = load_checkpoint(tmp_path / "tiny", cfg)
     kv_np = KVManager(budget, 32, 21, policy=policy, embed_dim=cfg.hidden_size)
     ref = NumpyEngine(cfg, weights, kv_np, instruction=INSTRUCTION, decode_tokens=8)
@@ -242,9 +247,38 @@ def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_g
                     assert top2[1] - top2[0] < 1e-2 * np.std(ref.last_logits[i]), (f, i, got.token_ids, want.token_ids)
                     break
             assert got.prefill_ms > 0 and got.decode_ms > 0
-        print(f"\n[tiny {policy}, graphs {use_graphs}, pdl {pdl}] worst logits cosine vs numpy: {worst:.6f}")
+        print(f"\n[tiny {policy}, graphs {use_graphs}, pdl {pdl}, {decode_kernel} decode] worst logits cosine vs "
+              f"numpy: {worst:.6f}")
         mem = eng.memory()
         assert 0 < mem["current_bytes"] <= mem["peak_bytes"]
+    finally:
+        eng.close()
+
+
+@gpu
+def test_persistent_decode_flags_a_grid_that_is_not_resident(torch_cuda, tmp_path):
+    """A persistent grid larger than what fits at once cannot pass its spin barriers: the kernel must give up
+    (~1 s), flag the chunk and leave the engine usable after a reset, never hang the GPU."""
+    torch = torch_cuda
+    cfg_dict = tiny_default_dict()
+    random_checkpoint(torch, cfg_dict, tmp_path / "tiny", seed=4)
+    cfg, kv, eng = make_engine(cfg_dict, tmp_path / "tiny", 21 + 11 + 32 * 4, tuning={"decode_kernel": "persistent"})
+    try:
+        assert eng.persistent
+        x = (0.05 * np.random.default_rng(0).standard_normal((32, cfg.hidden_size))).astype(np.float32)
+        eng.run_chunk(x, 0)
+        good = eng.last_logits.copy()
+        eng.retune(pd_grid=eng.pd_grid * 8)
+        t0 = time.perf_counter()
+        with pytest.raises(EngineError, match="grid barrier"):
+            eng.run_chunk(x, 1)
+        assert time.perf_counter() - t0 < 30.0
+        assert eng.needs_reset
+        eng.retune(pd_grid=0)
+        eng.reset()
+        eng.run_chunk(x, 2)
+        for i in range(len(good)):  # the same frame on an empty cache again: the same logits
+            assert cosine(eng.last_logits[i], good[i]) >= 0.9999, i
     finally:
         eng.close()
 

@@ -116,6 +116,8 @@ def run_ours(cfg, weights_np, args, log) -> dict:
     out["main"]["tuning"] = dict(eng.tuning)
     base = dict(eng.tuning)
     variants = [  # each applied on top of the default tuning
+        ("persistent decode (v5)", {"decode_kernel": "persistent"}),
+        ("persistent, 1 block/SM", {"decode_kernel": "persistent", "pd_blocks_per_sm": 1}),
         ("PDL off", {"pdl": False}),
         ("run-2 kernels (simt decode attn, wpb 4)", {"decode_attn": "simt", "gemm_wpb": 4, "gemm_silu_wpb": 4}),
         ("graphs off", {"use_graphs": False}),
@@ -131,7 +133,7 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("gemm min_ks 512", {"gemm_min_ks": 512}),
     ]
     if args.variants == "short":
-        variants = variants[:1] + [v for v in variants if v[0] in ("graphs off", "gemm v2 (whole A slice)")]
+        variants = variants[:3] + [v for v in variants if v[0] in ("graphs off", "decode kps 128")]
     if not args.no_variants:
         for name, tune in variants:
             try:
@@ -141,6 +143,7 @@ def run_ours(cfg, weights_np, args, log) -> dict:
                 out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
         eng.retune(**{**base, "use_graphs": True})
         out["main_repeat"] = measure(args.chunks)  # same version twice: the spread is the noise
+    out["decode_phase_share"] = eng.decode_phase_profile(chunks=10, run_chunk=chunk)
     out["kernel_ms"] = eng.time_kernels(reps=10)
     out["peak_vram_bytes"] = eng.memory()["peak_bytes"]
     out["tracked_bytes"] = eng.memory()["current_bytes"]
@@ -337,7 +340,8 @@ def main(argv=None) -> int:
 def _main(args, parts, ctx, torch, cuda) -> int:
     cfg_dict = qwen2_5_1_5b_dict() if args.geometry == "1.5b" else qwen2_5_0_5b_dict()
     cfg = ModelConfig.from_json(cfg_dict)
-    res: dict = {"device": cuda.Device(0).name(), "geometry": args.geometry, "budget": args.budget}
+    res: dict = {"device": cuda.Device(0).name(), "geometry": args.geometry, "budget": args.budget,
+                 "geometry_layers": cfg.num_hidden_layers, "decode_tokens": args.decode_tokens}
     bw = copy_bandwidth()
     res["copy_bandwidth_Bps"] = bw
     tensors = random_weights(torch, cfg)
@@ -402,7 +406,7 @@ def print_report(res: dict) -> None:
     if o:
         m = o["main"]
         print(f"\nours: prefill {m['prefill_median_ms']:.3f} ms + decode {m['decode_median_ms']:.3f} ms "
-              f"({m['decode_median_ms'] / 8:.3f} ms/step); floor / ours(gpu median) = "
+              f"({m['decode_median_ms'] / res.get('decode_tokens', 8):.3f} ms/step); floor / ours(gpu median) = "
               f"{res['floor_ms'] / m['gpu_median_ms']:.1%}; wall median {m['host_median_ms']:.3f} ms")
         for k, name in (("hf_eager", "HF eager"), ("hf_compiled", "HF compiled")):
             h = res.get(k)
@@ -414,6 +418,14 @@ def print_report(res: dict) -> None:
         print(f"\nper-kernel family (isolated graphs, ms per chunk; sum {tot:.3f} vs chunk {m['gpu_median_ms']:.3f}):")
         for k, v in sorted(km.items(), key=lambda kv: -kv[1]):
             print(f"  {k:16s} {v:8.3f} ms  {v / tot:6.1%}")
+        share = o.get("decode_phase_share") or {}
+        if share:
+            pv = o["variants"].get("persistent decode (v5)", {})
+            step_ms = pv.get("decode_median_ms", m["decode_median_ms"]) / res.get("decode_tokens", 8)
+            print(f"\npersistent decode, share of a step by phase (block 0's clock at each barrier exit, barrier wait "
+                  f"included; us per layer at its {step_ms:.3f} ms/step):")
+            for k, v in share.items():
+                print(f"  {k:10s} {v:6.1%}  {v * step_ms * 1e3 / res['geometry_layers']:7.2f} us")
         if o["variants"]:
             print("\nvariants (gpu median / p99 ms, wall median):")
             for k, v in o["variants"].items():

@@ -16,6 +16,11 @@ One chunk = two CUDA graphs replayed on one stream:
   RMSNorm+gate/up GEMV (SiLU*up), down GEMV (+residual); LM head GEMV (final norm fused) -> argmax ->
   ``tok_buf[i]``. The greedy chain stays on the device.
 
+Alternative decode (``tuning["decode_kernel"] = "persistent"``): one launch per decode token,
+cuda/decode_persistent.cu, all layers in a grid that fits on the GPU at once with grid-wide barriers between
+the six phases of a layer and weights streamed through per-warp cp.async rings. Correct (same tests) but not
+faster on the H200 (docs/KERNEL_NOTES.md v5), so the layered kernels stay the default.
+
 Everything that changes between chunks (slot list, lengths, positions, the frame's vision tokens) lives in
 device buffers written by async copies before the replay; kernel arguments are frozen at capture.
 ``meta`` = [L keys seen by the prefill, p0 position of prefill token 0, T prefill tokens, n_ctx].
@@ -57,7 +62,8 @@ def _find_cuda_dir() -> Path:
 
 
 CUDA_DIR = _find_cuda_dir()
-KERNEL_FILES = ("embed.cu", "rmsnorm.cu", "gemm_skinny.cu", "gemv.cu", "rope_attention.cu", "lm_head_action.cu")
+KERNEL_FILES = ("embed.cu", "rmsnorm.cu", "gemm_skinny.cu", "gemv.cu", "rope_attention.cu", "lm_head_action.cu",
+                "decode_persistent.cu")
 T_CHUNK = 32  # prefill rows per kernel pass (the GEMM's two m16 tiles)
 GEMV_WARPS = 8
 
@@ -158,7 +164,18 @@ DEFAULT_TUNING = {
     "gemv_min_ks": 512,
     "attn_prefill_kps": 128,  # keys per split, multiple of 64
     "attn_decode_kps": 64,
+    "decode_kernel": "layered",  # "layered": six kernels per layer (gemv.cu + rope_attention.cu); "persistent":
+                                 # one launch per decode token (cuda/decode_persistent.cu), measured no faster
+                                 # on the H200 (15.62 vs 15.48 ms/chunk: docs/KERNEL_NOTES.md v5)
+    "pd_blocks_per_sm": 0,  # persistent grid: blocks per SM (0 = as many as fit, from the occupancy API)
+    "pd_grid": 0,  # test hook only: force the persistent grid size (a grid that is not resident must be flagged)
+    "pd_profile": False,  # benchmark only: the persistent kernel stamps clock64 at every phase boundary
 }
+
+PD_THREADS = 128  # cuda/decode_persistent.cu: PD_THREADS
+PD_SEG = 1536  # cuda/decode_persistent.cu: PD_SEG (columns per GEMV item)
+PD_WSM_BYTES = 4 * 3 * 2 * PD_SEG * 2  # cuda/decode_persistent.cu: PD_WSM_BYTES (4 warps x 3 items x 2 rows)
+PD_PHASES = ("qkv", "attention", "combine", "o_proj", "gate_up", "down")
 
 
 class CudaEngine(Engine):
@@ -358,6 +375,12 @@ class CudaEngine(Engine):
         self.logits = self._alloc("logits", 4 * (self.decode_tokens + 1) * self.n_bins)
         self.tok_buf = self._alloc("tok_buf", 4 * (self.decode_tokens + 1))
         self.meta = self._alloc("meta", 16, np.zeros(4, np.int32))
+        # persistent decode: one grid-barrier counter per decode step (zeroed in the decode graph) + error flag
+        self.pd_sync = self._alloc("pd_sync", 4 * (self.decode_tokens + 1), np.zeros(self.decode_tokens + 1, np.int32))
+        self.pd_err = self.pd_sync + 4 * self.decode_tokens
+        self.pd_layers = self._alloc("pd_layers", 8 * 9 * self.nlayers)
+        self.pd_prof = self._alloc("pd_prof", 8 * (6 * self.nlayers + 2))
+        self.h_pd_err = cuda.pagelocked_zeros(1, np.int32)
         self.move_buf = None
         # pinned host staging for the per-chunk copies
         self.h_x = cuda.pagelocked_zeros((T, H), np.float32)
@@ -465,6 +488,7 @@ class CudaEngine(Engine):
             "attn_decode_hd128": "PPPPPiPiiifPP", "attn_decode_hd64": "PPPPPiPiiifPP",
             "attn_combine": "PPiiiiPiiiPP",
             "argmax_tokens": "PiiPi",
+            "decode_layers_hd128": "PiPPPPPPPPiPiiiiffiPPP", "decode_layers_hd64": "PiPPPPPPPPiPiiiiffiPPP",
         }
         self.sigs = sigs
         self.kx: dict[str, Any] = {}  # the same kernels, loaded for cuLaunchKernelEx (PDL)
@@ -553,12 +577,64 @@ class CudaEngine(Engine):
                 if name in self.kx:
                     self.kx[name].set_max_dynamic_shared(need)
         self.pdl = bool(t["pdl"]) and self.pdl_launcher is not None and len(self.kx) == len(self.k)
+        self._plan_persistent()
         attn = "attn_prefill_hd%d" % self.HD
         threads = 64 * self.G
         regs = self.k[attn].num_regs
         if threads > 1024 or threads * regs > 65536:
             raise EngineError(f"prefill attention needs {threads} threads x {regs} registers per block: "
                               f"{self.G} query heads per KV head is too many for head_dim {self.HD}")
+
+    def _plan_persistent(self) -> None:
+        """Grid of the persistent decode kernel: every block resident at once (its grid barriers spin), sized
+        from the occupancy API; o_proj / down split-K so their virtual blocks about fill the grid."""
+        t = self.tuning
+        if t["decode_kernel"] not in ("persistent", "layered"):
+            raise EngineError(f"decode_kernel must be 'persistent' or 'layered', got {t['decode_kernel']!r}")
+        self.persistent = t["decode_kernel"] == "persistent"
+        if not self.persistent:
+            return
+        name = "decode_layers_hd%d" % self.HD
+        why = None
+        if self.pdl_launcher is None or name not in self.kx:
+            why = "needs the libcuda launcher (occupancy query)"
+        elif self.H % 8 or self.I % 8 or (self.Hq * self.HD) % 8:
+            why = f"hidden {self.H} / intermediate {self.I} must be multiples of 8"
+        elif self.H > PD_SEG:
+            why = f"hidden {self.H} > {PD_SEG} (one register-held GEMV segment)"
+        if why:
+            self.log(f"cuda engine: persistent decode unavailable ({why}); layered decode kernels")
+            self.persistent = False
+            return
+        cuda = self._cuda
+        HD, H, I = self.HD, self.H, self.I
+        attn_bytes = max((64 * (HD + 8) + HD * (64 + 8)) * 2, (4 * 8 * HD + 2 * 4 * 8) * 4)  # attn_core.cuh
+        dev = cuda.Device(0)
+        n_sm = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+        # the warps' weight rings, then the attention staging buffer or one GEMV input vector
+        smem = PD_WSM_BYTES + max(attn_bytes, 4 * H, 4 * self.Hq * HD, 4 * I)
+        fx = self.kx[name]
+        if smem > 48 * 1024:
+            self.k[name].set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+            fx.set_max_dynamic_shared(smem)
+        occ = fx.max_active_blocks(PD_THREADS, smem)
+        bps = int(t["pd_blocks_per_sm"]) or occ
+        if occ < 1 or bps > occ:
+            raise EngineError(f"persistent decode: {bps} blocks per SM requested, {occ} fit")
+        grid = int(t["pd_grid"]) or n_sm * bps
+        if grid < math.ceil(max(I, self.Hq * HD) / PD_SEG):
+            raise EngineError(f"persistent decode: a grid of {grid} blocks is smaller than the column segments")
+        self.pd_grid, self.pd_smem = grid, smem
+        self.log(f"cuda engine: persistent decode {grid} blocks ({bps}/SM x {n_sm} SMs, occupancy {occ}), "
+                 f"{smem} B shared")
+
+    def _write_layer_table(self) -> None:
+        """Per-layer pointers of the persistent decode kernel: ln1, wqkv, bqkv, wo, ln2, wgu, wd, kc, vc."""
+        rows = []
+        for i, Lw in enumerate(self.layers):
+            kc, vc = self._layer_ptrs(i)
+            rows.append([Lw["ln1"], Lw["wqkv"], Lw["bqkv"], Lw["wo"], Lw["ln2"], Lw["wgu"], Lw["wd"], kc, vc])
+        self._cuda.memcpy_htod(self.pd_layers, np.asarray(rows, dtype=np.uint64))
 
     # ---- enqueue (the same code runs eagerly and under graph capture) ------------------------------------
     def _launch(self, name: str, grid, block, *args, smem: int = 0) -> None:
@@ -573,7 +649,7 @@ class CudaEngine(Engine):
 
     @staticmethod
     def _tag_of(name: str) -> str:
-        for tag in ("gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits",
+        for tag in ("gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits", "decode_layers",
                     "attn_prefill", "attn_decode", "attn_combine", "rmsnorm", "kv_store", "embed", "argmax"):
             if name.startswith(tag):
                 return tag
@@ -582,6 +658,7 @@ class CudaEngine(Engine):
     _only: set[str] | None = None
     _launches = 0
     pdl = False
+    persistent = False
 
     def _layer_ptrs(self, i: int) -> tuple[int, int]:
         off = i * self.slots_alloc * self.nkv * 2
@@ -650,11 +727,21 @@ class CudaEngine(Engine):
         attn = ("attn_decode_mma_hd%d" if self.tuning["decode_attn"] == "mma" else "attn_decode_hd%d") % self.HD
         kps = int(self.tuning["attn_decode_kps"])
         start = self._launches
-        for s in range(1, (steps or self.decode_tokens) + 1):
+        n_steps = steps or self.decode_tokens
+        if self.persistent and (self._only is None or "decode_layers" in self._only):
+            self._cuda.memset_d32_async(self.pd_sync, 0, n_steps, self.stream)  # the grid-barrier counters
+        for s in range(1, n_steps + 1):
             st = np.int32(s)
             self._launch("embed_gather", (math.ceil(H / 256), 1), (256, 1, 1), self.embed, self.tok_buf,
                          np.int32(s - 1), self.x_dec, np.int32(H))
-            for i, Lw in enumerate(self.layers):
+            if self.persistent:
+                self._launch("decode_layers_hd%d" % self.HD, (self.pd_grid, 1), (PD_THREADS, 1, 1), self.pd_layers,
+                             np.int32(self.nlayers), self.x_dec, self.q_dec, self.part_o_dec, self.part_ml_dec,
+                             self.attn_dec, self.act_dec, self.key_slots, self.meta, st, self.rope, np.int32(H),
+                             np.int32(I), np.int32(self.Hq), np.int32(self.n_kvh), eps, qscale, np.int32(kps),
+                             self.pd_sync + 4 * (s - 1), self.pd_err,
+                             self.pd_prof if self.tuning["pd_profile"] else 0, smem=self.pd_smem)
+            for i, Lw in enumerate(self.layers if not self.persistent else ()):
                 kc, vc = self._layer_ptrs(i)
                 self._launch("gemv_qkv", (math.ceil(self.nqkv / (2 * GEMV_WARPS)), 1), (256, 1, 1), self.x_dec, Lw["ln1"],
                              eps, Lw["wqkv"], Lw["bqkv"], np.int32(H), np.int32(nq), np.int32(self.nkv), self.q_dec,
@@ -686,6 +773,8 @@ class CudaEngine(Engine):
         for g in self._graphs.values():
             g.destroy()
         self._graphs = {}
+        if self.persistent:
+            self._write_layer_table()  # the KV cache may have moved
         if not self.use_graphs:
             return
         self.stream.synchronize()
@@ -826,8 +915,16 @@ class CudaEngine(Engine):
             self.ev[2].record(self.stream)
             cuda.memcpy_dtoh_async(self.h_tok, self.tok_buf, self.stream)
             cuda.memcpy_dtoh_async(self.h_logits, self.logits, self.stream)
+            if self.persistent:
+                cuda.memcpy_dtoh_async(self.h_pd_err, self.pd_err, self.stream)
             self.ev[3].record(self.stream)
             self.ev[3].synchronize()
+            if self.persistent and self.h_pd_err[0]:
+                cuda.memset_d32(self.pd_err, 0, 1)
+                self.h_pd_err[0] = 0
+                self.needs_reset = True
+                raise EngineError(f"chunk {frame_id}: a grid barrier of the persistent decode kernel timed out "
+                                  "(grid not resident); the chunk's tokens are invalid")
             prefill_ms = self.ev[1].time_since(self.ev[0])
             decode_ms = self.ev[2].time_since(self.ev[1])
         return adm, self.h_tok.astype(np.int64), prefill_ms, decode_ms
@@ -849,7 +946,7 @@ class CudaEngine(Engine):
         of the KV cache: call reset() afterwards if the engine is to be used again (benchmark only)."""
         from vla_edge_ros.engine.graphs import CudaGraph
         tags = ["rmsnorm", "gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "kv_store", "attn_prefill", "attn_combine",
-                "embed", "gemv_qkv", "attn_decode", "gemv_resid", "gemv_gateup", "gemv_logits", "argmax"]
+                "embed", "gemv_qkv", "attn_decode", "gemv_resid", "gemv_gateup", "decode_layers", "gemv_logits", "argmax"]
         out: dict[str, float] = {}
         with self._active():
             for tag in tags:
@@ -870,6 +967,27 @@ class CudaEngine(Engine):
                 out[tag] = self.ev[1].time_since(self.ev[0]) / reps
                 g.destroy()
         return out
+
+    def decode_phase_profile(self, chunks: int = 20, run_chunk=None) -> dict[str, float]:
+        """Share of each phase of the persistent decode kernel (critical path: block 0's clock64 at every barrier
+        exit, barrier waits included), summed over the layers of the last decode step of ``chunks`` chunks run by
+        ``run_chunk()``. Benchmark only: switches to the persistent kernel for the measurement and back."""
+        prev = self.tuning["decode_kernel"]
+        self.retune(decode_kernel="persistent", pd_profile=True)
+        try:
+            if not self.persistent:
+                return {}
+            acc = np.zeros(len(PD_PHASES))
+            for _ in range(chunks):
+                run_chunk()
+                st = np.empty(6 * self.nlayers + 1, np.uint64)
+                with self._active():
+                    self._cuda.memcpy_dtoh(st, self.pd_prof)
+                d = np.diff(st.astype(np.int64)).astype(np.float64)  # start->B_attn(0): qkv(0), then 6 per layer
+                acc += d.reshape(self.nlayers, 6).sum(axis=0)
+        finally:
+            self.retune(decode_kernel=prev, pd_profile=False)
+        return {name: float(v / acc.sum()) for name, v in zip(PD_PHASES, acc)}
 
     def reset(self) -> None:
         """Drop every retained frame; the pinned prefix (its K/V and slots) stays."""

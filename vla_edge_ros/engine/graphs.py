@@ -178,6 +178,15 @@ class PdlFunction:
         self.launcher.check(f"cuFuncSetAttribute({self.name})", self.launcher.lib.cuFuncSetAttribute(
             self.handle, ctypes.c_int(_FUNC_ATTR_MAX_DYNAMIC_SHARED), ctypes.c_int(int(nbytes))))
 
+    def max_active_blocks(self, block_threads: int, dynamic_smem: int) -> int:
+        """Blocks of this kernel that fit on one SM at once (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
+        n = ctypes.c_int(0)
+        self.launcher.check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})",
+                            self.launcher.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                                ctypes.byref(n), self.handle, ctypes.c_int(int(block_threads)),
+                                ctypes.c_size_t(int(dynamic_smem))))
+        return int(n.value)
+
     def launch(self, grid, block, stream_handle: int, args, smem: int = 0, pdl: bool = True) -> None:
         if len(args) != len(self.sig):
             raise EngineError(f"{self.name}: {len(args)} arguments for signature {self.sig!r}")
