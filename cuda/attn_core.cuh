@@ -16,7 +16,16 @@
 // loads of STAGE_B items before using any of them, so a chunk costs ~2 memory round trips, not one per item.
 // V items run key-fastest across a warp so the transposed 2-byte stores hit consecutive addresses.
 #define STAGE_B 4
-template <int HD>
+// Cache loads: plain (the read-only path with const __restrict__: the stand-alone kernels) or, with CG, through L2
+// only (ld.global.cg: the persistent kernel, where other blocks wrote the data earlier in the same launch). CG
+// measured ~0.5 ms per chunk slower in the stand-alone decode attention, so it is not the default.
+template <bool CG, typename T>
+__device__ __forceinline__ T ld_kv(const T* __restrict__ p) {
+    if (CG) return __ldcg(p);
+    return *p;
+}
+
+template <int HD, bool CG = false>
 __device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSlot, const bf16_t* __restrict__ kc,
         const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const float2* __restrict__ rope_cs,
         int kvh, int nkv, int kc0, int kend) {
@@ -39,8 +48,8 @@ __device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSl
             c01[b] = c23[b] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (slot >= 0) {
                 const bf16_t* kr = kc + (size_t)slot * nkv + kvh * HD;
-                lo[b] = __ldcg(reinterpret_cast<const uint2*>(kr + d));
-                hi[b] = __ldcg(reinterpret_cast<const uint2*>(kr + HALF + d));
+                lo[b] = ld_kv<CG>(reinterpret_cast<const uint2*>(kr + d));
+                hi[b] = ld_kv<CG>(reinterpret_cast<const uint2*>(kr + HALF + d));
                 c01[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(kc0 + key) * HALF + d);
                 c23[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(kc0 + key) * HALF + d + 2);
             }
@@ -70,7 +79,7 @@ __device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSl
             const int key = it % ATT_KC, d = (it / ATT_KC) * 8;
             const int slot = it < NV ? sSlot[key] : -1;
             v[b] = make_uint4(0u, 0u, 0u, 0u);
-            if (slot >= 0) v[b] = __ldcg(reinterpret_cast<const uint4*>(vc + (size_t)slot * nkv + kvh * HD + d));
+            if (slot >= 0) v[b] = ld_kv<CG>(reinterpret_cast<const uint4*>(vc + (size_t)slot * nkv + kvh * HD + d));
         }
 #pragma unroll
         for (int b = 0; b < 2 * STAGE_B; ++b) {
@@ -117,13 +126,15 @@ struct DecAttnSmem {
 };
 
 // bx = key split, kvh = KV head (blockIdx.x / .y of the stand-alone kernel; a virtual block of the persistent
-// decode kernel). smem: DecAttnSmem<HD>::BYTES, 16-byte aligned; sSlot: ATT_KC ints. q and the cache are read
-// with ld.global.cg: in the persistent kernel they were written earlier in the same launch by other blocks.
+// decode kernel). smem: DecAttnSmem<HD>::BYTES, 16-byte aligned; sSlot: ATT_KC ints. CG: q and the cache are
+// read through L2 (the persistent kernel: other blocks wrote them earlier in the same launch). q_cs: the query
+// position's RoPE row if the caller has it at hand (else read from rope_cs). prestaged: the caller staged the
+// first chunk already, without the newest key (single-chunk splits only).
 // DEFER_Q: rotate the query after the first chunk is staged (its loads overlap the staging; costs ~64 registers
 // held across it); the persistent kernel, short of registers, rotates first.
-template <int HD, bool DEFER_Q = true>
-__device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16_t* kc,
-        const bf16_t* vc, const int* __restrict__ key_slots, const int* __restrict__ meta, int step,
+template <int HD, bool DEFER_Q = true, bool CG = false>
+__device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q, const bf16_t* __restrict__ kc,
+        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const int* __restrict__ meta, int step,
         const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* part_o,
         float2* part_ml, unsigned char* smem, int* sSlot, int bx, int kvh, const float2* q_cs = nullptr,
         bool prestaged = false) {
@@ -159,7 +170,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16_
                 for (int hh = 0; hh < 2; ++hh) {
                     const int d = ks * 16 + hh * 8 + 2 * t;
                     float2 a = make_float2(0.f, 0.f);
-                    if (h < G) a = __ldcg(reinterpret_cast<const float2*>(qh + d));
+                    if (h < G) a = ld_kv<CG>(reinterpret_cast<const float2*>(qh + d));
                     qv[r][ks][2 * hh] = a.x;
                     qv[r][ks][2 * hh + 1] = a.y;
                 }
@@ -201,7 +212,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16_
             __syncthreads();
         } else {
             __syncthreads();
-            stage_kv_chunk<HD>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kc0, kend);
+            stage_kv_chunk<HD, CG>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kc0, kend);
             __syncthreads();
         }
         if (DEFER_Q && kc0 == kbeg) build_q();

@@ -352,7 +352,7 @@ __device__ __forceinline__ void decode_layers_body(const unsigned long long* __r
         if (prestage && (int)blockIdx.x < nsplit * n_kvh) {
             const int bx = blockIdx.x % nsplit, kvh = blockIdx.x / nsplit;
             __syncthreads();  // sx of the QKV phase is consumed
-            stage_kv_chunk<HD>(reinterpret_cast<bf16_t*>(vec), reinterpret_cast<bf16_t*>(vec) + ATT_KC * (HD + 8),
+            stage_kv_chunk<HD, true>(reinterpret_cast<bf16_t*>(vec), reinterpret_cast<bf16_t*>(vec) + ATT_KC * (HD + 8),
                                sSlot, reinterpret_cast<const bf16_t*>(P[7]), reinterpret_cast<const bf16_t*>(P[8]),
                                key_slots, rope_cs, kvh, n_kvh * HD, bx * kps, min(L - 1, bx * kps + kps));
         }
@@ -360,7 +360,7 @@ __device__ __forceinline__ void decode_layers_body(const unsigned long long* __r
 #pragma unroll 1
         for (int vb = blockIdx.x; vb < nsplit * n_kvh; vb += gridDim.x) {
             if (!prestage) __syncthreads();  // the staging buffer of the previous virtual block is consumed
-            attn_decode_mma_body<HD, false>(qv, reinterpret_cast<const bf16_t*>(P[7]),
+            attn_decode_mma_body<HD, false, true>(qv, reinterpret_cast<const bf16_t*>(P[7]),
                                             reinterpret_cast<const bf16_t*>(P[8]), key_slots, meta, step, rope_cs,
                                             Hq / n_kvh, n_kvh, kps, qscale, part_o, part_ml, vec, sSlot, vb % nsplit,
                                             vb / nsplit, q_cs, prestage);
