@@ -12,6 +12,12 @@
 # .whl/bag/bridge (the Bridge sample converted here beforehand:
 #   python -m vla_edge_ros.data.oxe_to_bag ../shared/data/oxe .whl/bag/bridge; without it the sweep replays
 #   its synthetic clip).
+# Filling .whl/ on a machine with the registries (the GPU machine has none): PyCUDA + deps from
+#   ../shared/device/wheels; the ROS wheels for the device's Python 3.12, one by one without dependencies (the
+#   build-time rosidl/ament packages have no cp312 wheels of their dependencies), e.g.
+#   for p in $(pip freeze | grep -i '^ros-'); do pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_28_x86_64 -d .whl/ros "$p"; done   (+ rosbags, ruamel.yaml, lz4, backports.zstd,
+#   apsw, pyyaml, psutil, typing_extensions the same way); the device allows 64 MiB of carried files (~57 MiB).
 # Env overrides: PY, OUT, DURATION (s of replay), PREFIX (install prefix), DOMAIN_ID, BAG, CKPT.
 #
 # Why `pip install --prefix` and not `--target`: the ros_* wheels put their C libraries (librcl.so, the message
