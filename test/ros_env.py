@@ -7,10 +7,12 @@ Node processes are stopped with SIGINT and the tests check they exit.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -77,3 +79,45 @@ def runs(kinds: list[str]) -> list[tuple[str, int, int]]:
         else:
             out.append((k, i, 1))
     return out
+
+
+@contextlib.contextmanager
+def runtime_with_param_clients(domain_id: int, tmp: Path, client_name: str, client_nodes: tuple[str, ...],
+                               stats_every_s: float, setup_node=None):
+    """``vla_runtime`` (numpy backend, 1024-token budget, stats JSON every ``stats_every_s``) + a 30 Hz 160x120
+    test camera, and an rclpy node in this process (own context, spun in a thread) with a parameter client per
+    node of ``client_nodes``; ``setup_node(node)`` may add subscriptions. Yields a dict with ``clients``,
+    ``stats`` (path), ``runtime`` (Proc) and ``node`` once the runtime admits chunks and the parameter services
+    answer; afterwards both processes must exit 0 on SIGINT."""
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.parameter_client import AsyncParameterClient
+
+    env = ros_env(domain_id, tmp / "home")
+    apply_env(domain_id, tmp / "home")
+    stats = tmp / "runtime.json"
+    runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", "--stats-out", str(stats), "--stats-every-s",
+                              str(stats_every_s), "--ros-args", "-p", "backend:=numpy", "-p", "kv_budget_tokens:=1024"),
+                   env, tmp / "runtime.log")
+    camera = Proc(module_cmd("vla_edge_ros.ros.test_camera", "--ros-args", "-p", "width:=160", "-p", "height:=120",
+                             "-p", "rate_hz:=30.0"), env, tmp / "camera.log")
+    ctx = rclpy.context.Context()
+    rclpy.init(context=ctx, args=[])
+    node = rclpy.create_node(client_name, context=ctx)
+    if setup_node is not None:
+        setup_node(node)
+    ex = SingleThreadedExecutor(context=ctx)
+    ex.add_node(node)
+    threading.Thread(target=ex.spin, daemon=True).start()
+    clients = {n: AsyncParameterClient(node, n) for n in client_nodes}
+    try:
+        assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
+        for c in clients.values():
+            assert c.wait_for_services(timeout_sec=20.0)
+        yield {"clients": clients, "stats": stats, "runtime": runtime, "node": node}
+    finally:
+        ex.shutdown(timeout_sec=2.0)
+        node.destroy_node()
+        rclpy.shutdown(context=ctx)
+        rc_cam, rc_rt = camera.stop(), runtime.stop()
+        assert (rc_cam, rc_rt) == (0, 0), runtime.output()[-3000:]

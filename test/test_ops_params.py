@@ -12,12 +12,11 @@ the value read back: what test_ros_params.py does not show already.
 """
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
-from ros_env import Proc, apply_env, module_cmd, read_json, ros_env, wait_for
+from ros_env import read_json, runtime_with_param_clients, wait_for
 
 DOMAIN_ID = 91
 rclpy = pytest.importorskip("rclpy")
@@ -25,39 +24,10 @@ rclpy = pytest.importorskip("rclpy")
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ops_params")
-    env = ros_env(DOMAIN_ID, tmp / "home")
-    apply_env(DOMAIN_ID, tmp / "home")
-    stats = tmp / "runtime.json"
-    runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", "--stats-out", str(stats), "--stats-every-s", "0.2",
-                              "--ros-args", "-p", "backend:=numpy", "-p", "kv_budget_tokens:=1024"),
-                   env, tmp / "runtime.log")
-    camera = Proc(module_cmd("vla_edge_ros.ros.test_camera", "--ros-args", "-p", "width:=160", "-p", "height:=120",
-                             "-p", "rate_hz:=30.0"), env, tmp / "camera.log")
-    from rclpy.executors import SingleThreadedExecutor
-    from rclpy.parameter_client import AsyncParameterClient
-
-    ctx = rclpy.context.Context()
-    rclpy.init(context=ctx, args=[])
-    node = rclpy.create_node("ops_param_client", context=ctx)
-    ex = SingleThreadedExecutor(context=ctx)
-    ex.add_node(node)
-    th = threading.Thread(target=ex.spin, daemon=True)
-    th.start()
-    clients = {n: AsyncParameterClient(node, n) for n in ("vla_inference", "vla_action")}
-    try:
-        assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
-        for c in clients.values():
-            assert c.wait_for_services(timeout_sec=20.0)
-        sys_ = {"clients": clients, "stats": stats, "runtime": runtime}
+    with runtime_with_param_clients(DOMAIN_ID, tmp_path_factory.mktemp("ops_params"), "ops_param_client",
+                                    ("vla_inference", "vla_action"), 0.2) as sys_:
         stats_when(sys_, lambda s: s["chunks"]["admitted"] > 5 and s["ticks"]["fresh"] > 5, 30.0)
         yield sys_
-    finally:
-        ex.shutdown(timeout_sec=2.0)
-        node.destroy_node()
-        rclpy.shutdown(context=ctx)
-        rc_cam, rc_rt = camera.stop(), runtime.stop()
-        assert (rc_cam, rc_rt) == (0, 0), runtime.output()[-3000:]
 
 
 def set_param(system, node: str, **values) -> None:

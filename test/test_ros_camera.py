@@ -2,6 +2,7 @@
 and good frames published afterwards still land in its buffer. Also the compressed transport."""
 from __future__ import annotations
 
+import contextlib
 import io
 import time
 
@@ -37,6 +38,29 @@ def _image(h, w, enc, step, data, stamp_ns):
     return m
 
 
+@contextlib.contextmanager
+def camera_node(node, tmp_path, msg_type, topic, pub_qos, *params, wait_log=None):
+    """`vla_camera` in its own process (``-p`` params, stats JSON in tmp_path) and a publisher of ``msg_type`` on
+    ``topic`` from the test's node; yields ``(pub, proc, stats_path)`` once the subscription is matched (after
+    ``wait_log`` appears in the node's output, when given); the node must exit 0 on SIGINT afterwards."""
+    stats = tmp_path / "camera_stats.json"
+    args = ["--stats-out", str(stats)]
+    if params:
+        args += ["--ros-args"] + [a for prm in params for a in ("-p", prm)]
+    proc = Proc(module_cmd("vla_edge_ros.ros.camera_node", *args), ros_env(DOMAIN_ID, tmp_path / "home"),
+                tmp_path / "camera.log")
+    try:
+        pub = node.create_publisher(msg_type, topic, pub_qos)
+        if wait_log is not None:
+            assert wait_for(lambda: wait_log in proc.output(), 20.0), proc.output()
+        assert wait_for(lambda: pub.get_subscription_count() > 0, 20.0), proc.output()
+        time.sleep(0.5)
+        yield pub, proc, stats
+    finally:
+        rc = proc.stop()
+    assert rc == 0, proc.output()
+
+
 def _publish_all(pub, msgs, period_s=0.02):
     for m in msgs:
         pub.publish(m)
@@ -49,14 +73,8 @@ def test_bad_images_counted_by_reason_node_survives(ros, tmp_path):
     from vla_edge_ros.ros import qos
 
     node, _ = ros
-    stats = tmp_path / "camera_stats.json"
-    proc = Proc(module_cmd("vla_edge_ros.ros.camera_node", "--stats-out", str(stats),
-                           "--ros-args", "-p", "max_image_bytes:=2000000"),
-                ros_env(DOMAIN_ID, tmp_path / "home"), tmp_path / "camera.log")
-    try:
-        pub = node.create_publisher(Image, "/camera/image_raw", qos.camera_publisher_qos(deadline_ms=50.0))
-        assert wait_for(lambda: pub.get_subscription_count() > 0, 20.0), proc.output()
-        time.sleep(0.5)
+    with camera_node(node, tmp_path, Image, "/camera/image_raw", qos.camera_publisher_qos(deadline_ms=50.0),
+                     "max_image_bytes:=2000000") as (pub, proc, stats):
         now = time.time_ns()
         good = np.zeros((48, 64, 3), np.uint8)
         n = 5
@@ -78,9 +96,6 @@ def test_bad_images_counted_by_reason_node_survives(ros, tmp_path):
         _publish_all(pub, goods)
         time.sleep(0.3)
         assert proc.alive(), proc.output()
-    finally:
-        rc = proc.stop()
-    assert rc == 0, proc.output()
     s = read_json(stats)
     by_reason = s["frames"]["rejected_by_reason"]
     for reason in bad:
@@ -101,15 +116,8 @@ def test_compressed_transport_decodes_jpeg_and_rejects_garbage(ros, tmp_path):
     from vla_edge_ros.ros.conversions import ns_to_stamp
 
     node, _ = ros
-    stats = tmp_path / "camera_stats.json"
-    proc = Proc(module_cmd("vla_edge_ros.ros.camera_node", "--stats-out", str(stats),
-                           "--ros-args", "-p", "image_transport:=compressed"),
-                ros_env(DOMAIN_ID, tmp_path / "home"), tmp_path / "camera.log")
-    try:
-        pub = node.create_publisher(CompressedImage, "/camera/image_raw/compressed",
-                                    qos.camera_publisher_qos(deadline_ms=50.0))
-        assert wait_for(lambda: pub.get_subscription_count() > 0, 20.0), proc.output()
-        time.sleep(0.5)
+    with camera_node(node, tmp_path, CompressedImage, "/camera/image_raw/compressed",
+                     qos.camera_publisher_qos(deadline_ms=50.0), "image_transport:=compressed") as (pub, proc, stats):
         msgs = []
         for i in range(10):
             buf = io.BytesIO()
@@ -122,9 +130,6 @@ def test_compressed_transport_decodes_jpeg_and_rejects_garbage(ros, tmp_path):
         _publish_all(pub, msgs + [garbage] * 3)
         time.sleep(0.3)
         assert proc.alive(), proc.output()
-    finally:
-        rc = proc.stop()
-    assert rc == 0, proc.output()
     s = read_json(stats)
     assert 5 <= s["camera"]["accepted"] <= 10, s["camera"]
     assert 1 <= s["frames"]["rejected"] <= 3, s["frames"]
@@ -138,19 +143,10 @@ def test_publisher_without_deadline_gets_plain_qos_fallback(ros, tmp_path):
     from sensor_msgs.msg import Image
 
     node, _ = ros
-    stats = tmp_path / "camera_stats.json"
-    proc = Proc(module_cmd("vla_edge_ros.ros.camera_node", "--stats-out", str(stats)),
-                ros_env(DOMAIN_ID, tmp_path / "home"), tmp_path / "camera.log")
-    try:
-        pub = node.create_publisher(Image, "/camera/image_raw", qos_profile_sensor_data)
-        assert wait_for(lambda: "re-subscribing with plain" in proc.output(), 20.0), proc.output()
-        assert wait_for(lambda: pub.get_subscription_count() > 0, 10.0), proc.output()
-        time.sleep(0.5)
+    with camera_node(node, tmp_path, Image, "/camera/image_raw", qos_profile_sensor_data,
+                     wait_log="re-subscribing with plain") as (pub, proc, stats):
         _publish_all(pub, [_image(8, 8, "mono8", 8, bytes(range(64)), time.time_ns()) for _ in range(10)])
         time.sleep(0.3)
-    finally:
-        rc = proc.stop()
-    assert rc == 0, proc.output()
     s = read_json(stats)
     assert s["camera"]["incompatible_qos"] >= 1
     assert s["camera"]["qos_mode"].startswith("plain")
@@ -163,20 +159,11 @@ def test_frozen_camera_detected(ros, tmp_path):
     from vla_edge_ros.ros import qos
 
     node, _ = ros
-    stats = tmp_path / "camera_stats.json"
-    proc = Proc(module_cmd("vla_edge_ros.ros.camera_node", "--stats-out", str(stats),
-                           "--ros-args", "-p", "frozen_frame_limit:=8"),
-                ros_env(DOMAIN_ID, tmp_path / "home"), tmp_path / "camera.log")
-    try:
-        pub = node.create_publisher(Image, "/camera/image_raw", qos.camera_publisher_qos(deadline_ms=50.0))
-        assert wait_for(lambda: pub.get_subscription_count() > 0, 20.0), proc.output()
-        time.sleep(0.5)
+    with camera_node(node, tmp_path, Image, "/camera/image_raw", qos.camera_publisher_qos(deadline_ms=50.0),
+                     "frozen_frame_limit:=8") as (pub, proc, stats):
         same = np.random.default_rng(3).integers(0, 256, (24, 32, 3), dtype=np.uint8).tobytes()
         _publish_all(pub, [_image(24, 32, "rgb8", 96, same, time.time_ns()) for _ in range(25)])
         time.sleep(0.3)
-    finally:
-        rc = proc.stop()
-    assert rc == 0
     s = read_json(stats)["camera"]
     assert s["frozen"] is True and s["frozen_events"] == 1, s
     assert "camera frozen" in proc.output()

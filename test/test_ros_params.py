@@ -2,12 +2,11 @@
 uses): accepted changes take effect at their documented point, invalid ones are rejected with a reason."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
-from ros_env import Proc, apply_env, module_cmd, read_json, ros_env, wait_for
+from ros_env import read_json, runtime_with_param_clients, wait_for
 
 DOMAIN_ID = 13
 rclpy = pytest.importorskip("rclpy")
@@ -15,45 +14,22 @@ rclpy = pytest.importorskip("rclpy")
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("params")
-    env = ros_env(DOMAIN_ID, tmp / "home")
-    apply_env(DOMAIN_ID, tmp / "home")
-    stats = tmp / "runtime.json"
-    runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", "--stats-out", str(stats), "--stats-every-s", "0.3",
-                              "--ros-args", "-p", "backend:=numpy", "-p", "kv_budget_tokens:=1024"),
-                   env, tmp / "runtime.log")
-    camera = Proc(module_cmd("vla_edge_ros.ros.test_camera", "--ros-args", "-p", "width:=160", "-p", "height:=120",
-                             "-p", "rate_hz:=30.0"), env, tmp / "camera.log")
-    from rclpy.executors import SingleThreadedExecutor
-    from rclpy.parameter_client import AsyncParameterClient
-    from sensor_msgs.msg import JointState
-
-    from vla_edge_ros.ros import qos
-
-    ctx = rclpy.context.Context()
-    rclpy.init(context=ctx, args=[])
-    node = rclpy.create_node("param_test_client", context=ctx)
     ticks: list[float] = []
-    node.create_subscription(JointState, "/vla/action", lambda m: ticks.append(time.monotonic()),
-                             qos.reliable_qos(100))
-    ex = SingleThreadedExecutor(context=ctx)
-    ex.add_node(node)
-    th = threading.Thread(target=ex.spin, daemon=True)
-    th.start()
-    clients = {n: AsyncParameterClient(node, n) for n in ("vla_inference", "vla_action", "vla_camera")}
-    try:
-        assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
-        for c in clients.values():
-            assert c.wait_for_services(timeout_sec=20.0)
+
+    def subscribe(node):
+        from sensor_msgs.msg import JointState
+
+        from vla_edge_ros.ros import qos
+
+        node.create_subscription(JointState, "/vla/action", lambda m: ticks.append(time.monotonic()),
+                                 qos.reliable_qos(100))
+
+    with runtime_with_param_clients(DOMAIN_ID, tmp_path_factory.mktemp("params"), "param_test_client",
+                                    ("vla_inference", "vla_action", "vla_camera"), 0.3, subscribe) as sys_:
+        stats = sys_["stats"]
         assert wait_for(lambda: stats.exists() and read_json(stats)["chunks"]["admitted"] > 5, 30.0), \
-            runtime.output()
-        yield {"clients": clients, "stats": stats, "ticks": ticks, "runtime": runtime}
-    finally:
-        ex.shutdown(timeout_sec=2.0)
-        node.destroy_node()
-        rclpy.shutdown(context=ctx)
-        rc_cam, rc_rt = camera.stop(), runtime.stop()
-        assert (rc_cam, rc_rt) == (0, 0), runtime.output()[-3000:]
+            sys_["runtime"].output()
+        yield {**sys_, "ticks": ticks}
 
 
 def _set(system, node: str, name: str, value):
