@@ -59,6 +59,21 @@ def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def read_json_when(path: Path, pred, timeout_s: float = 10.0) -> dict:
+    """The JSON at ``path`` once ``pred(json)`` holds (a file being rewritten may be unreadable for a moment)."""
+    box = {}
+
+    def check():
+        try:
+            box["s"] = read_json(path)
+        except (ValueError, OSError):
+            return False
+        return pred(box["s"])
+
+    assert wait_for(check, timeout_s, 0.1), box.get("s")
+    return box["s"]
+
+
 def load_monitor(path: Path) -> tuple[list[dict], list[dict]]:
     """(action records, status records) from an action_monitor JSON-lines file."""
     actions, statuses = [], []

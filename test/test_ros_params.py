@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ros_env import read_json, runtime_with_param_clients, wait_for
+from ros_env import read_json, read_json_when, runtime_with_param_clients, wait_for
 
 DOMAIN_ID = 13
 rclpy = pytest.importorskip("rclpy")
@@ -52,17 +52,7 @@ def _get(system, node: str, name: str):
 
 
 def _stats_when(system, pred, timeout_s=10.0) -> dict:
-    box = {}
-
-    def check():
-        try:
-            box["s"] = read_json(system["stats"])
-        except (ValueError, OSError):
-            return False
-        return pred(box["s"])
-
-    assert wait_for(check, timeout_s, 0.1), box.get("s")
-    return box["s"]
+    return read_json_when(system["stats"], pred, timeout_s)
 
 
 @pytest.mark.parametrize("node,name,value,why", [
