@@ -587,7 +587,8 @@ class CudaEngine(Engine):
 
     def _plan_persistent(self) -> None:
         """Grid of the persistent decode kernel: every block resident at once (its grid barriers spin), sized
-        from the occupancy API; o_proj / down split-K so their virtual blocks about fill the grid."""
+        from the occupancy API; dynamic shared memory = the warps' weight rings + the larger of the attention
+        staging buffer and one GEMV input vector."""
         t = self.tuning
         if t["decode_kernel"] not in ("persistent", "layered"):
             raise EngineError(f"decode_kernel must be 'persistent' or 'layered', got {t['decode_kernel']!r}")
@@ -601,7 +602,7 @@ class CudaEngine(Engine):
         elif self.H % 8 or self.I % 8 or (self.Hq * self.HD) % 8:
             why = f"hidden {self.H} / intermediate {self.I} must be multiples of 8"
         elif self.H > PD_SEG:
-            why = f"hidden {self.H} > {PD_SEG} (one register-held GEMV segment)"
+            why = f"hidden {self.H} > {PD_SEG} (a QKV or gate/up row must fit one GEMV segment)"
         if why:
             self.log(f"cuda engine: persistent decode unavailable ({why}); layered decode kernels")
             self.persistent = False
@@ -611,8 +612,8 @@ class CudaEngine(Engine):
         attn_bytes = max((64 * (HD + 8) + HD * (64 + 8)) * 2, (4 * 8 * HD + 2 * 4 * 8) * 4)  # attn_core.cuh
         dev = cuda.Device(0)
         n_sm = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
-        # the warps' weight rings, then the attention staging buffer or one GEMV input vector
-        smem = PD_WSM_BYTES + max(attn_bytes, 4 * H, 4 * self.Hq * HD, 4 * I)
+        smem = PD_WSM_BYTES + max(attn_bytes, 4 * H, 4 * self.Hq * HD, 4 * I)  # (as measured; a vector needs
+        # only min(., PD_SEG) floats since each block loads one column segment, the attention buffer dominates)
         fx = self.kx[name]
         if smem > 48 * 1024:
             self.k[name].set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
