@@ -3,10 +3,12 @@
 // Why: the layered decode runs 6 kernels per layer (QKV, attention, combine, o_proj, gate/up, down), 168 per
 // token; each boundary costs a launch gap plus a ramp and a tail, ~4-5 us per small kernel against 1-13 us of
 // useful weight streaming. Here a grid of exactly as many 128-thread blocks as fit on the GPU at once loops over
-// the layers and separates the six phases with grid-wide barriers (~1 us). Weights stream through a cp.async
+// the layers and separates the six phases with grid-wide barriers. Weights stream through a cp.async
 // ring per warp in shared memory (3 x 6 KB in flight per warp, no registers held); each phase's first items are
 // requested before the barrier that opens it (weights never depend on activations), o_proj's already before
 // the attention phase, so barrier and attention latencies overlap the weight fetch.
+// Measured (docs/KERNEL_NOTES.md v5): correct, but no faster than the layered kernels: each phase still pays
+// ~5 us of barrier + input round trip + reduction, so it is an opt-in (tuning decode_kernel: persistent).
 //
 // Phases of layer l (the barrier count is the same in every block; every block passes every barrier):
 //   QKV     rmsnorm(x) . Wqkv + b -> q (fp32, pre-RoPE), this token's K/V -> cache slot (bf16, pre-RoPE)
@@ -321,8 +323,6 @@ __device__ __forceinline__ void decode_layers_body(const unsigned long long* __r
     GridBar bar{bar_count, err, 0u, prof, 0};
     pd_stamp(bar);
     const int L = meta[3] + step;  // keys seen by this token, itself included
-    // Only the layer index, the barrier state and these two stay live across the phase calls: everything else
-    // is rebuilt from kernel parameters (constant bank) at each call, so the callees need not save registers.
     const int nsplit = (L + kps - 1) / kps;
     const int new_slot = key_slots[L - 1];
     for (int d = threadIdx.x; d < HD / 2; d += PD_THREADS) q_cs[d] = rope_cs[(size_t)(L - 1) * (HD / 2) + d];
