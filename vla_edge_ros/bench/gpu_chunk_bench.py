@@ -375,6 +375,28 @@ def _main(args, parts, ctx, torch, cuda) -> int:
     return 0
 
 
+GOAL_MEDIAN_MS, GOAL_P99_MS, GOAL_VS_COMPILED = 7.0, 8.0, 3.0  # issue 4's speed goal
+
+
+def goal_verdict(res: dict) -> list[tuple[str, bool | None]]:
+    """Issue 4's three speed criteria on the wall-clock figures (what a robot waits for; the GPU-event times are
+    lower): median <= 7 ms, p99 <= 8 ms, and >= 3x the compiled HF median measured in the same run. None where
+    the run lacks the figure (HF compiled not measured or failed)."""
+    m = (res.get("ours") or {}).get("main")
+    if not m:
+        return []
+    out: list[tuple[str, bool | None]] = [
+        (f"median {m['host_median_ms']:.2f} ms <= {GOAL_MEDIAN_MS:g} ms", m["host_median_ms"] <= GOAL_MEDIAN_MS),
+        (f"p99 {m['host_p99_ms']:.2f} ms <= {GOAL_P99_MS:g} ms", m["host_p99_ms"] <= GOAL_P99_MS)]
+    h = res.get("hf_compiled")
+    if h and "error" not in h:
+        ratio = h["median_ms"] / m["host_median_ms"]
+        out.append((f"{ratio:.2f}x HF compiled >= {GOAL_VS_COMPILED:g}x", ratio >= GOAL_VS_COMPILED))
+    else:
+        out.append((f"vs HF compiled: not measured in this run (>= {GOAL_VS_COMPILED:g}x required)", None))
+    return out
+
+
 def print_report(res: dict) -> None:
     b = res["bytes"]
     if "loop" in res:
@@ -413,6 +435,10 @@ def print_report(res: dict) -> None:
             if h and "error" not in h:
                 print(f"speed-up vs {name}: {h['median_ms'] / m['host_median_ms']:.1f}x (wall medians)")
         print(f"peak VRAM (tracked): {o['peak_vram_bytes'] / 2**30:.3f} GiB; engine setup {o['setup_s']:.1f} s")
+        verdict = goal_verdict(res)
+        met = all(v is True for _, v in verdict)
+        print("speed goal (wall clock): " + "; ".join(f"{t}: {'yes' if v else ('?' if v is None else 'NO')}"
+                                                     for t, v in verdict) + f" -> {'MET' if met else 'NOT MET'}")
         km = o["kernel_ms"]
         tot = sum(km.values())
         print(f"\nper-kernel family (isolated graphs, ms per chunk; sum {tot:.3f} vs chunk {m['gpu_median_ms']:.3f}):")
