@@ -969,7 +969,7 @@ class CudaEngine(Engine):
                 g.destroy()
         return out
 
-    def decode_phase_profile(self, chunks: int = 20, run_chunk=None) -> dict[str, float]:
+    def decode_phase_profile(self, run_chunk: Callable[[], Any], chunks: int = 20) -> dict[str, float]:
         """Share of each phase of the persistent decode kernel (critical path: block 0's clock64 at every barrier
         exit, barrier waits included), summed over the layers of the last decode step of ``chunks`` chunks run by
         ``run_chunk()``. Benchmark only: switches to the persistent kernel for the measurement and back."""
