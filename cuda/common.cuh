@@ -86,6 +86,15 @@ __device__ __forceinline__ uint32_t u4_word(const uint4& v, int i) {
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
+// 16-byte global -> shared copy through L2 (sm_80 cp.async): no registers held while in flight.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
 // Programmatic dependent launch (sm_90): a kernel launched with the programmatic-stream-serialization attribute
 // may start while its predecessor finishes; everything before pdl_wait() must not read data the predecessor
 // writes nor write data it reads (weights are read-only: they are prefetched before the wait). Without the

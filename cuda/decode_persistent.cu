@@ -125,14 +125,6 @@ struct PdGemv {
     int nq, nkv, new_slot;
 };
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
 // Items of this warp: it = first, first + stride, ... < nitems. QKV: row pairs; GATEUP: outputs; RESID: row pairs
 // of ONE column segment per block (seg = blockIdx % nseg), so a block loads only its segment of the input.
 struct PdItems {
@@ -363,7 +355,7 @@ __device__ __forceinline__ void decode_layers_body(const unsigned long long* __r
             attn_decode_mma_body<HD, false, true>(qv, reinterpret_cast<const bf16_t*>(P[7]),
                                             reinterpret_cast<const bf16_t*>(P[8]), key_slots, meta, step, rope_cs,
                                             Hq / n_kvh, n_kvh, kps, qscale, part_o, part_ml, vec, sSlot, vb % nsplit,
-                                            vb / nsplit, q_cs, prestage);
+                                            vb / nsplit, q_cs, prestage ? L - 1 : -1);
         }
         // ---- combine: virtual block = (query head, 32 dims) ----
         grid_sync(bar);

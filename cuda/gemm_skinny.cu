@@ -19,13 +19,29 @@ template <int WPB, int MODE>
 __device__ __forceinline__ void gemm32_body(const bf16_t* __restrict__ A, int lda, const bf16_t* __restrict__ W,
                                             int N, int K, int ks_len, float* __restrict__ C, int ldc,
                                             bf16_t* __restrict__ act) {
-    __shared__ uint4 sA[32 * GEMM_SA];
+    __shared__ uint4 sAb[2 * 32 * GEMM_SA];  // two activation chunks (double buffer)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int nw = blockIdx.x * (WPB * 16) + warp * 16;
     const bool active = nw < N;  // N is a multiple of 16
     const int kbeg = blockIdx.y * ks_len;
     const int kend = min(K, kbeg + ks_len);
+    const int nrow = active ? nw + g : 0;
+    const bf16_t* W0 = W + (size_t)nrow * K + t * 8;
+    const bf16_t* W1 = W0 + (size_t)8 * K;
+    // a chunk's weight loads (16-byte streaming loads, all in flight before any is used)
+    uint4 b[GEMM_KC / 32][2];
+    auto load_w = [&](int kc, int clen) {
+#pragma unroll
+        for (int u = 0; u < GEMM_KC / 32; ++u) {
+            if (active && 32 * u < clen) {
+                b[u][0] = ldg_stream16(W0 + kc + 32 * u);
+                b[u][1] = ldg_stream16(W1 + kc + 32 * u);
+            }
+        }
+    };
+    // the first chunk's weights do not depend on the previous kernel: requested before the PDL wait
+    if (kbeg < kend) load_w(kbeg, min(GEMM_KC, kend - kbeg));
     pdl_trigger();
     pdl_wait();
     if (kbeg >= kend) return;  // uniform over the block
@@ -36,27 +52,22 @@ __device__ __forceinline__ void gemm32_body(const bf16_t* __restrict__ A, int ld
         for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
-    const int nrow = active ? nw + g : 0;
-    const bf16_t* W0 = W + (size_t)nrow * K + t * 8;
-    const bf16_t* W1 = W0 + (size_t)8 * K;
 
-    for (int kc = kbeg; kc < kend; kc += GEMM_KC) {
+    int buf = 0;
+    for (int kc = kbeg; kc < kend; kc += GEMM_KC, buf ^= 1) {
         const int clen = min(GEMM_KC, kend - kc);  // multiple of 32
-        // issue this chunk's weight loads first: they overlap the activation staging below
-        uint4 b[GEMM_KC / 32][2];
-#pragma unroll
-        for (int u = 0; u < GEMM_KC / 32; ++u) {
-            if (active && 32 * u < clen) {
-                b[u][0] = ldg_stream16(W0 + kc + 32 * u);
-                b[u][1] = ldg_stream16(W1 + kc + 32 * u);
-            }
-        }
-        __syncthreads();  // previous chunk's readers are done
+        if (kc != kbeg) load_w(kc, clen);
+        // the chunk's activation words go straight to shared memory (cp.async, no registers), into the buffer
+        // that the chunk before last used: every warp passed this iteration's predecessor's barrier after its
+        // last read of it. One barrier per chunk; the copies overlap the weight loads.
+        uint4* sA = sAb + buf * (32 * GEMM_SA);
         const int nq = clen >> 3;
-        for (int i = threadIdx.x; i < 32 * nq; i += blockDim.x) {
+        for (int i = threadIdx.x; i < 32 * nq; i += 32 * WPB) {
             const int r = i / nq, q = i - r * nq;
-            sA[r * GEMM_SA + q] = *reinterpret_cast<const uint4*>(A + (size_t)r * lda + kc + q * 8);
+            cp_async16(sA + r * GEMM_SA + q, A + (size_t)r * lda + kc + q * 8);
         }
+        cp_async_commit();
+        cp_async_wait<0>();
         __syncthreads();
         if (active) {
 #pragma unroll
@@ -113,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(128) gemm32_atomic_w4(const bf16_t*
                                                                    int K, int ks_len, float* C, int ldc) {
     gemm32_body<4, GEMM_ATOMIC>(A, lda, W, N, K, ks_len, C, ldc, nullptr);
 }
-extern "C" __global__ void __launch_bounds__(256) gemm32_atomic_w8(const bf16_t* A, int lda, const bf16_t* W, int N,
+extern "C" __global__ void __launch_bounds__(256, 2) gemm32_atomic_w8(const bf16_t* A, int lda, const bf16_t* W, int N,
                                                                    int K, int ks_len, float* C, int ldc) {
     gemm32_body<8, GEMM_ATOMIC>(A, lda, W, N, K, ks_len, C, ldc, nullptr);
 }
@@ -122,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(128) gemm32_silu_w4(const bf16_t* A
                                                                  int K, bf16_t* act) {
     gemm32_body<4, GEMM_SILU>(A, lda, W, N, K, K, nullptr, 0, act);
 }
-extern "C" __global__ void __launch_bounds__(256) gemm32_silu_w8(const bf16_t* A, int lda, const bf16_t* W, int N,
+extern "C" __global__ void __launch_bounds__(256, 2) gemm32_silu_w8(const bf16_t* A, int lda, const bf16_t* W, int N,
                                                                  int K, bf16_t* act) {
     gemm32_body<8, GEMM_SILU>(A, lda, W, N, K, K, nullptr, 0, act);
 }
