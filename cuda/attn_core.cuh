@@ -96,20 +96,56 @@ __device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSl
     }
 }
 
-// One key (logical position j, cache row `slot`) into row `row` of a staged chunk: rotated K, transposed V.
+// Keys [j0, j1) (logical positions; at most ATT_KC, all in the chunk starting at kc0) into rows j - kc0 of a staged
+// chunk: rotated K, transposed V. Every thread issues all its loads before using any (one memory round trip for
+// the few keys a decode step adds after the rest of the chunk was staged). Cache read through L2 (__ldcg): the
+// rows were written by the preceding kernel / phase.
 template <int HD>
-__device__ __forceinline__ void stage_kv_key(bf16_t* sK, bf16_t* sVt, const bf16_t* kc, const bf16_t* vc, int slot,
-        const float2* __restrict__ rope_cs, int kvh, int nkv, int j, int row) {
+__device__ __forceinline__ void stage_kv_keys(bf16_t* sK, bf16_t* sVt, const bf16_t* kc, const bf16_t* vc,
+        const int* __restrict__ key_slots, const float2* __restrict__ rope_cs, int kvh, int nkv, int j0, int j1,
+        int kc0) {
     constexpr int HALF = HD / 2;
-    const bf16_t* kr = kc + (size_t)slot * nkv + kvh * HD;
-    const bf16_t* vr = vc + (size_t)slot * nkv + kvh * HD;
-    for (int d = threadIdx.x; d < HALF; d += blockDim.x) {
-        const float lo = bf16_to_f32(__ldcg(kr + d)), hi = bf16_to_f32(__ldcg(kr + HALF + d));
-        const float2 cs = rope_cs[(size_t)j * HALF + d];
-        sK[row * (HD + 8) + d] = f32_to_bf16(lo * cs.x - hi * cs.y);
-        sK[row * (HD + 8) + HALF + d] = f32_to_bf16(hi * cs.x + lo * cs.y);
+    constexpr int NB = 4;  // items per thread in flight (8 keys x HD / 128 threads = 4 K items, 8 V items)
+    const int nk = (j1 - j0) * HALF, nv = (j1 - j0) * HD;
+    for (int base = threadIdx.x; base < nk; base += NB * blockDim.x) {
+        bf16_t lo[NB], hi[NB];
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            const int it = base + b * blockDim.x;
+            lo[b] = hi[b] = 0;
+            if (it < nk) {
+                const int j = j0 + it / HALF, d = it % HALF;
+                const bf16_t* kr = kc + (size_t)key_slots[j] * nkv + kvh * HD;
+                lo[b] = __ldcg(kr + d);
+                hi[b] = __ldcg(kr + HALF + d);
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            const int it = base + b * blockDim.x;
+            if (it >= nk) break;
+            const int j = j0 + it / HALF, d = it % HALF;
+            const float2 cs = rope_cs[(size_t)j * HALF + d];
+            const float l = bf16_to_f32(lo[b]), h = bf16_to_f32(hi[b]);
+            sK[(j - kc0) * (HD + 8) + d] = f32_to_bf16(l * cs.x - h * cs.y);
+            sK[(j - kc0) * (HD + 8) + HALF + d] = f32_to_bf16(h * cs.x + l * cs.y);
+        }
     }
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) sVt[d * (ATT_KC + 8) + row] = __ldcg(vr + d);
+    for (int base = threadIdx.x; base < nv; base += 2 * NB * blockDim.x) {
+        bf16_t v[2 * NB];
+#pragma unroll
+        for (int b = 0; b < 2 * NB; ++b) {
+            const int it = base + b * blockDim.x;
+            v[b] = 0;
+            if (it < nv) v[b] = __ldcg(vc + (size_t)key_slots[j0 + it / HD] * nkv + kvh * HD + it % HD);
+        }
+#pragma unroll
+        for (int b = 0; b < 2 * NB; ++b) {
+            const int it = base + b * blockDim.x;
+            if (it >= nv) break;
+            sVt[(it % HD) * (ATT_KC + 8) + (j0 + it / HD - kc0)] = v[b];
+        }
+    }
 }
 
 // Decode on tensor cores: the G query heads of KV head blockIdx.y are the rows of one m16 tile (rows >= G are
@@ -128,8 +164,9 @@ struct DecAttnSmem {
 // bx = key split, kvh = KV head (blockIdx.x / .y of the stand-alone kernel; a virtual block of the persistent
 // decode kernel). smem: DecAttnSmem<HD>::BYTES, 16-byte aligned; sSlot: ATT_KC ints. CG: q and the cache are
 // read through L2 (the persistent kernel: other blocks wrote them earlier in the same launch). q_cs: the query
-// position's RoPE row if the caller has it at hand (else read from rope_cs). prestaged: the caller staged the
-// first chunk already, without the newest key (single-chunk splits only).
+// position's RoPE row if the caller has it at hand (else read from rope_cs). fresh_from >= 0: the caller staged
+// the first chunk already (stage_kv_chunk with kend = fresh_from, before waiting for its producers), keys
+// >= fresh_from are staged here (single-chunk splits only: kps == ATT_KC).
 // DEFER_Q: rotate the query after the first chunk is staged (its loads overlap the staging; costs ~64 registers
 // held across it); the persistent kernel, short of registers, rotates first.
 template <int HD, bool DEFER_Q = true, bool CG = false>
@@ -137,7 +174,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q
         const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const int* __restrict__ meta, int step,
         const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* part_o,
         float2* part_ml, unsigned char* smem, int* sSlot, int bx, int kvh, const float2* q_cs = nullptr,
-        bool prestaged = false) {
+        int fresh_from = -1) {
     constexpr int KS = HD / 16;
     constexpr int HALF = HD / 2;
     constexpr int NT_O = HD / 8;
@@ -205,10 +242,12 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
     for (int kc0 = kbeg; kc0 < kend; kc0 += ATT_KC) {
-        if (prestaged && kc0 == kbeg) {
-            // the caller staged this chunk without the newest key (written since): add that one key if it is ours
-            if (L - 1 >= kc0 && L - 1 < kc0 + ATT_KC)
-                stage_kv_key<HD>(sK, sVt, kc, vc, key_slots[L - 1], rope_cs, kvh, nkv, L - 1, L - 1 - kc0);
+        if (fresh_from >= 0 && kc0 == kbeg) {
+            // the caller staged this chunk's keys below fresh_from (rows written before its producers ran); the
+            // newer keys (written since) are added now, if any are ours
+            const int j0 = max(kc0, fresh_from), j1 = min(kend, kc0 + ATT_KC);
+            __syncthreads();  // the caller's staging (zero rows from fresh_from on) is complete in every thread
+            if (j0 < j1) stage_kv_keys<HD>(sK, sVt, kc, vc, key_slots, rope_cs, kvh, nkv, j0, j1, kc0);
             __syncthreads();
         } else {
             __syncthreads();

@@ -345,15 +345,33 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_hd64(const float* 
     attn_decode_body<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
 }
 
+// Before the PDL wait (while the QKV GEMV still runs): a single-chunk split stages its keys older than this decode
+// pass (j < n_ctx = meta[3]: written by the prefill or earlier chunks, complete before the decode started: its
+// first kernel is launched without a programmatic edge; slots and RoPE rows are host-written constants); the keys
+// of this pass's decode steps are staged after the wait.
+// Returns fresh_from for attn_decode_mma_body (-1: nothing staged).
+template <int HD>
+__device__ __forceinline__ int attn_decode_prestage(unsigned char* smem, int* sSlot, const bf16_t* __restrict__ kc,
+        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const int* __restrict__ meta, int step,
+        const float2* __restrict__ rope_cs, int n_kvh, int kps) {
+    const int n_ctx = meta[3], kbeg = blockIdx.x * kps;
+    if (kps != ATT_KC || kbeg >= n_ctx + step) return -1;
+    bf16_t* sK = reinterpret_cast<bf16_t*>(smem);
+    stage_kv_chunk<HD>(sK, sK + ATT_KC * (HD + 8), sSlot, kc, vc, key_slots, rope_cs, blockIdx.y, n_kvh * HD, kbeg,
+                       min(n_ctx, kbeg + kps));
+    return n_ctx;
+}
+
 extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd128(const float* q, const bf16_t* kc,
         const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
         int kps, float qscale, float* part_o, float2* part_ml) {
     __shared__ __align__(16) unsigned char smem[DecAttnSmem<128>::BYTES];
     __shared__ int sSlot[ATT_KC];
     pdl_trigger();
+    const int fresh = attn_decode_prestage<128>(smem, sSlot, kc, vc, key_slots, meta, step, rope_cs, n_kvh, kps);
     pdl_wait();
     attn_decode_mma_body<128>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
-                              smem, sSlot, blockIdx.x, blockIdx.y);
+                              smem, sSlot, blockIdx.x, blockIdx.y, nullptr, fresh);
 }
 extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd64(const float* q, const bf16_t* kc,
         const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
@@ -361,9 +379,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd64(const flo
     __shared__ __align__(16) unsigned char smem[DecAttnSmem<64>::BYTES];
     __shared__ int sSlot[ATT_KC];
     pdl_trigger();
+    const int fresh = attn_decode_prestage<64>(smem, sSlot, kc, vc, key_slots, meta, step, rope_cs, n_kvh, kps);
     pdl_wait();
     attn_decode_mma_body<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
-                              smem, sSlot, blockIdx.x, blockIdx.y);
+                              smem, sSlot, blockIdx.x, blockIdx.y, nullptr, fresh);
 }
 
 #define CMB_GROUPS 8  // split groups per combine block (blockDim.x == 32 * CMB_GROUPS)

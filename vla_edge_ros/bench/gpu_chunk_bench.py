@@ -100,17 +100,22 @@ def run_ours(cfg, weights_np, args, log) -> dict:
 
     def measure(n):
         gpu, host, pf, dc = [], [], [], []
+        split: dict[str, list] = {}
         for _ in range(n):
             r = chunk()
+            for k, v in eng.host_profile_ms.items():
+                split.setdefault(k, []).append(v)
             gpu.append(r.prefill_ms + r.decode_ms)
             host.append(r.total_ms)
             pf.append(r.prefill_ms)
             dc.append(r.decode_ms)
         return {"gpu_median_ms": pct(gpu, 50), "gpu_p99_ms": pct(gpu, 99), "host_median_ms": pct(host, 50),
                 "host_p99_ms": pct(host, 99), "prefill_median_ms": pct(pf, 50), "decode_median_ms": pct(dc, 50),
-                "chunks": n}
+                "chunks": n, "host_split_median_ms": {k: pct(v, 50) for k, v in split.items()}}
 
     out = {"setup_s": setup_s, "n_ctx": n_ctx, "variants": {}}
+    if args.tune:
+        eng.retune(**json.loads(args.tune))
     out["main"] = measure(args.chunks)
     out["main"]["tuning"] = dict(eng.tuning)
     base = dict(eng.tuning)
@@ -315,6 +320,7 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="ours,eager,compiled")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--variants", choices=["full", "short"], default="full")
+    ap.add_argument("--tune", default="", help='JSON tuning applied before the main figure, e.g. {"pdl": false}')
     ap.add_argument("--json", default="")
     ap.add_argument("--loop-seconds", type=float, default=0.0,
                     help="also run core.inference_loop.InferenceLoop this long with a 60 Hz synthetic camera")
@@ -433,6 +439,9 @@ def print_report(res: dict) -> None:
             h = res.get(k)
             if h and "error" not in h:
                 print(f"speed-up vs {name}: {h['median_ms'] / m['host_median_ms']:.1f}x (wall medians)")
+        if m.get("host_split_median_ms"):
+            print("wall-clock split (host medians, ms): " + ", ".join(
+                f"{k} {v:.3f}" for k, v in m["host_split_median_ms"].items()))
         print(f"peak VRAM (tracked): {o['peak_vram_bytes'] / 2**30:.3f} GiB; engine setup {o['setup_s']:.1f} s")
         verdict = goal_verdict(res)
         met = all(v is True for _, v in verdict)

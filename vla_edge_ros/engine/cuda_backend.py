@@ -638,11 +638,12 @@ class CudaEngine(Engine):
         self._cuda.memcpy_htod(self.pd_layers, np.asarray(rows, dtype=np.uint64))
 
     # ---- enqueue (the same code runs eagerly and under graph capture) ------------------------------------
-    def _launch(self, name: str, grid, block, *args, smem: int = 0) -> None:
+    def _launch(self, name: str, grid, block, *args, smem: int = 0, serial: bool = False) -> None:
+        """serial: no programmatic edge, the kernel starts after everything before it completed."""
         if self._only is not None and self._tag_of(name) not in self._only:
             return
         if self.pdl:
-            self.kx[name].launch(grid, block, self.stream.handle, args, smem=smem)
+            self.kx[name].launch(grid, block, self.stream.handle, args, smem=smem, pdl=not serial)
         else:
             args = [np.intp(a) if type(a) is int else a for a in args]  # device pointers
             self.k[name].prepared_async_call(grid, block, self.stream, *args, shared_size=smem)
@@ -658,6 +659,7 @@ class CudaEngine(Engine):
 
     _only: set[str] | None = None
     _launches = 0
+    host_profile_ms: dict[str, float] = {}  # the last chunk's host-time split (_device_chunk)
     pdl = False
     persistent = False
 
@@ -733,8 +735,11 @@ class CudaEngine(Engine):
             self._cuda.memset_d32_async(self.pd_sync, 0, n_steps, self.stream)  # the grid-barrier counters
         for s in range(1, n_steps + 1):
             st = np.int32(s)
+            # serial at step 1: the decode attention stages the cache rows of keys < n_ctx before its PDL wait, so
+            # everything the prefill wrote must be complete when the decode starts (a graph boundary does that too;
+            # this covers eager launches)
             self._launch("embed_gather", (math.ceil(H / 256), 1), (256, 1, 1), self.embed, self.tok_buf,
-                         np.int32(s - 1), self.x_dec, np.int32(H))
+                         np.int32(s - 1), self.x_dec, np.int32(H), serial=s == 1)
             if self.persistent:
                 self._launch("decode_layers_hd%d" % self.HD, (self.pd_grid, 1), (PD_THREADS, 1, 1), self.pd_layers,
                              np.int32(self.nlayers), self.x_dec, self.q_dec, self.part_o_dec, self.part_ml_dec,
@@ -900,6 +905,8 @@ class CudaEngine(Engine):
 
     def _device_chunk(self, cuda, x, frame_id, salient, pooled):
         tpf = self.kv.tokens_per_frame
+        clock = time.perf_counter
+        t = [clock()]
         with self._active():
             self._apply_moves()
             adm = self.kv.admit(frame_id, pooled(x), salient)
@@ -908,18 +915,26 @@ class CudaEngine(Engine):
             n_ctx = len(ctx)
             dec = self.decode_tokens
             slots = np.concatenate([ctx, self.capacity + np.arange(dec, dtype=np.int32)])
+            t.append(clock())
             self._set_inputs(x, slots, n_ctx, n_ctx - tpf, tpf, n_ctx)
+            t.append(clock())
             self.ev[0].record(self.stream)
             self._run_prefill()
             self.ev[1].record(self.stream)
             self._run_decode()
             self.ev[2].record(self.stream)
+            t.append(clock())
             cuda.memcpy_dtoh_async(self.h_tok, self.tok_buf, self.stream)
             cuda.memcpy_dtoh_async(self.h_logits, self.logits, self.stream)
             if self.persistent:
                 cuda.memcpy_dtoh_async(self.h_pd_err, self.pd_err, self.stream)
             self.ev[3].record(self.stream)
             self.ev[3].synchronize()
+            t.append(clock())
+            # host-side split of the chunk's wall time (benchmarks): KV admission + slot list, input copies, graph
+            # launches, waiting for the GPU
+            self.host_profile_ms = {k: 1e3 * (b - a) for k, a, b in
+                                    zip(("admit", "inputs", "launch", "wait"), t[:-1], t[1:])}
             if self.persistent and self.h_pd_err[0]:
                 cuda.memset_d32(self.pd_err, 0, 1)
                 self.h_pd_err[0] = 0
