@@ -416,3 +416,22 @@ def test_live_changes_from_another_thread_keep_the_table_consistent():
     assert not errors
     ctx = m.context_slots()
     assert ctx.size == m.occupancy_tokens <= m.budget_tokens and ctx.max() < m.budget_tokens
+
+
+def test_slots_of_frames_matches_per_frame_slots_in_order():
+    """The vectorised context build equals concatenating each frame's own slots, in the order asked for (not the
+    block order), also after frees have left holes and prefix_tokens is not a multiple of tokens_per_frame."""
+    t = SlotTable(21 + 11 + 32 * 6, 32, 21)
+    for f in range(6):
+        t.allocate(f)
+    t.free(1)
+    t.free(4)
+    t.allocate(7)  # takes block 1 (lowest free)
+    order = [5, 0, 7, 3, 2]
+    got = t.slots_of_frames(order)
+    want = np.concatenate([t.slots(f) for f in order])
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    assert t.slots_of_frames([]).size == 0
+    with pytest.raises(KeyError):
+        t.slots_of_frames([1])  # freed

@@ -140,8 +140,7 @@ class KVManager:
     def context_slots(self) -> np.ndarray:
         """Prefix slots, then each retained frame's slots oldest -> newest; logical position == index."""
         if self._context is None:
-            parts = [self._table.prefix_slots] + [self._table.slots(f) for f in self._order]
-            self._context = np.concatenate(parts).astype(np.int32, copy=False)
+            self._context = np.concatenate([self._table.prefix_slots, self._table.slots_of_frames(self._order)])
             self._context.flags.writeable = False
         return self._context
 
