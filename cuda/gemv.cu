@@ -54,20 +54,72 @@ __device__ __forceinline__ void gemv_finish(const float* sx, GemvRows<RPW>& R, i
     for (int r = 0; r < RPW; ++r) acc[r] = warp_sum(acc[r]);
 }
 
+// RMSNorm weights of the prologue, read into registers BEFORE the PDL wait (constants: their HBM round trip
+// overlaps the predecessor instead of following the block reduction). Up to GEMV_NW values per thread; larger K
+// reads them in the prologue.
+#define GEMV_NW 6
+struct GemvNorm {
+    float w[GEMV_NW];
+    bool pre;
+};
+__device__ __forceinline__ void gemv_norm_prefetch(GemvNorm& n, const bf16_t* __restrict__ normw, int K) {
+    n.pre = normw != nullptr && K <= GEMV_NW * (int)blockDim.x;
+#pragma unroll
+    for (int j = 0; j < GEMV_NW; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        n.w[j] = n.pre && i < K ? bf16_to_f32(normw[i]) : 0.f;
+    }
+}
+
 // Load v (K floats) into shared memory; with normw, replace it by rmsnorm(v) * normw.
 // norm_out (optional, block 0 only): the normalised vector (the final hidden state for the LM head).
+// The vector is read PV float4 per thread at a time, all loads in flight before any is stored (a plain loop
+// would wait for each L2 round trip in turn: K / 256 of them for the 8960-wide down projection). PV: 2 covers
+// K <= 2048 in one batch (the normed GEMVs), 4 covers the o_proj / down split-K slices in one or two.
+template <int PV>
 __device__ __forceinline__ void gemv_prologue(float* sx, const float* __restrict__ v, int K,
-                                              const bf16_t* __restrict__ normw, float eps, float* norm_out) {
+                                              const bf16_t* __restrict__ normw, float eps, float* norm_out,
+                                              const GemvNorm* nrm = nullptr) {
     __shared__ float red[33];
     float ss = 0.f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) { float a = v[i]; sx[i] = a; ss = fmaf(a, a, ss); }
+    const int n4 = K >> 2;  // K % 8 == 0 and v 16-byte aligned (the 16-byte weight loads need both anyway)
+    const float4* v4 = reinterpret_cast<const float4*>(v);
+    float4* s4 = reinterpret_cast<float4*>(sx);
+    for (int base = 0; base < n4; base += PV * blockDim.x) {
+        float4 a[PV];
+#pragma unroll
+        for (int j = 0; j < PV; ++j) {
+            const int i = base + threadIdx.x + j * blockDim.x;
+            if (i < n4) a[j] = v4[i];
+        }
+#pragma unroll
+        for (int j = 0; j < PV; ++j) {
+            const int i = base + threadIdx.x + j * blockDim.x;
+            if (i < n4) {
+                s4[i] = a[j];
+                ss = fmaf(a[j].x, a[j].x, fmaf(a[j].y, a[j].y, fmaf(a[j].z, a[j].z, fmaf(a[j].w, a[j].w, ss))));
+            }
+        }
+    }
     if (normw != nullptr) {
-        ss = block_sum(ss, red);  // contains __syncthreads
+        ss = block_sum(ss, red);  // contains __syncthreads: every thread's stores above are visible
         const float r = rsqrtf(ss / (float)K + eps);
-        for (int i = threadIdx.x; i < K; i += blockDim.x) {
-            const float y = bf16_to_f32(normw[i]) * (sx[i] * r);
-            sx[i] = y;
-            if (norm_out != nullptr && blockIdx.x == 0) norm_out[i] = y;
+        if (nrm != nullptr && nrm->pre) {
+#pragma unroll
+            for (int j = 0; j < GEMV_NW; ++j) {
+                const int i = threadIdx.x + j * blockDim.x;
+                if (i < K) {
+                    const float y = nrm->w[j] * (sx[i] * r);
+                    sx[i] = y;
+                    if (norm_out != nullptr && blockIdx.x == 0) norm_out[i] = y;
+                }
+            }
+        } else {
+            for (int i = threadIdx.x; i < K; i += blockDim.x) {
+                const float y = bf16_to_f32(normw[i]) * (sx[i] * r);
+                sx[i] = y;
+                if (norm_out != nullptr && blockIdx.x == 0) norm_out[i] = y;
+            }
         }
     }
     __syncthreads();
@@ -89,9 +141,11 @@ extern "C" __global__ void __launch_bounds__(256) gemv_qkv(const float* __restri
     R.p[0] = W + (size_t)min(n0, ntot - 1) * K;
     R.p[1] = W + (size_t)min(n0 + 1, ntot - 1) * K;
     gemv_prefetch(R, K, valid);
+    GemvNorm nrm;
+    gemv_norm_prefetch(nrm, normw, K);
     pdl_trigger();
     pdl_wait();
-    gemv_prologue(sx, x, K, normw, eps, nullptr);
+    gemv_prologue<2>(sx, x, K, normw, eps, nullptr, &nrm);
     if (!valid) return;
     float acc[2];
     gemv_finish(sx, R, K, acc);
@@ -125,7 +179,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_resid(const float* __rest
     gemv_prefetch(R, klen, valid);
     pdl_trigger();
     pdl_wait();
-    gemv_prologue(sx, v + kbeg, klen, nullptr, 0.f, nullptr);
+    gemv_prologue<4>(sx, v + kbeg, klen, nullptr, 0.f, nullptr);
     if (!valid) return;
     float acc[2];
     gemv_finish(sx, R, klen, acc);
@@ -151,9 +205,11 @@ extern "C" __global__ void __launch_bounds__(256) gemv_gateup(const float* __res
     R.p[0] = W + (size_t)gr * K;
     R.p[1] = W + (size_t)(gr + 8) * K;
     gemv_prefetch(R, K, valid);
+    GemvNorm nrm;
+    gemv_norm_prefetch(nrm, normw, K);
     pdl_trigger();
     pdl_wait();
-    gemv_prologue(sx, x, K, normw, eps, nullptr);
+    gemv_prologue<2>(sx, x, K, normw, eps, nullptr, &nrm);
     if (!valid) return;
     float acc[2];
     gemv_finish(sx, R, K, acc);
@@ -174,10 +230,12 @@ extern "C" __global__ void __launch_bounds__(256) gemv_logits(const float* __res
     GemvRows<1> R;
     R.p[0] = W + (size_t)min(n, N - 1) * K;
     gemv_prefetch(R, K, valid);
+    GemvNorm nrm;
+    gemv_norm_prefetch(nrm, normw, K);
     pdl_trigger();
     pdl_wait();
     const int row = row_meta >= 0 ? meta[row_meta] - 1 : 0;
-    gemv_prologue(sx, x + (size_t)row * K, K, normw, eps, norm_out);
+    gemv_prologue<2>(sx, x + (size_t)row * K, K, normw, eps, norm_out, &nrm);
     if (!valid) return;
     float acc[1];
     gemv_finish(sx, R, K, acc);

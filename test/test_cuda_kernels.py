@@ -252,8 +252,9 @@ def test_gemv_logits(dev, rng, use_norm):
         assert rel_err(dev.down(norm_out, K, np.float32), h) < 1e-6
 
 
-def test_rmsnorm_rows(dev, rng):
-    T, H, nb = 32, 1536, 2048
+@pytest.mark.parametrize("H", [1536, 896, 2500])  # 2500 > 8 x 256: the kernel's loop path instead of registers
+def test_rmsnorm_rows(dev, rng, H):
+    T, nb = 32, 2048
     x = (rng.standard_normal((T, H)) * rng.uniform(0.1, 10, (T, 1))).astype(np.float32)
     w_b, w = rand_bf16(rng, H)
     bias = rng.standard_normal(nb).astype(np.float32)
@@ -376,8 +377,9 @@ def test_attention_prefill(dev, rng, hd, G, n_kvh, L, kps):
 
 
 @pytest.mark.parametrize("kernel", ["attn_decode_mma", "attn_decode"])
+# (..., 4082, 32): 128 splits, more than the combine's first batch of loads (96)
 @pytest.mark.parametrize("hd,G,n_kvh,nctx,kps", [(128, 6, 2, 4082, 64), (64, 7, 2, 300, 32), (64, 2, 2, 50, 64),
-                                                 (128, 6, 2, 1000, 256)])
+                                                 (128, 6, 2, 1000, 256), (128, 6, 2, 4082, 32)])
 def test_attention_decode(dev, rng, kernel, hd, G, n_kvh, nctx, kps):
     theta, step = 1e6, 5
     Hq = G * n_kvh

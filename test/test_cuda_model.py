@@ -209,7 +209,7 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel):
 @pytest.mark.parametrize("policy,use_graphs,pdl,decode_kernel", [
     ("semantic", True, True, "persistent"), ("fifo", False, True, "persistent"),
     ("sliding_window", True, False, "persistent"), ("semantic", True, True, "layered"),
-    ("sliding_window", False, False, "layered")])
+    ("sliding_window", False, False, "layered"), ("fifo", True, True, "layered")])
 def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_graphs, pdl, decode_kernel):
     """Tiny geometry, budget of 4 frames, 9 frames: eviction, slot reuse and a budget shrink, vs NumpyEngine."""
     from vla_edge_ros.core.kv.manager import KVManager

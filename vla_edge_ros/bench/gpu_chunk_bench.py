@@ -135,9 +135,12 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("gemv min_ks 1024", {"gemv_min_ks": 1024}),
         ("gemv 1 split", {"gemv_target_blocks": 1}),
         ("gemm min_ks 512", {"gemm_min_ks": 512}),
+        ("gemv target 396 blocks", {"gemv_target_blocks": 396}),
+        ("gemv target 576 blocks", {"gemv_target_blocks": 576}),
     ]
     if args.variants == "short":
-        variants = variants[:3] + [v for v in variants if v[0] in ("graphs off", "decode kps 128")]
+        variants = variants[:3] + [v for v in variants if v[0] in ("graphs off", "decode kps 128",
+                                                                   "gemv target 396 blocks", "gemv target 576 blocks")]
     if not args.no_variants:
         for name, tune in variants:
             try:

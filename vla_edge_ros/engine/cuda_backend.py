@@ -12,9 +12,10 @@ One chunk = two CUDA graphs replayed on one stream:
   -> RMSNorm -> gate/up GEMM with SiLU*up epilogue -> down GEMM (+residual); final norm, LM head over the
   action rows, argmax -> ``tok_buf[0]``;
 * decode graph: ``decode_tokens`` steps, each: embedding gather of ``tok_buf[i-1]`` -> per layer fused
-  RMSNorm+QKV GEMV (+bias, K/V store), split-K decode attention, combine, o_proj GEMV (+residual), fused
-  RMSNorm+gate/up GEMV (SiLU*up), down GEMV (+residual); LM head GEMV (final norm fused) -> argmax ->
-  ``tok_buf[i]``. The greedy chain stays on the device.
+  RMSNorm+QKV GEMV (+bias, K/V store), split-K decode attention (the cache rows older than the decode pass
+  staged before its PDL wait), combine, o_proj GEMV (+residual), fused RMSNorm+gate/up GEMV (SiLU*up), down
+  GEMV (+residual); LM head GEMV (final norm fused) -> argmax -> ``tok_buf[i]``. The greedy chain stays on the
+  device.
 
 Alternative decode (``tuning["decode_kernel"] = "persistent"``): one launch per decode token,
 cuda/decode_persistent.cu, all layers in a grid that fits on the GPU at once with grid-wide barriers between
