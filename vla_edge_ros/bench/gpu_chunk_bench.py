@@ -139,8 +139,7 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("gemv target 576 blocks", {"gemv_target_blocks": 576}),
     ]
     if args.variants == "short":
-        variants = variants[:3] + [v for v in variants if v[0] in ("graphs off", "decode kps 128",
-                                                                   "gemv target 396 blocks", "gemv target 576 blocks")]
+        variants = variants[:3] + [v for v in variants if v[0] in ("graphs off", "decode kps 128")]
     if not args.no_variants:
         for name, tune in variants:
             try:
