@@ -386,13 +386,11 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd64(const flo
 }
 
 #define CMB_GROUPS 8  // split groups per combine block (blockDim.x == 32 * CMB_GROUPS)
-#define CMB_U 12      // splits per thread whose loads are in flight together (96 splits per round trip)
 
 // Merge split partials. Row r = qh * T + token (T = 32 prefill, 1 decode). Block: 32 dims x CMB_GROUPS split
-// groups; group g takes splits g, g + CMB_GROUPS, ..., CMB_U of them per batch with every load issued before any
-// is used (a loop that used each load at once waited for one L2 round trip per split), merged online (running max
-// per group), then the groups are merged in shared memory. grid.x = nrows * HD / 32. Active splits:
-// ceil(L / kps), L = meta[meta_idx] + add. Output [token][Hq * HD], fp32 and/or bf16.
+// groups (each group walks every CMB_GROUPS-th split, so the loads of all splits are in flight together);
+// grid.x = nrows * HD / 32. Active splits: ceil(L / kps), L = meta[meta_idx] + add.
+// Output [token][Hq * HD], fp32 and/or bf16.
 extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* __restrict__ part_o,
         const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta,
         int meta_idx, int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
@@ -405,49 +403,25 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* __re
     const int sg = threadIdx.x >> 5;
     const int L = meta[meta_idx] + add;
     const int nsplit = (L + kps - 1) / kps;
-    float M = -INFINITY, num = 0.f, den = 0.f;  // the same M in every lane of a group (same splits, same row)
-    for (int s0 = sg; s0 < nsplit; s0 += CMB_GROUPS * CMB_U) {
-        float2 ml[CMB_U];
-        float po[CMB_U];
+    float M = -INFINITY;
+    for (int s = sg; s < nsplit; s += CMB_GROUPS) M = fmaxf(M, part_ml[(size_t)s * nrows + r].x);
+    if ((threadIdx.x & 31) == 0) s_m[sg] = M;
+    __syncthreads();
 #pragma unroll
-        for (int k = 0; k < CMB_U; ++k) {
-            const int s = s0 + CMB_GROUPS * k;
-            ml[k] = make_float2(-INFINITY, 0.f);
-            po[k] = 0.f;
-            if (s < nsplit) {
-                ml[k] = part_ml[(size_t)s * nrows + r];
-                po[k] = part_o[((size_t)s * nrows + r) * HD + d];
-            }
-        }
-        float bm = M;
-#pragma unroll
-        for (int k = 0; k < CMB_U; ++k) bm = fmaxf(bm, ml[k].x);
-        if (bm == -INFINITY) continue;  // no keys in these splits
-        const float c = M == -INFINITY ? 0.f : exp2f(M - bm);
-        num *= c;
-        den *= c;
-#pragma unroll
-        for (int k = 0; k < CMB_U; ++k) {
-            const float e = ml[k].x == -INFINITY ? 0.f : exp2f(ml[k].x - bm);
-            num = fmaf(e, po[k], num);
-            den = fmaf(e, ml[k].y, den);
-        }
-        M = bm;
+    for (int i = 0; i < CMB_GROUPS; ++i) M = fmaxf(M, s_m[i]);
+    float num = 0.f, den = 0.f;
+    for (int s = sg; s < nsplit; s += CMB_GROUPS) {
+        const float2 ml = part_ml[(size_t)s * nrows + r];
+        const float e = ml.x == -INFINITY ? 0.f : exp2f(ml.x - M);
+        num = fmaf(e, part_o[((size_t)s * nrows + r) * HD + d], num);
+        den = fmaf(e, ml.y, den);
     }
     s_num[sg][threadIdx.x & 31] = num;
-    if ((threadIdx.x & 31) == 0) { s_m[sg] = M; s_den[sg] = den; }
+    if ((threadIdx.x & 31) == 0) s_den[sg] = den;
     __syncthreads();
     if (sg != 0) return;
-    float Mg = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < CMB_GROUPS; ++i) Mg = fmaxf(Mg, s_m[i]);
-    num = den = 0.f;
-#pragma unroll
-    for (int i = 0; i < CMB_GROUPS; ++i) {
-        const float e = s_m[i] == -INFINITY ? 0.f : exp2f(s_m[i] - Mg);
-        num = fmaf(e, s_num[i][threadIdx.x], num);
-        den = fmaf(e, s_den[i], den);
-    }
+    for (int i = 1; i < CMB_GROUPS; ++i) { num += s_num[i][threadIdx.x]; den += s_den[i]; }
     const float y = num / den;
     const int qh = r / T, tok = r - qh * T;
     const size_t o = (size_t)tok * Hq * HD + (size_t)qh * HD + d;
