@@ -157,8 +157,9 @@ DEFAULT_TUNING = {
     "gemm_wpb": 8,          # warps per block of the split-K skinny GEMMs (16 weight rows each)
     "gemm_silu_wpb": 8,     # warps per block of the gate/up GEMM (full K per block)
     "decode_attn": "mma",   # "mma" (tensor cores) or "simt" (first version, CUDA cores)
-    "pdl": True,            # programmatic dependent launch (cuLaunchKernelEx): weight prefetch overlaps the tail
-                            # of the previous kernel (-0.44 ms/chunk with these kernels: docs/KERNEL_NOTES.md)
+    "pdl": True,            # programmatic dependent launch (cuLaunchKernelEx): what a kernel does before its wait
+                            # (weights, norm weights, old K/V rows) overlaps the previous kernel (PDL off: +1.65
+                            # ms/chunk on the H200 at ea7c250, docs/KERNEL_NOTES.md)
     "gemm_target_blocks": 264,
     "gemm_min_ks": 256,
     "gemv_target_blocks": 264,
@@ -166,8 +167,8 @@ DEFAULT_TUNING = {
     "attn_prefill_kps": 128,  # keys per split, multiple of 64
     "attn_decode_kps": 64,
     "decode_kernel": "layered",  # "layered": six kernels per layer (gemv.cu + rope_attention.cu); "persistent":
-                                 # one launch per decode token (cuda/decode_persistent.cu), measured no faster
-                                 # on the H200 (15.62 vs 15.48 ms/chunk: docs/KERNEL_NOTES.md v5)
+                                 # one launch per decode token (cuda/decode_persistent.cu), measured slower
+                                 # on the H200 (16.3 vs 11.6 ms/chunk at ea7c250: docs/KERNEL_NOTES.md v5)
     "pd_blocks_per_sm": 0,  # persistent grid: blocks per SM (0 = as many as fit, from the occupancy API)
     "pd_grid": 0,  # test hook only: force the persistent grid size (a grid that is not resident must be flagged)
     "pd_profile": False,  # benchmark only: the persistent kernel stamps clock64 at every phase boundary
