@@ -79,7 +79,7 @@ __device__ __forceinline__ void gemv_norm_prefetch(GemvNorm& n, const bf16_t* __
 template <int PV>
 __device__ __forceinline__ void gemv_prologue(float* sx, const float* __restrict__ v, int K,
                                               const bf16_t* __restrict__ normw, float eps, float* norm_out,
-                                              const GemvNorm* nrm = nullptr) {
+                                              const GemvNorm& nrm) {
     __shared__ float red[33];
     float ss = 0.f;
     const int n4 = K >> 2;  // K % 8 == 0 and v 16-byte aligned (the 16-byte weight loads need both anyway)
@@ -104,12 +104,12 @@ __device__ __forceinline__ void gemv_prologue(float* sx, const float* __restrict
     if (normw != nullptr) {
         ss = block_sum(ss, red);  // contains __syncthreads: every thread's stores above are visible
         const float r = rsqrtf(ss / (float)K + eps);
-        if (nrm != nullptr && nrm->pre) {
+        if (nrm.pre) {
 #pragma unroll
             for (int j = 0; j < GEMV_NW; ++j) {
                 const int i = threadIdx.x + j * blockDim.x;
                 if (i < K) {
-                    const float y = nrm->w[j] * (sx[i] * r);
+                    const float y = nrm.w[j] * (sx[i] * r);
                     sx[i] = y;
                     if (norm_out != nullptr && blockIdx.x == 0) norm_out[i] = y;
                 }
@@ -123,6 +123,19 @@ __device__ __forceinline__ void gemv_prologue(float* sx, const float* __restrict
         }
     }
     __syncthreads();
+}
+
+// The start every GEMV kernel shares: its weight loads and norm weights requested, the PDL trigger and wait, then
+// the input vector v (K floats, RMS-normed when normw is given) in shared memory sx.
+template <int PV, int RPW>
+__device__ __forceinline__ void gemv_start(float* sx, GemvRows<RPW>& R, int K, bool valid, const float* __restrict__ v,
+                                           const bf16_t* __restrict__ normw, float eps, float* norm_out) {
+    gemv_prefetch(R, K, valid);
+    GemvNorm nrm;
+    gemv_norm_prefetch(nrm, normw, K);
+    pdl_trigger();
+    pdl_wait();
+    gemv_prologue<PV>(sx, v, K, normw, eps, norm_out, nrm);
 }
 
 // Fused RMSNorm + QKV (+bias). Rows [0, nq) -> q_out (fp32, pre-RoPE); [nq, nq+nkv) -> K cache, [nq+nkv, nq+2nkv)
@@ -140,12 +153,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_qkv(const float* __restri
     GemvRows<2> R;
     R.p[0] = W + (size_t)min(n0, ntot - 1) * K;
     R.p[1] = W + (size_t)min(n0 + 1, ntot - 1) * K;
-    gemv_prefetch(R, K, valid);
-    GemvNorm nrm;
-    gemv_norm_prefetch(nrm, normw, K);
-    pdl_trigger();
-    pdl_wait();
-    gemv_prologue<2>(sx, x, K, normw, eps, nullptr, &nrm);
+    gemv_start<2>(sx, R, K, valid, x, normw, eps, nullptr);
     if (!valid) return;
     float acc[2];
     gemv_finish(sx, R, K, acc);
@@ -176,10 +184,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_resid(const float* __rest
     GemvRows<2> R;
     R.p[0] = W + (size_t)min(n0, N - 1) * K + kbeg;
     R.p[1] = W + (size_t)min(n0 + 1, N - 1) * K + kbeg;
-    gemv_prefetch(R, klen, valid);
-    pdl_trigger();
-    pdl_wait();
-    gemv_prologue<4>(sx, v + kbeg, klen, nullptr, 0.f, nullptr);
+    gemv_start<4>(sx, R, klen, valid, v + kbeg, nullptr, 0.f, nullptr);
     if (!valid) return;
     float acc[2];
     gemv_finish(sx, R, klen, acc);
@@ -204,12 +209,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_gateup(const float* __res
     GemvRows<2> R;
     R.p[0] = W + (size_t)gr * K;
     R.p[1] = W + (size_t)(gr + 8) * K;
-    gemv_prefetch(R, K, valid);
-    GemvNorm nrm;
-    gemv_norm_prefetch(nrm, normw, K);
-    pdl_trigger();
-    pdl_wait();
-    gemv_prologue<2>(sx, x, K, normw, eps, nullptr, &nrm);
+    gemv_start<2>(sx, R, K, valid, x, normw, eps, nullptr);
     if (!valid) return;
     float acc[2];
     gemv_finish(sx, R, K, acc);
@@ -229,13 +229,8 @@ extern "C" __global__ void __launch_bounds__(256) gemv_logits(const float* __res
     const bool valid = n < N;
     GemvRows<1> R;
     R.p[0] = W + (size_t)min(n, N - 1) * K;
-    gemv_prefetch(R, K, valid);
-    GemvNorm nrm;
-    gemv_norm_prefetch(nrm, normw, K);
-    pdl_trigger();
-    pdl_wait();
-    const int row = row_meta >= 0 ? meta[row_meta] - 1 : 0;
-    gemv_prologue<2>(sx, x + (size_t)row * K, K, normw, eps, norm_out, &nrm);
+    const int row = row_meta >= 0 ? meta[row_meta] - 1 : 0;  // meta is host-written: readable before the wait
+    gemv_start<2>(sx, R, K, valid, x + (size_t)row * K, normw, eps, norm_out);
     if (!valid) return;
     float acc[1];
     gemv_finish(sx, R, K, acc);

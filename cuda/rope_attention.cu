@@ -362,27 +362,28 @@ __device__ __forceinline__ int attn_decode_prestage(unsigned char* smem, int* sS
     return n_ctx;
 }
 
+// The stand-alone decode kernel: old keys staged before the PDL wait, the rest after it.
+template <int HD>
+__device__ __forceinline__ void attn_decode_mma_kernel(const float* q, const bf16_t* kc, const bf16_t* vc,
+        const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh, int kps,
+        float qscale, float* part_o, float2* part_ml) {
+    __shared__ __align__(16) unsigned char smem[DecAttnSmem<HD>::BYTES];
+    __shared__ int sSlot[ATT_KC];
+    pdl_trigger();
+    const int fresh = attn_decode_prestage<HD>(smem, sSlot, kc, vc, key_slots, meta, step, rope_cs, n_kvh, kps);
+    pdl_wait();
+    attn_decode_mma_body<HD>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
+                             smem, sSlot, blockIdx.x, blockIdx.y, nullptr, fresh);
+}
 extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd128(const float* q, const bf16_t* kc,
         const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
         int kps, float qscale, float* part_o, float2* part_ml) {
-    __shared__ __align__(16) unsigned char smem[DecAttnSmem<128>::BYTES];
-    __shared__ int sSlot[ATT_KC];
-    pdl_trigger();
-    const int fresh = attn_decode_prestage<128>(smem, sSlot, kc, vc, key_slots, meta, step, rope_cs, n_kvh, kps);
-    pdl_wait();
-    attn_decode_mma_body<128>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
-                              smem, sSlot, blockIdx.x, blockIdx.y, nullptr, fresh);
+    attn_decode_mma_kernel<128>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
 }
 extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd64(const float* q, const bf16_t* kc,
         const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
         int kps, float qscale, float* part_o, float2* part_ml) {
-    __shared__ __align__(16) unsigned char smem[DecAttnSmem<64>::BYTES];
-    __shared__ int sSlot[ATT_KC];
-    pdl_trigger();
-    const int fresh = attn_decode_prestage<64>(smem, sSlot, kc, vc, key_slots, meta, step, rope_cs, n_kvh, kps);
-    pdl_wait();
-    attn_decode_mma_body<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
-                              smem, sSlot, blockIdx.x, blockIdx.y, nullptr, fresh);
+    attn_decode_mma_kernel<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
 }
 
 #define CMB_GROUPS 8  // split groups per combine block (blockDim.x == 32 * CMB_GROUPS)
