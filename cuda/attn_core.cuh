@@ -25,17 +25,38 @@ __device__ __forceinline__ T ld_kv(const T* __restrict__ p) {
     return *p;
 }
 
+// One staged item: dims (d, d+1) of the low half and (HALF+d, HALF+d+1) of key row `key` (bf16 pairs klo / khi,
+// values vlo / vhi, pre-RoPE), cs = (cos, sin) at d and d+1: rotated K into sK, V transposed into sVt.
+template <int HD>
+__device__ __forceinline__ void put_kv_pair(bf16_t* sK, bf16_t* sVt, int key, int d, uint32_t klo, uint32_t khi,
+                                            uint32_t vlo, uint32_t vhi, float4 cs) {
+    constexpr int HALF = HD / 2, KSTR = HD + 8, VSTR = ATT_KC + 8;
+    const float l0 = bf16_lo(klo), l1 = bf16_hi(klo), h0 = bf16_lo(khi), h1 = bf16_hi(khi);
+    *reinterpret_cast<uint32_t*>(sK + key * KSTR + d) =
+        pack_bf16x2(l0 * cs.x - h0 * cs.y, l1 * cs.z - h1 * cs.w);
+    *reinterpret_cast<uint32_t*>(sK + key * KSTR + HALF + d) =
+        pack_bf16x2(h0 * cs.x + l0 * cs.y, h1 * cs.z + l1 * cs.w);
+    sVt[d * VSTR + key] = (bf16_t)(vlo & 0xffffu);
+    sVt[(d + 1) * VSTR + key] = (bf16_t)(vlo >> 16);
+    sVt[(HALF + d) * VSTR + key] = (bf16_t)(vhi & 0xffffu);
+    sVt[(HALF + d + 1) * VSTR + key] = (bf16_t)(vhi >> 16);
+}
+
+// kslot > kend (the pre-wait staging): sSlot also gets the slot indices of keys [kend, kslot), whose rows are
+// staged later (stage_kv_keys) without a dependent slot lookup; their rows are zero here.
 template <int HD, bool CG = false>
 __device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSlot, const bf16_t* __restrict__ kc,
         const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const float2* __restrict__ rope_cs,
-        int kvh, int nkv, int kc0, int kend) {
+        int kvh, int nkv, int kc0, int kend, int kslot = -1) {
     constexpr int HALF = HD / 2;
     constexpr int KSTR = HD + 8;
     constexpr int VSTR = ATT_KC + 8;
     constexpr int NK = ATT_KC * (HALF / 4);  // K items: (key, 4 dims of the low half)
     constexpr int NV = ATT_KC * (HD / 8);    // V items: (key, 8 dims)
-    if (threadIdx.x < ATT_KC) sSlot[threadIdx.x] = kc0 + (int)threadIdx.x < kend ? key_slots[kc0 + threadIdx.x] : -1;
+    if (threadIdx.x < ATT_KC)
+        sSlot[threadIdx.x] = kc0 + (int)threadIdx.x < max(kend, kslot) ? key_slots[kc0 + threadIdx.x] : -1;
     __syncthreads();
+    const int nrow = kend - kc0;  // keys with a row to stage
     for (int base = threadIdx.x; base < NK; base += STAGE_B * blockDim.x) {
         uint2 lo[STAGE_B], hi[STAGE_B];
         float4 c01[STAGE_B], c23[STAGE_B];
@@ -43,7 +64,7 @@ __device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSl
         for (int b = 0; b < STAGE_B; ++b) {
             const int it = base + b * blockDim.x;
             const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
-            const int slot = it < NK ? sSlot[key] : -1;
+            const int slot = it < NK && key < nrow ? sSlot[key] : -1;
             lo[b] = hi[b] = make_uint2(0u, 0u);
             c01[b] = c23[b] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (slot >= 0) {
@@ -77,7 +98,7 @@ __device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSl
         for (int b = 0; b < 2 * STAGE_B; ++b) {
             const int it = base + b * blockDim.x;
             const int key = it % ATT_KC, d = (it / ATT_KC) * 8;
-            const int slot = it < NV ? sSlot[key] : -1;
+            const int slot = it < NV && key < nrow ? sSlot[key] : -1;
             v[b] = make_uint4(0u, 0u, 0u, 0u);
             if (slot >= 0) v[b] = ld_kv<CG>(reinterpret_cast<const uint4*>(vc + (size_t)slot * nkv + kvh * HD + d));
         }
@@ -96,54 +117,35 @@ __device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSl
     }
 }
 
-// Keys [j0, j1) (logical positions; at most ATT_KC, all in the chunk starting at kc0) into rows j - kc0 of a staged
-// chunk: rotated K, transposed V. Every thread issues all its loads before using any (one memory round trip for
-// the few keys a decode step adds after the rest of the chunk was staged). Cache read through L2 (__ldcg): the
-// rows were written by the preceding kernel / phase.
-template <int HD>
-__device__ __forceinline__ void stage_kv_keys(bf16_t* sK, bf16_t* sVt, const bf16_t* kc, const bf16_t* vc,
-        const int* __restrict__ key_slots, const float2* __restrict__ rope_cs, int kvh, int nkv, int j0, int j1,
-        int kc0) {
-    constexpr int HALF = HD / 2;
-    constexpr int NB = 4;  // items per thread in flight (8 keys x HD / 128 threads = 4 K items, 8 V items)
-    const int nk = (j1 - j0) * HALF, nv = (j1 - j0) * HD;
-    for (int base = threadIdx.x; base < nk; base += NB * blockDim.x) {
-        bf16_t lo[NB], hi[NB];
+// Keys [j0, j1) (logical positions, all in the chunk starting at kc0) into rows j - kc0 of a staged chunk:
+// rotated K, transposed V, from the cache rows sSlot[j - kc0] (slot indices staged before the PDL wait). One
+// memory round trip: every thread issues the K, V and RoPE loads of NB items (key, 2 dims of each half) before
+// using any. Cache read through L2 (__ldcg): the rows were written by the preceding kernel / phase.
+template <int HD, int NB>
+__device__ __forceinline__ void stage_kv_keys(bf16_t* sK, bf16_t* sVt, const int* sSlot, const bf16_t* kc,
+        const bf16_t* vc, const float2* __restrict__ rope_cs, int kvh, int nkv, int j0, int j1, int kc0) {
+    constexpr int HALF = HD / 2, P = HALF / 2;
+    const int n = (j1 - j0) * P;
+    for (int base = threadIdx.x; base < n; base += NB * blockDim.x) {
+        uint32_t klo[NB], khi[NB], vlo[NB], vhi[NB];
+        float4 cs[NB];
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             const int it = base + b * blockDim.x;
-            lo[b] = hi[b] = 0;
-            if (it < nk) {
-                const int j = j0 + it / HALF, d = it % HALF;
-                const bf16_t* kr = kc + (size_t)key_slots[j] * nkv + kvh * HD;
-                lo[b] = __ldcg(kr + d);
-                hi[b] = __ldcg(kr + HALF + d);
+            if (it < n) {
+                const int j = j0 + it / P, d = (it % P) * 2;
+                const size_t row = (size_t)sSlot[j - kc0] * nkv + kvh * HD + d;
+                klo[b] = __ldcg(reinterpret_cast<const unsigned int*>(kc + row));
+                khi[b] = __ldcg(reinterpret_cast<const unsigned int*>(kc + row + HALF));
+                vlo[b] = __ldcg(reinterpret_cast<const unsigned int*>(vc + row));
+                vhi[b] = __ldcg(reinterpret_cast<const unsigned int*>(vc + row + HALF));
+                cs[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)j * HALF + d);
             }
         }
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             const int it = base + b * blockDim.x;
-            if (it >= nk) break;
-            const int j = j0 + it / HALF, d = it % HALF;
-            const float2 cs = rope_cs[(size_t)j * HALF + d];
-            const float l = bf16_to_f32(lo[b]), h = bf16_to_f32(hi[b]);
-            sK[(j - kc0) * (HD + 8) + d] = f32_to_bf16(l * cs.x - h * cs.y);
-            sK[(j - kc0) * (HD + 8) + HALF + d] = f32_to_bf16(h * cs.x + l * cs.y);
-        }
-    }
-    for (int base = threadIdx.x; base < nv; base += 2 * NB * blockDim.x) {
-        bf16_t v[2 * NB];
-#pragma unroll
-        for (int b = 0; b < 2 * NB; ++b) {
-            const int it = base + b * blockDim.x;
-            v[b] = 0;
-            if (it < nv) v[b] = __ldcg(vc + (size_t)key_slots[j0 + it / HD] * nkv + kvh * HD + it % HD);
-        }
-#pragma unroll
-        for (int b = 0; b < 2 * NB; ++b) {
-            const int it = base + b * blockDim.x;
-            if (it >= nv) break;
-            sVt[(it % HD) * (ATT_KC + 8) + (j0 + it / HD - kc0)] = v[b];
+            if (it < n) put_kv_pair<HD>(sK, sVt, j0 - kc0 + it / P, (it % P) * 2, klo[b], khi[b], vlo[b], vhi[b], cs[b]);
         }
     }
 }
@@ -165,8 +167,8 @@ struct DecAttnSmem {
 // decode kernel). smem: DecAttnSmem<HD>::BYTES, 16-byte aligned; sSlot: ATT_KC ints. CG: q and the cache are
 // read through L2 (the persistent kernel: other blocks wrote them earlier in the same launch). q_cs: the query
 // position's RoPE row if the caller has it at hand (else read from rope_cs). fresh_from >= 0: the caller staged
-// the first chunk already (stage_kv_chunk with kend = fresh_from, before waiting for its producers), keys
-// >= fresh_from are staged here (single-chunk splits only: kps == ATT_KC).
+// the first chunk already (stage_kv_chunk with kend = fresh_from and kslot = the chunk's end, before waiting for
+// its producers), keys >= fresh_from are staged here in one round trip (single-chunk splits only: kps == ATT_KC).
 // DEFER_Q: rotate the query after the first chunk is staged (its loads overlap the staging; costs ~64 registers
 // held across it); the persistent kernel, short of registers, rotates first.
 template <int HD, bool DEFER_Q = true, bool CG = false>
@@ -247,7 +249,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q
             // newer keys (written since) are added now, if any are ours
             const int j0 = max(kc0, fresh_from), j1 = min(kend, kc0 + ATT_KC);
             __syncthreads();  // the caller's staging (zero rows from fresh_from on) is complete in every thread
-            if (j0 < j1) stage_kv_keys<HD>(sK, sVt, kc, vc, key_slots, rope_cs, kvh, nkv, j0, j1, kc0);
+            if (j0 < j1) stage_kv_keys<HD, 2>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, j0, j1, kc0);
             __syncthreads();
         } else {
             __syncthreads();

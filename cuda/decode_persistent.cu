@@ -346,7 +346,8 @@ __device__ __forceinline__ void decode_layers_body(const unsigned long long* __r
             __syncthreads();  // sx of the QKV phase is consumed
             stage_kv_chunk<HD, true>(reinterpret_cast<bf16_t*>(vec), reinterpret_cast<bf16_t*>(vec) + ATT_KC * (HD + 8),
                                sSlot, reinterpret_cast<const bf16_t*>(P[7]), reinterpret_cast<const bf16_t*>(P[8]),
-                               key_slots, rope_cs, kvh, n_kvh * HD, bx * kps, min(L - 1, bx * kps + kps));
+                               key_slots, rope_cs, kvh, n_kvh * HD, bx * kps, min(L - 1, bx * kps + kps),
+                               min(L, bx * kps + kps));
         }
         grid_sync(bar);
 #pragma unroll 1

@@ -153,17 +153,20 @@ extern "C" __global__ void __launch_bounds__(256) gemv_qkv(const float* __restri
     GemvRows<2> R;
     R.p[0] = W + (size_t)min(n0, ntot - 1) * K;
     R.p[1] = W + (size_t)min(n0 + 1, ntot - 1) * K;
+    // the epilogue's bias and cache slot are constants: read before the PDL wait, not after the dot products
+    const int n = n0 + lane;
+    const bool writer = lane < 2 && valid && n < ntot;
+    const float b = writer ? bias[n] : 0.f;
+    const int slot = writer && n >= nq ? key_slots[meta[3] + step - 1] : 0;
     gemv_start<2>(sx, R, K, valid, x, normw, eps, nullptr);
     if (!valid) return;
     float acc[2];
     gemv_finish(sx, R, K, acc);
-    if (lane < 2 && n0 + lane < ntot) {
-        const int n = n0 + lane;
-        const float y = (lane == 0 ? acc[0] : acc[1]) + bias[n];
+    if (writer) {
+        const float y = (lane == 0 ? acc[0] : acc[1]) + b;
         if (n < nq) {
             q_out[n] = y;
         } else {
-            const int slot = key_slots[meta[3] + step - 1];
             const int e = n - nq;
             if (e < nkv) kc[(size_t)slot * nkv + e] = f32_to_bf16(y);
             else vc[(size_t)slot * nkv + (e - nkv)] = f32_to_bf16(y);

@@ -16,10 +16,10 @@ extern "C" __global__ void kv_store_prefill(const float* __restrict__ qkv, int l
                                             bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
                                             const int* __restrict__ key_slots, const int* __restrict__ meta) {
     pdl_trigger();
-    pdl_wait();
     const int t = blockIdx.x;
     if (t >= meta[2]) return;
-    const int slot = key_slots[meta[1] + t];
+    const int slot = key_slots[meta[1] + t];  // host-written: read before the wait
+    pdl_wait();
     const float* row = qkv + (size_t)t * ld + nq;
     for (int i = threadIdx.x; i < nkv; i += blockDim.x) {
         kc[(size_t)slot * nkv + i] = f32_to_bf16(row[i]);
@@ -27,30 +27,83 @@ extern "C" __global__ void kv_store_prefill(const float* __restrict__ qkv, int l
     }
 }
 
+// Keys [j0, j1) of this prefill chunk (j >= p0: token j - p0, K/V read from the fp32 QKV output, bias included) into
+// rows j - kc0 of a staged chunk, and into the cache (bf16, pre-RoPE) at slot sSlot[j - kc0]: each (key, KV head)
+// is staged by exactly one split block, so every row is stored once. The staged K is rotated from the bf16-rounded
+// value, exactly what a later read of the cache gives. One memory round trip.
+template <int HD>
+__device__ __forceinline__ void stage_kv_fresh(bf16_t* sK, bf16_t* sVt, const int* sSlot, const float* qkv, int ld,
+        bf16_t* kc, bf16_t* vc, const float2* __restrict__ rope_cs, int kvh, int n_kvh, int G, int j0, int j1,
+        int kc0, int p0) {
+    constexpr int HALF = HD / 2, P = HALF / 2, NB = 2;
+    const int nkv = n_kvh * HD, nq = n_kvh * G * HD;
+    const int n = (j1 - j0) * P;
+    for (int base = threadIdx.x; base < n; base += NB * blockDim.x) {
+        float2 klo[NB], khi[NB], vlo[NB], vhi[NB];
+        float4 cs[NB];
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            const int it = base + b * blockDim.x;
+            if (it < n) {
+                const int j = j0 + it / P, d = (it % P) * 2;
+                const float* kr = qkv + (size_t)(j - p0) * ld + nq + kvh * HD + d;
+                klo[b] = __ldcg(reinterpret_cast<const float2*>(kr));
+                khi[b] = __ldcg(reinterpret_cast<const float2*>(kr + HALF));
+                vlo[b] = __ldcg(reinterpret_cast<const float2*>(kr + nkv));
+                vhi[b] = __ldcg(reinterpret_cast<const float2*>(kr + nkv + HALF));
+                cs[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)j * HALF + d);
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            const int it = base + b * blockDim.x;
+            if (it < n) {
+                const int j = j0 + it / P, d = (it % P) * 2;
+                const uint32_t k0 = pack_bf16x2(klo[b].x, klo[b].y), k1 = pack_bf16x2(khi[b].x, khi[b].y);
+                const uint32_t v0 = pack_bf16x2(vlo[b].x, vlo[b].y), v1 = pack_bf16x2(vhi[b].x, vhi[b].y);
+                const size_t row = (size_t)sSlot[j - kc0] * nkv + kvh * HD + d;
+                *reinterpret_cast<uint32_t*>(kc + row) = k0;
+                *reinterpret_cast<uint32_t*>(kc + row + HALF) = k1;
+                *reinterpret_cast<uint32_t*>(vc + row) = v0;
+                *reinterpret_cast<uint32_t*>(vc + row + HALF) = v1;
+                put_kv_pair<HD>(sK, sVt, j - kc0, d, k0, k1, v0, v1, cs[b]);
+            }
+        }
+    }
+}
+
 // Prefill: 32 query rows per head (tokens; rows >= T are padding and ignored downstream) x G heads of one KV
 // head, against keys [split*kps, min(L, +kps)), causal by position (key j visible to token t iff j <= p0 + t).
 // 2G warps; warp w = m16 tile: head w/2, tokens (w&1)*16 .. +15. Tensor cores for QK^T and PV.
 // Partials: part_o [split][Hq*32][HD] (unnormalised), part_ml [split][Hq*32] (max, sum), row = qh*32 + token.
-template <int HD>
-__device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv, int ld, const bf16_t* __restrict__ kc,
-        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const int* __restrict__ meta,
+template <int HD, bool FRESH>
+__device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv, int ld, bf16_t* kc, bf16_t* vc, const int* __restrict__ key_slots, const int* __restrict__ meta,
         const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* __restrict__ part_o,
-        float2* __restrict__ part_ml) {
+        float2* __restrict__ part_ml, bf16_t* sK, bf16_t* sVt, int* sSlot) {
     constexpr int KS = HD / 16;       // k16 steps over the head dim
     constexpr int HALF = HD / 2;
     constexpr int NT_O = HD / 8;      // n8 tiles of the output
     constexpr int KSTR = HD + 8;      // bf16 row stride of staged keys (conflict-free fragment loads)
     constexpr int VSTR = ATT_KC + 8;  // bf16 row stride of transposed values
-    __shared__ __align__(16) bf16_t sK[ATT_KC * KSTR];
-    __shared__ int sSlot[ATT_KC];
-    __shared__ __align__(16) bf16_t sVt[HD * VSTR];
 
     const int L = meta[0], p0 = meta[1];
     const int kvh = blockIdx.y;
     const int kbeg = blockIdx.x * kps;
+    pdl_trigger();
     if (kbeg >= L) return;
     const int kend = min(L, kbeg + kps);
     const int nkv = n_kvh * HD;
+    // Single-chunk splits (kps == ATT_KC): the keys older than this chunk (j < p0: cache rows written before the
+    // prefill graph started; key_slots and meta are host-written) are staged BEFORE the PDL wait, while the QKV GEMM
+    // still runs; this chunk's own keys come from the QKV output after it (stage_kv_fresh, which also stores them
+    // in the cache: no separate K/V store kernel).
+    if (FRESH) stage_kv_chunk<HD>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kbeg, min(kend, p0), kend);
+    pdl_wait();
+    if (FRESH) {  // before the query fragments (registers: 168 at 384 threads) and in its own round trip
+        __syncthreads();  // the pre-wait staging (zero rows from p0 on) is complete in every thread
+        if (max(kbeg, p0) < kend)
+            stage_kv_fresh<HD>(sK, sVt, sSlot, qkv, ld, kc, vc, rope_cs, kvh, n_kvh, G, max(kbeg, p0), kend, kbeg, p0);
+    }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int h = warp >> 1;
@@ -103,9 +156,12 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     for (int i = 0; i < NT_O; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
+#pragma unroll 1
     for (int kc0 = kbeg; kc0 < kend; kc0 += ATT_KC) {
-        __syncthreads();
-        stage_kv_chunk<HD>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kc0, kend);
+        if (!FRESH) {  // (FRESH: the single chunk was staged above)
+            __syncthreads();
+            stage_kv_chunk<HD>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kc0, kend);
+        }
         __syncthreads();
 
         // ---- S = Q K^T (16 rows x 64 keys per warp)
@@ -184,19 +240,45 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(384) attn_prefill_hd128(const float* qkv, int ld, const bf16_t* kc, const bf16_t* vc,
+extern "C" __global__ void __launch_bounds__(384) attn_prefill_hd128(const float* qkv, int ld, bf16_t* kc, bf16_t* vc,
         const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps, float qscale,
         float* part_o, float2* part_ml) {
-    pdl_trigger();
-    pdl_wait();
-    attn_prefill_body<128>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
+    __shared__ __align__(16) bf16_t sK[ATT_KC * (128 + 8)];
+    __shared__ __align__(16) bf16_t sVt[128 * (ATT_KC + 8)];
+    __shared__ int sSlot[ATT_KC];
+    attn_prefill_body<128, false>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
+                                 sK, sVt, sSlot);
 }
-extern "C" __global__ void __launch_bounds__(512) attn_prefill_hd64(const float* qkv, int ld, const bf16_t* kc, const bf16_t* vc,
+// kps == ATT_KC only: old keys staged before the PDL wait, this chunk's K/V from the QKV output (and stored in the
+// cache here: no kv_store_prefill launch). A kernel of its own: sharing one with the variant above costs spills.
+extern "C" __global__ void __launch_bounds__(384) attn_prefill_pre_hd128(const float* qkv, int ld, bf16_t* kc,
+        bf16_t* vc, const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps,
+        float qscale, float* part_o, float2* part_ml) {
+    __shared__ __align__(16) bf16_t sK[ATT_KC * (128 + 8)];
+    __shared__ __align__(16) bf16_t sVt[128 * (ATT_KC + 8)];
+    __shared__ int sSlot[ATT_KC];
+    attn_prefill_body<128, true>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, ATT_KC, qscale, part_o, part_ml,
+                                sK, sVt, sSlot);
+}
+extern "C" __global__ void __launch_bounds__(512) attn_prefill_hd64(const float* qkv, int ld, bf16_t* kc, bf16_t* vc,
         const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps, float qscale,
         float* part_o, float2* part_ml) {
-    pdl_trigger();
-    pdl_wait();
-    attn_prefill_body<64>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
+    __shared__ __align__(16) bf16_t sK[ATT_KC * (64 + 8)];
+    __shared__ __align__(16) bf16_t sVt[64 * (ATT_KC + 8)];
+    __shared__ int sSlot[ATT_KC];
+    attn_prefill_body<64, false>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
+                                 sK, sVt, sSlot);
+}
+// kps == ATT_KC only: old keys staged before the PDL wait, this chunk's K/V from the QKV output (and stored in the
+// cache here: no kv_store_prefill launch). A kernel of its own: sharing one with the variant above costs spills.
+extern "C" __global__ void __launch_bounds__(512) attn_prefill_pre_hd64(const float* qkv, int ld, bf16_t* kc,
+        bf16_t* vc, const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps,
+        float qscale, float* part_o, float2* part_ml) {
+    __shared__ __align__(16) bf16_t sK[ATT_KC * (64 + 8)];
+    __shared__ __align__(16) bf16_t sVt[64 * (ATT_KC + 8)];
+    __shared__ int sSlot[ATT_KC];
+    attn_prefill_body<64, true>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, ATT_KC, qscale, part_o, part_ml,
+                                sK, sVt, sSlot);
 }
 
 
@@ -358,7 +440,7 @@ __device__ __forceinline__ int attn_decode_prestage(unsigned char* smem, int* sS
     if (kps != ATT_KC || kbeg >= n_ctx + step) return -1;
     bf16_t* sK = reinterpret_cast<bf16_t*>(smem);
     stage_kv_chunk<HD>(sK, sK + ATT_KC * (HD + 8), sSlot, kc, vc, key_slots, rope_cs, blockIdx.y, n_kvh * HD, kbeg,
-                       min(n_ctx, kbeg + kps));
+                       min(n_ctx, kbeg + kps), min(n_ctx + step, kbeg + kps));
     return n_ctx;
 }
 
@@ -369,11 +451,14 @@ __device__ __forceinline__ void attn_decode_mma_kernel(const float* q, const bf1
         float qscale, float* part_o, float2* part_ml) {
     __shared__ __align__(16) unsigned char smem[DecAttnSmem<HD>::BYTES];
     __shared__ int sSlot[ATT_KC];
+    __shared__ float2 sQcs[HD / 2];  // RoPE row of the query position (host-written table: read before the wait)
     pdl_trigger();
     const int fresh = attn_decode_prestage<HD>(smem, sSlot, kc, vc, key_slots, meta, step, rope_cs, n_kvh, kps);
-    pdl_wait();
+    const int qpos = meta[3] + step - 1;
+    for (int d = threadIdx.x; d < HD / 2; d += blockDim.x) sQcs[d] = rope_cs[(size_t)qpos * (HD / 2) + d];
+    pdl_wait();  // the body syncs the block before it reads sQcs
     attn_decode_mma_body<HD>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
-                             smem, sSlot, blockIdx.x, blockIdx.y, nullptr, fresh);
+                             smem, sSlot, blockIdx.x, blockIdx.y, sQcs, fresh);
 }
 extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd128(const float* q, const bf16_t* kc,
         const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
@@ -396,13 +481,13 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* __re
         const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta,
         int meta_idx, int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
     pdl_trigger();
+    const int L = meta[meta_idx] + add;  // host-written: read before the wait
     pdl_wait();
     __shared__ float s_m[CMB_GROUPS], s_num[CMB_GROUPS][32], s_den[CMB_GROUPS];
     const int per_row = HD >> 5;
     const int r = blockIdx.x / per_row;
     const int d = (blockIdx.x - r * per_row) * 32 + (threadIdx.x & 31);
     const int sg = threadIdx.x >> 5;
-    const int L = meta[meta_idx] + add;
     const int nsplit = (L + kps - 1) / kps;
     float M = -INFINITY;
     for (int s = sg; s < nsplit; s += CMB_GROUPS) M = fmaxf(M, part_ml[(size_t)s * nrows + r].x);

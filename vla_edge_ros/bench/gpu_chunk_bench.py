@@ -129,7 +129,7 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("gemm v2, PDL off", {"gemm_version": 2, "pdl": False}),
         ("gemm wpb 4", {"gemm_wpb": 4}),
         ("silu wpb 4", {"gemm_silu_wpb": 4}),
-        ("prefill kps 64", {"attn_prefill_kps": 64}),
+        ("prefill kps 128", {"attn_prefill_kps": 128}),
         ("prefill kps 256", {"attn_prefill_kps": 256}),
         ("decode kps 128", {"attn_decode_kps": 128}),
         ("gemv min_ks 1024", {"gemv_min_ks": 1024}),
@@ -139,7 +139,7 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("gemv target 576 blocks", {"gemv_target_blocks": 576}),
     ]
     if args.variants == "short":
-        variants = variants[:3] + [v for v in variants if v[0] in ("graphs off", "decode kps 128")]
+        variants = variants[:3] + [v for v in variants if v[0] in ("graphs off", "decode kps 128", "prefill kps 128")]
     if not args.no_variants:
         for name, tune in variants:
             try:
@@ -151,6 +151,8 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         out["main_repeat"] = measure(args.chunks)  # same version twice: the spread is the noise
     out["decode_phase_share"] = eng.decode_phase_profile(chunks=10, run_chunk=chunk)
     out["kernel_ms"] = eng.time_kernels(reps=10)
+    if args.ablate:
+        out["ablation_ms"] = eng.time_ablations(reps=10)
     out["peak_vram_bytes"] = eng.memory()["peak_bytes"]
     out["tracked_bytes"] = eng.memory()["current_bytes"]
     eng.close()
@@ -321,6 +323,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-vram-gb", type=float, default=8.0)
     ap.add_argument("--parts", default="ours,eager,compiled")
     ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also time a chunk graph without each kernel family (its in-chain cost)")
     ap.add_argument("--variants", choices=["full", "short"], default="full")
     ap.add_argument("--tune", default="", help='JSON tuning applied before the main figure, e.g. {"pdl": false}')
     ap.add_argument("--json", default="")
@@ -454,6 +458,12 @@ def print_report(res: dict) -> None:
         print(f"\nper-kernel family (isolated graphs, ms per chunk; sum {tot:.3f} vs chunk {m['gpu_median_ms']:.3f}):")
         for k, v in sorted(km.items(), key=lambda kv: -kv[1]):
             print(f"  {k:16s} {v:8.3f} ms  {v / tot:6.1%}")
+        ab = o.get("ablation_ms") or {}
+        if ab:
+            print(f"\nin-chain cost per family (one graph per chunk {ab['full']:.3f} ms minus the graph without "
+                  "the family, ms per chunk):")
+            for k, v in sorted(((k, v) for k, v in ab.items() if k != "full"), key=lambda kv: -kv[1]):
+                print(f"  {k:16s} {v:8.3f} ms")
         share = o.get("decode_phase_share") or {}
         if share:
             pv = o["variants"].get("persistent decode (v5)", {})

@@ -8,7 +8,8 @@ head_dim]``, keys rotated inside the attention kernels from each slot's logical 
 One chunk = two CUDA graphs replayed on one stream:
 
 * prefill graph: for each layer RMSNorm(+QKV bias init) -> QKV skinny GEMM (tensor cores, split-K atomics)
-  -> K/V store -> flash attention over the retained cache (split-K) -> combine -> o_proj GEMM (+residual)
+  -> flash attention over the retained cache (split-K; the older keys staged before its PDL wait, this chunk's
+  K/V taken from the QKV output and stored in the cache) -> combine -> o_proj GEMM (+residual)
   -> RMSNorm -> gate/up GEMM with SiLU*up epilogue -> down GEMM (+residual); final norm, LM head over the
   action rows, argmax -> ``tok_buf[0]``;
 * decode graph: ``decode_tokens`` steps, each: embedding gather of ``tok_buf[i-1]`` -> per layer fused
@@ -164,7 +165,9 @@ DEFAULT_TUNING = {
     "gemm_min_ks": 256,
     "gemv_target_blocks": 264,
     "gemv_min_ks": 512,
-    "attn_prefill_kps": 128,  # keys per split, multiple of 64
+    "attn_prefill_kps": 64,  # keys per split, multiple of 64; 64 = one staged chunk per split: the old keys
+                             # staged before the PDL wait, this chunk's K/V taken from the QKV output and stored
+                             # by the attention (attn_prefill_pre_*, no kv_store_prefill launch)
     "attn_decode_kps": 64,
     "decode_kernel": "layered",  # "layered": six kernels per layer (gemv.cu + rope_attention.cu); "persistent":
                                  # one launch per decode token (cuda/decode_persistent.cu), measured slower
@@ -487,6 +490,7 @@ class CudaEngine(Engine):
             "gemv_logits": "PPiPfPiiPP",
             "kv_store_prefill": "PiiiPPPP",
             "attn_prefill_hd128": "PiPPPPPiiifPP", "attn_prefill_hd64": "PiPPPPPiiifPP",
+            "attn_prefill_pre_hd128": "PiPPPPPiiifPP", "attn_prefill_pre_hd64": "PiPPPPPiiifPP",
             "attn_decode_hd128": "PPPPPiPiiifPP", "attn_decode_hd64": "PPPPPiPiiifPP",
             "attn_combine": "PPiiiiPiiiPP",
             "argmax_tokens": "PiiPi",
@@ -644,6 +648,8 @@ class CudaEngine(Engine):
         """serial: no programmatic edge, the kernel starts after everything before it completed."""
         if self._only is not None and self._tag_of(name) not in self._only:
             return
+        if self._skip is not None and self._tag_of(name) in self._skip:
+            return
         if self.pdl:
             self.kx[name].launch(grid, block, self.stream.handle, args, smem=smem, pdl=not serial)
         else:
@@ -660,6 +666,7 @@ class CudaEngine(Engine):
         return name
 
     _only: set[str] | None = None
+    _skip: set[str] | None = None
     _launches = 0
     host_profile_ms: dict[str, float] = {}  # the last chunk's host-time split (_device_chunk)
     pdl = False
@@ -687,16 +694,21 @@ class CudaEngine(Engine):
         qscale = np.float32(math.log2(math.e) / math.sqrt(self.HD))
         blk = (32 * self.gemm_wpb, 1, 1)
         sblk = (32 * self.gemm_silu_wpb, 1, 1)
-        attn = "attn_prefill_hd%d" % self.HD
         kps = int(self.tuning["attn_prefill_kps"])
+        pre = kps == 64  # cuda/rope_attention.cu ATT_KC: the attention stores this chunk's K/V itself
+        attn = ("attn_prefill_pre_hd%d" if pre else "attn_prefill_hd%d") % self.HD
         start = self._launches
         for i, Lw in enumerate(self.layers):
             kc, vc = self._layer_ptrs(i)
+            # serial at layer 0: the prefill attention stages the cache rows of older keys before its PDL wait, so
+            # everything before the prefill (the last chunk, K/V moves) must be complete (eager launches; a graph
+            # boundary does that too)
             self._launch("rmsnorm_rows_bf16", (T, 1), (256, 1, 1), self.x_pre, Lw["ln1"], self.h_bf, np.int32(H), eps,
-                         Lw["bqkv"], self.qkv, np.int32(self.nqkv))
+                         Lw["bqkv"], self.qkv, np.int32(self.nqkv), serial=i == 0)
             self._gemm(self.p_qkv, blk, self.h_bf, H, Lw["wqkv"], self.nqkv, H, self.qkv, self.nqkv)
-            self._launch("kv_store_prefill", (T, 1), (256, 1, 1), self.qkv, np.int32(self.nqkv), np.int32(nq),
-                         np.int32(self.nkv), P(kc), P(vc), self.key_slots, self.meta)
+            if not pre:
+                self._launch("kv_store_prefill", (T, 1), (256, 1, 1), self.qkv, np.int32(self.nqkv), np.int32(nq),
+                             np.int32(self.nkv), P(kc), P(vc), self.key_slots, self.meta)
             self._launch(attn, (self.nsplit_pf, self.n_kvh), (64 * self.G, 1, 1), self.qkv, np.int32(self.nqkv),
                          P(kc), P(vc), self.key_slots, self.meta, self.rope, np.int32(self.G), np.int32(self.n_kvh),
                          np.int32(kps), qscale, self.part_o_pf, self.part_ml_pf)
@@ -984,6 +996,38 @@ class CudaEngine(Engine):
                 self.ev[1].synchronize()
                 out[tag] = self.ev[1].time_since(self.ev[0]) / reps
                 g.destroy()
+        return out
+
+    def time_ablations(self, reps: int = 20) -> dict[str, float]:
+        """In-chain cost of each kernel family: GPU ms per chunk of one graph holding a whole chunk (prefill +
+        decode) minus the same graph without that family's launches (``"full"``: the whole graph). Unlike
+        time_kernels this keeps every overlap of the chain (PDL pre-wait work, tails). The results of the
+        ablated graphs are garbage (tokens stay in range: argmax always picks an action row): benchmark only,
+        call reset() afterwards."""
+        from vla_edge_ros.engine.graphs import CudaGraph
+
+        def timed(skip):
+            self._skip = skip
+            try:
+                g = CudaGraph("ablate").capture(self.stream, lambda: self._enqueue_prefill() + self._enqueue_decode())
+            finally:
+                self._skip = None
+            g.launch(self.stream)
+            self.ev[0].record(self.stream)
+            for _ in range(reps):
+                g.launch(self.stream)
+            self.ev[1].record(self.stream)
+            self.ev[1].synchronize()
+            g.destroy()
+            return self.ev[1].time_since(self.ev[0]) / reps
+
+        tags = ["gemm32_atomic", "gemm32_silu", "rmsnorm", "kv_store", "attn_prefill", "attn_combine", "embed",
+                "gemv_qkv", "attn_decode", "gemv_resid", "gemv_gateup", "gemv_logits", "argmax"]
+        with self._active():
+            full = timed(None)
+            out = {"full": full}
+            for tag in tags:
+                out[tag] = full - timed({tag})
         return out
 
     def decode_phase_profile(self, run_chunk: Callable[[], Any], chunks: int = 20) -> dict[str, float]:
