@@ -42,79 +42,97 @@ __device__ __forceinline__ void put_kv_pair(bf16_t* sK, bf16_t* sVt, int key, in
     sVt[(HALF + d + 1) * VSTR + key] = (bf16_t)(vhi >> 16);
 }
 
-// kslot > kend (the pre-wait staging): sSlot also gets the slot indices of keys [kend, kslot), whose rows are
-// staged later (stage_kv_keys) without a dependent slot lookup; their rows are zero here.
-template <int HD, bool CG = false>
-__device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSlot, const bf16_t* __restrict__ kc,
-        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const float2* __restrict__ rope_cs,
-        int kvh, int nkv, int kc0, int kend, int kslot = -1) {
+// Rows of keys kc0 .. kc0 + nrow - 1 (slot indices in sSlot[0 .. nrow)) into a staged chunk: rotated K in sK,
+// transposed V in sVt; rows nrow .. ATT_KC - 1 are zero (masked keys must not meet NaN garbage in P V).
+template <int HD, bool CG, bool DO_K, bool DO_V, int B>
+__device__ __forceinline__ void stage_kv_pass(bf16_t* sK, bf16_t* sVt, const int* sSlot, const bf16_t* __restrict__ kc,
+        const bf16_t* __restrict__ vc, const float2* __restrict__ rope_cs, int kvh, int nkv, int kc0, int nrow) {
     constexpr int HALF = HD / 2;
     constexpr int KSTR = HD + 8;
     constexpr int VSTR = ATT_KC + 8;
-    constexpr int NK = ATT_KC * (HALF / 4);  // K items: (key, 4 dims of the low half)
-    constexpr int NV = ATT_KC * (HD / 8);    // V items: (key, 8 dims)
+    constexpr int NI = ATT_KC * (HD / 8);  // items of each kind: K (key, 4 dims of each half), V (key, 8 dims)
+    for (int base = threadIdx.x; base < NI; base += B * blockDim.x) {
+        uint2 lo[B], hi[B];
+        float4 c01[B], c23[B];
+        uint4 v[B];
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int it = base + b * blockDim.x;
+            if (DO_K) {
+                const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
+                const int slot = it < NI && key < nrow ? sSlot[key] : -1;
+                lo[b] = hi[b] = make_uint2(0u, 0u);
+                c01[b] = c23[b] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (slot >= 0) {
+                    const bf16_t* kr = kc + (size_t)slot * nkv + kvh * HD;
+                    lo[b] = ld_kv<CG>(reinterpret_cast<const uint2*>(kr + d));
+                    hi[b] = ld_kv<CG>(reinterpret_cast<const uint2*>(kr + HALF + d));
+                    c01[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(kc0 + key) * HALF + d);
+                    c23[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(kc0 + key) * HALF + d + 2);
+                }
+            }
+            if (DO_V) {  // V items run key-fastest across a warp (the transposed 2-byte stores hit consecutive addresses)
+                const int key = it % ATT_KC, d = (it / ATT_KC) * 8;
+                const int slot = it < NI && key < nrow ? sSlot[key] : -1;
+                v[b] = make_uint4(0u, 0u, 0u, 0u);
+                if (slot >= 0) v[b] = ld_kv<CG>(reinterpret_cast<const uint4*>(vc + (size_t)slot * nkv + kvh * HD + d));
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int it = base + b * blockDim.x;
+            if (it >= NI) break;
+            if (DO_K) {
+                const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
+                const float l[4] = {bf16_lo(lo[b].x), bf16_hi(lo[b].x), bf16_lo(lo[b].y), bf16_hi(lo[b].y)};
+                const float hv[4] = {bf16_lo(hi[b].x), bf16_hi(hi[b].x), bf16_lo(hi[b].y), bf16_hi(hi[b].y)};
+                const float c[4] = {c01[b].x, c01[b].z, c23[b].x, c23[b].z};
+                const float sn[4] = {c01[b].y, c01[b].w, c23[b].y, c23[b].w};
+                float rl[4], rh[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) { rl[i] = l[i] * c[i] - hv[i] * sn[i]; rh[i] = hv[i] * c[i] + l[i] * sn[i]; }
+                *reinterpret_cast<uint2*>(sK + key * KSTR + d) =
+                    make_uint2(pack_bf16x2(rl[0], rl[1]), pack_bf16x2(rl[2], rl[3]));
+                *reinterpret_cast<uint2*>(sK + key * KSTR + HALF + d) =
+                    make_uint2(pack_bf16x2(rh[0], rh[1]), pack_bf16x2(rh[2], rh[3]));
+            }
+            if (DO_V) {
+                const int key = it % ATT_KC, d = (it / ATT_KC) * 8;
+                const uint32_t w[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    sVt[(d + 2 * i) * VSTR + key] = (bf16_t)(w[i] & 0xffffu);
+                    sVt[(d + 2 * i + 1) * VSTR + key] = (bf16_t)(w[i] >> 16);
+                }
+            }
+        }
+    }
+}
+
+// FUSE: K and V loads of a batch in flight together (one round trip per batch; ~64 registers: for stagings
+// before the PDL wait, when nothing else is live); else a K pass, then a V pass.
+template <int HD, bool CG = false, bool FUSE = false>
+__device__ __forceinline__ void stage_kv_rows(bf16_t* sK, bf16_t* sVt, const int* sSlot, const bf16_t* __restrict__ kc,
+        const bf16_t* __restrict__ vc, const float2* __restrict__ rope_cs, int kvh, int nkv, int kc0, int nrow) {
+    if (FUSE) {
+        stage_kv_pass<HD, CG, true, true, STAGE_B>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, kc0, nrow);
+    } else {
+        stage_kv_pass<HD, CG, true, false, STAGE_B>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, kc0, nrow);
+        stage_kv_pass<HD, CG, false, true, 2 * STAGE_B>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, kc0, nrow);
+    }
+}
+
+// Stage keys [kc0, kc0 + ATT_KC) of KV head kvh: slot indices to sSlot (one coalesced load), then the rows of keys
+// < kend. kslot > kend (the pre-wait staging): sSlot also gets the slot indices of keys [kend, kslot), whose rows
+// are staged later (stage_kv_keys) without a dependent slot lookup; their rows are zero here.
+template <int HD, bool CG = false, bool FUSE = false>
+__device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSlot, const bf16_t* __restrict__ kc,
+        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const float2* __restrict__ rope_cs,
+        int kvh, int nkv, int kc0, int kend, int kslot = -1) {
     if (threadIdx.x < ATT_KC)
         sSlot[threadIdx.x] = kc0 + (int)threadIdx.x < max(kend, kslot) ? key_slots[kc0 + threadIdx.x] : -1;
     __syncthreads();
-    const int nrow = kend - kc0;  // keys with a row to stage
-    for (int base = threadIdx.x; base < NK; base += STAGE_B * blockDim.x) {
-        uint2 lo[STAGE_B], hi[STAGE_B];
-        float4 c01[STAGE_B], c23[STAGE_B];
-#pragma unroll
-        for (int b = 0; b < STAGE_B; ++b) {
-            const int it = base + b * blockDim.x;
-            const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
-            const int slot = it < NK && key < nrow ? sSlot[key] : -1;
-            lo[b] = hi[b] = make_uint2(0u, 0u);
-            c01[b] = c23[b] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (slot >= 0) {
-                const bf16_t* kr = kc + (size_t)slot * nkv + kvh * HD;
-                lo[b] = ld_kv<CG>(reinterpret_cast<const uint2*>(kr + d));
-                hi[b] = ld_kv<CG>(reinterpret_cast<const uint2*>(kr + HALF + d));
-                c01[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(kc0 + key) * HALF + d);
-                c23[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(kc0 + key) * HALF + d + 2);
-            }
-        }
-#pragma unroll
-        for (int b = 0; b < STAGE_B; ++b) {
-            const int it = base + b * blockDim.x;
-            if (it >= NK) break;
-            const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
-            const float l[4] = {bf16_lo(lo[b].x), bf16_hi(lo[b].x), bf16_lo(lo[b].y), bf16_hi(lo[b].y)};
-            const float hv[4] = {bf16_lo(hi[b].x), bf16_hi(hi[b].x), bf16_lo(hi[b].y), bf16_hi(hi[b].y)};
-            const float c[4] = {c01[b].x, c01[b].z, c23[b].x, c23[b].z}, sn[4] = {c01[b].y, c01[b].w, c23[b].y, c23[b].w};
-            float rl[4], rh[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) { rl[i] = l[i] * c[i] - hv[i] * sn[i]; rh[i] = hv[i] * c[i] + l[i] * sn[i]; }
-            *reinterpret_cast<uint2*>(sK + key * KSTR + d) =
-                make_uint2(pack_bf16x2(rl[0], rl[1]), pack_bf16x2(rl[2], rl[3]));
-            *reinterpret_cast<uint2*>(sK + key * KSTR + HALF + d) =
-                make_uint2(pack_bf16x2(rh[0], rh[1]), pack_bf16x2(rh[2], rh[3]));
-        }
-    }
-    for (int base = threadIdx.x; base < NV; base += 2 * STAGE_B * blockDim.x) {
-        uint4 v[2 * STAGE_B];
-#pragma unroll
-        for (int b = 0; b < 2 * STAGE_B; ++b) {
-            const int it = base + b * blockDim.x;
-            const int key = it % ATT_KC, d = (it / ATT_KC) * 8;
-            const int slot = it < NV && key < nrow ? sSlot[key] : -1;
-            v[b] = make_uint4(0u, 0u, 0u, 0u);
-            if (slot >= 0) v[b] = ld_kv<CG>(reinterpret_cast<const uint4*>(vc + (size_t)slot * nkv + kvh * HD + d));
-        }
-#pragma unroll
-        for (int b = 0; b < 2 * STAGE_B; ++b) {
-            const int it = base + b * blockDim.x;
-            if (it >= NV) break;
-            const int key = it % ATT_KC, d = (it / ATT_KC) * 8;
-            const uint32_t w[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                sVt[(d + 2 * i) * VSTR + key] = (bf16_t)(w[i] & 0xffffu);
-                sVt[(d + 2 * i + 1) * VSTR + key] = (bf16_t)(w[i] >> 16);
-            }
-        }
-    }
+    stage_kv_rows<HD, CG, FUSE>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, kc0, kend - kc0);
 }
 
 // Keys [j0, j1) (logical positions, all in the chunk starting at kc0) into rows j - kc0 of a staged chunk:
@@ -163,6 +181,176 @@ struct DecAttnSmem {
     static constexpr int BYTES = STAGE_BYTES > MERGE_BYTES ? STAGE_BYTES : MERGE_BYTES;
 };
 
+// The pieces of a decode-attention block (the split kernel below, the cluster kernel of rope_attention.cu).
+// Lane (g = lane / 4, t = lane % 4) of a warp holds the m16 rows g (head g) and g + 8 (head g + 8, zero: G <= 8).
+
+// raw query loads of the G heads of one KV head, qg = its first head (pre-RoPE; issued early, rotated later by
+// dec_build_q); qg may point to global or shared memory
+template <int HD, bool CG>
+__device__ __forceinline__ void dec_load_q(const float* __restrict__ qg, int G, float (&qv)[2][HD / 16][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = g + 8 * r;
+        const float* qh = qg + h * HD;
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ++ks)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int d = ks * 16 + hh * 8 + 2 * t;
+                float2 a = make_float2(0.f, 0.f);
+                if (h < G) a = ld_kv<CG>(reinterpret_cast<const float2*>(qh + d));
+                qv[r][ks][2 * hh] = a.x;
+                qv[r][ks][2 * hh + 1] = a.y;
+            }
+    }
+}
+
+// RoPE (q_cs: the query position's (cos, sin) row), scale, pack into bf16 A fragments
+template <int HD>
+__device__ __forceinline__ void dec_build_q(const float (&qv)[2][HD / 16][4], const float2* q_cs, float qscale,
+                                            uint32_t (&qa)[HD / 16][4]) {
+    constexpr int KS = HD / 16;
+    const int t = threadIdx.x & 3;
+    float qr[2][KS][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int ks = 0; ks < KS / 2; ++ks)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int d = ks * 16 + (j >> 1) * 8 + 2 * t + (j & 1);
+                const float2 cs = q_cs[d];
+                const float lo = qv[r][ks][j], hi = qv[r][ks + KS / 2][j];
+                qr[r][ks][j] = (lo * cs.x - hi * cs.y) * qscale;
+                qr[r][ks + KS / 2][j] = (hi * cs.x + lo * cs.y) * qscale;
+            }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        qa[ks][0] = pack_bf16x2(qr[0][ks][0], qr[0][ks][1]);
+        qa[ks][1] = pack_bf16x2(qr[1][ks][0], qr[1][ks][1]);
+        qa[ks][2] = pack_bf16x2(qr[0][ks][2], qr[0][ks][3]);
+        qa[ks][3] = pack_bf16x2(qr[1][ks][2], qr[1][ks][3]);
+    }
+}
+
+// a warp's online-softmax state: unnormalised output (m16 x HD accumulators), row max m and sum l of rows g, g+8
+template <int HD>
+struct DecState {
+    float o[HD / 8][4];
+    float m0, m1, l0, l1;
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+        m0 = m1 = -INFINITY;
+        l0 = l1 = 0.f;
+    }
+};
+
+// keys of staged rows row0 .. row0 + 15 (logical index j0 + row; j >= kend masked) into the warp's state
+template <int HD>
+__device__ __forceinline__ void dec_attend16(const bf16_t* sK, const bf16_t* sVt, int row0, int j0, int kend,
+                                             const uint32_t (&qa)[HD / 16][4], DecState<HD>& st) {
+    constexpr int KS = HD / 16, NT_O = HD / 8, KSTR = HD + 8, VSTR = ATT_KC + 8;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float s[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        const bf16_t* kr = sK + (row0 + n * 8 + g) * KSTR + 2 * t;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + ks * 16);
+            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + ks * 16 + 8);
+            mma_bf16_16816(s[n], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
+        }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int j = j0 + row0 + n * 8 + 2 * t + (c & 1);
+            if (j >= kend) s[n][c] = -INFINITY;
+            if (c < 2) mx0 = fmaxf(mx0, s[n][c]); else mx1 = fmaxf(mx1, s[n][c]);
+        }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(st.m0, mx0), mn1 = fmaxf(st.m1, mx1);
+    const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
+    const float cr0 = exp2f(st.m0 - mu0), cr1 = exp2f(st.m1 - mu1);
+    st.m0 = mn0; st.m1 = mn1;
+    st.l0 *= cr0; st.l1 *= cr1;
+#pragma unroll
+    for (int i = 0; i < NT_O; ++i) { st.o[i][0] *= cr0; st.o[i][1] *= cr0; st.o[i][2] *= cr1; st.o[i][3] *= cr1; }
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+        s[n][0] = exp2f(s[n][0] - mu0); s[n][1] = exp2f(s[n][1] - mu0);
+        s[n][2] = exp2f(s[n][2] - mu1); s[n][3] = exp2f(s[n][3] - mu1);
+        st.l0 += s[n][0] + s[n][1];
+        st.l1 += s[n][2] + s[n][3];
+    }
+    const uint32_t a0 = pack_bf16x2(s[0][0], s[0][1]), a1 = pack_bf16x2(s[0][2], s[0][3]);
+    const uint32_t a2 = pack_bf16x2(s[1][0], s[1][1]), a3 = pack_bf16x2(s[1][2], s[1][3]);
+#pragma unroll
+    for (int dn = 0; dn < NT_O; ++dn) {
+        const bf16_t* vr = sVt + (dn * 8 + g) * VSTR + row0 + 2 * t;
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(vr);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(vr + 8);
+        mma_bf16_16816(st.o[dn], a0, a1, a2, a3, b0, b1);
+    }
+}
+
+// Merge the NW warps' states of the block in shared memory (merge: (NW * DEC_MAXG * HD + 2 * NW * DEC_MAXG) floats,
+// free to overwrite: the caller synced after its last read of the staged keys... this function syncs first) and
+// hand each (head h < G, dim d) to store(h, d, numerator, max, denominator) (den/max are the same for every d).
+template <int HD, int NW, typename Store>
+__device__ __forceinline__ void dec_merge(float* merge, int G, DecState<HD>& st, Store store) {
+    constexpr int NT_O = HD / 8;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, 1);
+    st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, 2);
+    st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, 1);
+    st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, 2);
+    __syncthreads();  // every warp is past its last read of the staged chunk that `merge` overlays
+    float* s_o = merge;                       // [NW][DEC_MAXG][HD]
+    float* s_m = s_o + NW * DEC_MAXG * HD;    // [NW][DEC_MAXG]
+    float* s_l = s_m + NW * DEC_MAXG;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = g + 8 * r;
+        if (h < G) {
+#pragma unroll
+            for (int dn = 0; dn < NT_O; ++dn) {
+                s_o[(warp * DEC_MAXG + h) * HD + dn * 8 + 2 * t] = st.o[dn][2 * r];
+                s_o[(warp * DEC_MAXG + h) * HD + dn * 8 + 2 * t + 1] = st.o[dn][2 * r + 1];
+            }
+            if (t == 0) {
+                s_m[warp * DEC_MAXG + h] = r == 0 ? st.m0 : st.m1;
+                s_l[warp * DEC_MAXG + h] = r == 0 ? st.l0 : st.l1;
+            }
+        }
+    }
+    __syncthreads();
+    for (int it = threadIdx.x; it < G * HD; it += blockDim.x) {
+        const int h = it / HD, d = it - h * HD;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) M = fmaxf(M, s_m[w * DEC_MAXG + h]);
+        float num = 0.f, den = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            const float mw = s_m[w * DEC_MAXG + h];
+            const float e = mw == -INFINITY ? 0.f : exp2f(mw - M);
+            num = fmaf(e, s_o[(w * DEC_MAXG + h) * HD + d], num);
+            den = fmaf(e, s_l[w * DEC_MAXG + h], den);
+        }
+        store(h, d, num, M, den);
+    }
+}
+
 // bx = key split, kvh = KV head (blockIdx.x / .y of the stand-alone kernel; a virtual block of the persistent
 // decode kernel). smem: DecAttnSmem<HD>::BYTES, 16-byte aligned; sSlot: ATT_KC ints. CG: q and the cache are
 // read through L2 (the persistent kernel: other blocks wrote them earlier in the same launch). q_cs: the query
@@ -179,69 +367,25 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q
         int fresh_from = -1) {
     constexpr int KS = HD / 16;
     constexpr int HALF = HD / 2;
-    constexpr int NT_O = HD / 8;
-    constexpr int KSTR = HD + 8;
-    constexpr int VSTR = ATT_KC + 8;
     bf16_t* sK = reinterpret_cast<bf16_t*>(smem);
-    bf16_t* sVt = sK + ATT_KC * KSTR;
+    bf16_t* sVt = sK + ATT_KC * (HD + 8);
 
     const int L = meta[3] + step;
-    const int qpos = L - 1;
     const int kbeg = bx * kps;
     if (kbeg >= L) return;
     const int kend = min(L, kbeg + kps);
     const int nkv = n_kvh * HD;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
+    const int warp = threadIdx.x >> 5;
+    const float2* qcs = q_cs != nullptr ? q_cs : rope_cs + (size_t)(L - 1) * HALF;
 
-    // query fragments: row r = head r of the group (zero for r >= G), RoPE at qpos, scaled. The raw loads are
-    // issued here; the rotation runs after the first chunk is staged, so both latencies overlap.
+    // query: raw loads issued here; with DEFER_Q the rotation runs after the first chunk is staged, so both
+    // latencies overlap
     uint32_t qa[KS][4];
     float qv[2][KS][4];
-    {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int h = g + 8 * r;
-            const float* qh = q + (size_t)(kvh * G + h) * HD;
-#pragma unroll
-            for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int d = ks * 16 + hh * 8 + 2 * t;
-                    float2 a = make_float2(0.f, 0.f);
-                    if (h < G) a = ld_kv<CG>(reinterpret_cast<const float2*>(qh + d));
-                    qv[r][ks][2 * hh] = a.x;
-                    qv[r][ks][2 * hh + 1] = a.y;
-                }
-        }
-    }
-    auto build_q = [&]() {
-        float qr[2][KS][4];
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int ks = 0; ks < KS / 2; ++ks)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int d = ks * 16 + (j >> 1) * 8 + 2 * t + (j & 1);
-                    const float2 cs = q_cs != nullptr ? q_cs[d] : rope_cs[(size_t)qpos * HALF + d];
-                    const float lo = qv[r][ks][j], hi = qv[r][ks + KS / 2][j];
-                    qr[r][ks][j] = (lo * cs.x - hi * cs.y) * qscale;
-                    qr[r][ks + KS / 2][j] = (hi * cs.x + lo * cs.y) * qscale;
-                }
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            qa[ks][0] = pack_bf16x2(qr[0][ks][0], qr[0][ks][1]);
-            qa[ks][1] = pack_bf16x2(qr[1][ks][0], qr[1][ks][1]);
-            qa[ks][2] = pack_bf16x2(qr[0][ks][2], qr[0][ks][3]);
-            qa[ks][3] = pack_bf16x2(qr[1][ks][2], qr[1][ks][3]);
-        }
-    };
-    if (!DEFER_Q) build_q();
-    float o[NT_O][4];
-#pragma unroll
-    for (int i = 0; i < NT_O; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    dec_load_q<HD, CG>(q + (size_t)kvh * G * HD, G, qv);
+    if (!DEFER_Q) dec_build_q<HD>(qv, qcs, qscale, qa);
+    DecState<HD> st;
+    st.init();
 
     for (int kc0 = kbeg; kc0 < kend; kc0 += ATT_KC) {
         if (fresh_from >= 0 && kc0 == kbeg) {
@@ -256,98 +400,15 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q
             stage_kv_chunk<HD, CG>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kc0, kend);
             __syncthreads();
         }
-        if (DEFER_Q && kc0 == kbeg) build_q();
-        float s[2][4];
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            const bf16_t* kr = sK + (warp * 16 + n * 8 + g) * KSTR + 2 * t;
-#pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-                const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + ks * 16);
-                const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + ks * 16 + 8);
-                mma_bf16_16816(s[n], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
-            }
-        }
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int j = kc0 + warp * 16 + n * 8 + 2 * t + (c & 1);
-                if (j >= kend) s[n][c] = -INFINITY;
-                if (c < 2) mx0 = fmaxf(mx0, s[n][c]); else mx1 = fmaxf(mx1, s[n][c]);
-            }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
-        const float cr0 = exp2f(m0 - mu0), cr1 = exp2f(m1 - mu1);
-        m0 = mn0; m1 = mn1;
-        l0 *= cr0; l1 *= cr1;
-#pragma unroll
-        for (int i = 0; i < NT_O; ++i) { o[i][0] *= cr0; o[i][1] *= cr0; o[i][2] *= cr1; o[i][3] *= cr1; }
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            s[n][0] = exp2f(s[n][0] - mu0); s[n][1] = exp2f(s[n][1] - mu0);
-            s[n][2] = exp2f(s[n][2] - mu1); s[n][3] = exp2f(s[n][3] - mu1);
-            l0 += s[n][0] + s[n][1];
-            l1 += s[n][2] + s[n][3];
-        }
-        const uint32_t a0 = pack_bf16x2(s[0][0], s[0][1]), a1 = pack_bf16x2(s[0][2], s[0][3]);
-        const uint32_t a2 = pack_bf16x2(s[1][0], s[1][1]), a3 = pack_bf16x2(s[1][2], s[1][3]);
-#pragma unroll
-        for (int dn = 0; dn < NT_O; ++dn) {
-            const bf16_t* vr = sVt + (dn * 8 + g) * VSTR + warp * 16 + 2 * t;
-            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(vr);
-            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(vr + 8);
-            mma_bf16_16816(o[dn], a0, a1, a2, a3, b0, b1);
-        }
+        if (DEFER_Q && kc0 == kbeg) dec_build_q<HD>(qv, qcs, qscale, qa);
+        dec_attend16<HD>(sK, sVt, warp * 16, kc0, kend, qa, st);
     }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
 
-    // merge the 4 warps (shared memory reused: every warp is past its last read of sK / sVt)
-    __syncthreads();
-    float* s_o = reinterpret_cast<float*>(smem);             // [4][DEC_MAXG][HD]
-    float* s_m = s_o + 4 * DEC_MAXG * HD;                      // [4][DEC_MAXG]
-    float* s_l = s_m + 4 * DEC_MAXG;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int h = g + 8 * r;
-        if (h < G) {
-#pragma unroll
-            for (int dn = 0; dn < NT_O; ++dn) {
-                s_o[(warp * DEC_MAXG + h) * HD + dn * 8 + 2 * t] = o[dn][2 * r];
-                s_o[(warp * DEC_MAXG + h) * HD + dn * 8 + 2 * t + 1] = o[dn][2 * r + 1];
-            }
-            if (t == 0) {
-                s_m[warp * DEC_MAXG + h] = r == 0 ? m0 : m1;
-                s_l[warp * DEC_MAXG + h] = r == 0 ? l0 : l1;
-            }
-        }
-    }
-    __syncthreads();
+    // merge the 4 warps (shared memory reused) into this split's partial
     const int Hq = n_kvh * G;
-    for (int it = threadIdx.x; it < G * HD; it += blockDim.x) {
-        const int h = it / HD, d = it - h * HD;
-        float M = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) M = fmaxf(M, s_m[w * DEC_MAXG + h]);
-        float num = 0.f, den = 0.f;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-            const float mw = s_m[w * DEC_MAXG + h];
-            const float e = mw == -INFINITY ? 0.f : exp2f(mw - M);
-            num = fmaf(e, s_o[(w * DEC_MAXG + h) * HD + d], num);
-            den = fmaf(e, s_l[w * DEC_MAXG + h], den);
-        }
+    dec_merge<HD, DEC_WARPS>(reinterpret_cast<float*>(smem), G, st, [&](int h, int d, float num, float M, float den) {
         const size_t row = (size_t)bx * Hq + kvh * G + h;
         part_o[row * HD + d] = num;
         if (d == 0) part_ml[row] = make_float2(M, den);
-    }
+    });
 }

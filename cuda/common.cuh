@@ -99,5 +99,45 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // may start while its predecessor finishes; everything before pdl_wait() must not read data the predecessor
 // writes nor write data it reads (weights are read-only: they are prefetched before the wait). Without the
 // attribute both are no-ops, so the same kernels run under plain launches too.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+//
+// Timeline (benchmark builds only, -DVLA_TIMELINE): thread 0 of the first and the last block of a grid stamps
+// %globaltimer into the grid's row of vla_tl (row = %gridid % VLA_TL_ROWS): [gridid, first block's start, first
+// and last of the two blocks' pass of the wait]. Two blocks only: same-address atomics from every block of a
+// 1500-block grid would serialise and distort what they measure. The host (CudaEngine.timeline) orders the
+// rows by grid id, i.e. by launch.
+#ifdef VLA_TIMELINE
+#define VLA_TL_ROWS 4096
+__device__ unsigned long long vla_tl[VLA_TL_ROWS][4];
+__device__ __forceinline__ void vla_tl_stamp(int col) {
+    const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (threadIdx.x != 0 || threadIdx.y != 0 || (b != 0 && b != gridDim.x * gridDim.y * gridDim.z - 1)) return;
+    unsigned long long g, t;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    unsigned long long* row = vla_tl[g % VLA_TL_ROWS];
+    row[0] = g;
+    if (col == 3) atomicMax(row + 3, t);
+    else atomicMin(row + col, t);
+}
+#else
+__device__ __forceinline__ void vla_tl_stamp(int) {}
+#endif
+//
+// When a kernel lets its successor launch: at its start (default), or after its own wait when its family's bit is
+// set in vla_late_trigger (written by the host, tuning "late_trigger"). Every kernel triggering at its start lets
+// a whole cascade of later kernels become resident early, each holding registers and shared memory while it
+// waits; a late trigger bounds the cascade. Either way is correct: a dependent still waits for completion.
+enum VlaFamily { FAM_QKV = 0, FAM_ATTN = 1, FAM_COMBINE = 2, FAM_RESID = 3, FAM_GATEUP = 4, FAM_GEMM = 5,
+                 FAM_RMSNORM = 6, FAM_ATTN_PF = 7 };
+__constant__ unsigned vla_late_trigger;
+__device__ __forceinline__ bool vla_late(int fam) { return fam >= 0 && ((vla_late_trigger >> fam) & 1u); }
+__device__ __forceinline__ void pdl_wait(int fam = -1) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    vla_tl_stamp(2);
+    vla_tl_stamp(3);
+    if (vla_late(fam)) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void pdl_trigger(int fam = -1) {
+    vla_tl_stamp(1);
+    if (!vla_late(fam)) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}

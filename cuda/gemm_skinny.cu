@@ -42,8 +42,8 @@ __device__ __forceinline__ void gemm32_body(const bf16_t* __restrict__ A, int ld
     };
     // the first chunk's weights do not depend on the previous kernel: requested before the PDL wait
     if (kbeg < kend) load_w(kbeg, min(GEMM_KC, kend - kbeg));
-    pdl_trigger();
-    pdl_wait();
+    pdl_trigger(FAM_GEMM);
+    pdl_wait(FAM_GEMM);
     if (kbeg >= kend) return;  // uniform over the block
     float acc[2][2][4];
 #pragma unroll
@@ -195,8 +195,8 @@ __device__ __forceinline__ void gemm32v2_body(const bf16_t* __restrict__ A, int 
     const bf16_t* W1 = W0 + (size_t)8 * K;
     uint4 bA[GEMM2_U][2], bB[GEMM2_U][2];
     gemm2_load<WPB>(bA, W0, W1, 0, klen, active);
-    pdl_trigger();
-    pdl_wait();
+    pdl_trigger(FAM_GEMM);
+    pdl_wait(FAM_GEMM);
     const int nq = klen >> 3;
     for (int i = threadIdx.x; i < 32 * nq; i += blockDim.x) {
         const int r = i / nq, q = i - r * nq;

@@ -127,24 +127,33 @@ __device__ __forceinline__ void gemv_prologue(float* sx, const float* __restrict
 
 // The start every GEMV kernel shares: its weight loads and norm weights requested, the PDL trigger and wait, then
 // the input vector v (K floats, RMS-normed when normw is given) in shared memory sx.
-template <int PV, int RPW>
+struct NoPreWait {
+    __device__ void operator()() const {}
+};
+
+// pre(): more work before the wait, after the weight loads are issued (it may block on its own loads)
+template <int PV, int FAM, int RPW, typename Pre = NoPreWait>
 __device__ __forceinline__ void gemv_start(float* sx, GemvRows<RPW>& R, int K, bool valid, const float* __restrict__ v,
-                                           const bf16_t* __restrict__ normw, float eps, float* norm_out) {
+                                           const bf16_t* __restrict__ normw, float eps, float* norm_out,
+                                           Pre pre = Pre()) {
     gemv_prefetch(R, K, valid);
     GemvNorm nrm;
     gemv_norm_prefetch(nrm, normw, K);
-    pdl_trigger();
-    pdl_wait();
+    pre();
+    pdl_trigger(FAM);
+    pdl_wait(FAM);
     gemv_prologue<PV>(sx, v, K, normw, eps, norm_out, nrm);
 }
 
 // Fused RMSNorm + QKV (+bias). Rows [0, nq) -> q_out (fp32, pre-RoPE); [nq, nq+nkv) -> K cache, [nq+nkv, nq+2nkv)
 // -> V cache, both bf16 and pre-RoPE, at slot key_slots[meta[3] + step - 1] (decode step `step`, 1-based).
 // Two rows per warp: grid.x = ceil((nq + 2 nkv) / 16).
+// kv_prefetch: before the wait, the grid asks L2 for this layer's K/V rows of the n_ctx keys older than the pass
+// (one 128-byte line per thread and round), so the decode attention that follows finds them there.
 extern "C" __global__ void __launch_bounds__(256) gemv_qkv(const float* __restrict__ x,
         const bf16_t* __restrict__ normw, float eps, const bf16_t* __restrict__ W, const float* __restrict__ bias,
         int K, int nq, int nkv, float* __restrict__ q_out, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
-        const int* __restrict__ key_slots, const int* __restrict__ meta, int step) {
+        const int* __restrict__ key_slots, const int* __restrict__ meta, int step, int kv_prefetch) {
     extern __shared__ float sx[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int ntot = nq + 2 * nkv;
@@ -158,7 +167,17 @@ extern "C" __global__ void __launch_bounds__(256) gemv_qkv(const float* __restri
     const bool writer = lane < 2 && valid && n < ntot;
     const float b = writer ? bias[n] : 0.f;
     const int slot = writer && n >= nq ? key_slots[meta[3] + step - 1] : 0;
-    gemv_start<2>(sx, R, K, valid, x, normw, eps, nullptr);
+    gemv_start<2, FAM_QKV>(sx, R, K, valid, x, normw, eps, nullptr, [&]() {
+        if (!kv_prefetch) return;
+        const int lines = nkv / 64;  // 128-byte lines per cache row (nkv bf16)
+        const int total = meta[3] * 2 * lines;
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+            const int key = i / (2 * lines), part = i - key * 2 * lines;
+            const bf16_t* base = part < lines ? kc : vc;
+            const bf16_t* p = base + (size_t)key_slots[key] * nkv + (part % lines) * 64;
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+        }
+    });
     if (!valid) return;
     float acc[2];
     gemv_finish(sx, R, K, acc);
@@ -187,7 +206,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_resid(const float* __rest
     GemvRows<2> R;
     R.p[0] = W + (size_t)min(n0, N - 1) * K + kbeg;
     R.p[1] = W + (size_t)min(n0 + 1, N - 1) * K + kbeg;
-    gemv_start<4>(sx, R, klen, valid, v + kbeg, nullptr, 0.f, nullptr);
+    gemv_start<4, FAM_RESID>(sx, R, klen, valid, v + kbeg, nullptr, 0.f, nullptr);
     if (!valid) return;
     float acc[2];
     gemv_finish(sx, R, klen, acc);
@@ -212,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_gateup(const float* __res
     GemvRows<2> R;
     R.p[0] = W + (size_t)gr * K;
     R.p[1] = W + (size_t)(gr + 8) * K;
-    gemv_start<2>(sx, R, K, valid, x, normw, eps, nullptr);
+    gemv_start<2, FAM_GATEUP>(sx, R, K, valid, x, normw, eps, nullptr);
     if (!valid) return;
     float acc[2];
     gemv_finish(sx, R, K, acc);
@@ -233,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_logits(const float* __res
     GemvRows<1> R;
     R.p[0] = W + (size_t)min(n, N - 1) * K;
     const int row = row_meta >= 0 ? meta[row_meta] - 1 : 0;  // meta is host-written: readable before the wait
-    gemv_start<2>(sx, R, K, valid, x + (size_t)row * K, normw, eps, norm_out);
+    gemv_start<2, -1>(sx, R, K, valid, x + (size_t)row * K, normw, eps, norm_out);
     if (!valid) return;
     float acc[1];
     gemv_finish(sx, R, K, acc);

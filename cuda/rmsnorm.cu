@@ -18,8 +18,8 @@ __device__ __forceinline__ void rmsnorm_row(const float* __restrict__ xr, const 
         const int i = threadIdx.x + j * blockDim.x;
         wv[j] = regs && i < H ? bf16_to_f32(w[i]) : 0.f;
     }
-    pdl_trigger();
-    pdl_wait();
+    pdl_trigger(FAM_RMSNORM);
+    pdl_wait(FAM_RMSNORM);
     float ss = 0.f;
     if (regs) {
 #pragma unroll

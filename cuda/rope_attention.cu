@@ -89,7 +89,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     const int L = meta[0], p0 = meta[1];
     const int kvh = blockIdx.y;
     const int kbeg = blockIdx.x * kps;
-    pdl_trigger();
+    pdl_trigger(FAM_ATTN_PF);
     if (kbeg >= L) return;
     const int kend = min(L, kbeg + kps);
     const int nkv = n_kvh * HD;
@@ -97,8 +97,8 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     // prefill graph started; key_slots and meta are host-written) are staged BEFORE the PDL wait, while the QKV GEMM
     // still runs; this chunk's own keys come from the QKV output after it (stage_kv_fresh, which also stores them
     // in the cache: no separate K/V store kernel).
-    if (FRESH) stage_kv_chunk<HD>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kbeg, min(kend, p0), kend);
-    pdl_wait();
+    if (FRESH) stage_kv_chunk<HD, false, true>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kbeg, min(kend, p0), kend);
+    pdl_wait(FAM_ATTN_PF);
     if (FRESH) {  // before the query fragments (registers: 168 at 384 threads) and in its own round trip
         __syncthreads();  // the pre-wait staging (zero rows from p0 on) is complete in every thread
         if (max(kbeg, p0) < kend)
@@ -427,38 +427,17 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_hd64(const float* 
     attn_decode_body<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
 }
 
-// Before the PDL wait (while the QKV GEMV still runs): a single-chunk split stages its keys older than this decode
-// pass (j < n_ctx = meta[3]: written by the prefill or earlier chunks, complete before the decode started: its
-// first kernel is launched without a programmatic edge; slots and RoPE rows are host-written constants); the keys
-// of this pass's decode steps are staged after the wait.
-// Returns fresh_from for attn_decode_mma_body (-1: nothing staged).
-template <int HD>
-__device__ __forceinline__ int attn_decode_prestage(unsigned char* smem, int* sSlot, const bf16_t* __restrict__ kc,
-        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const int* __restrict__ meta, int step,
-        const float2* __restrict__ rope_cs, int n_kvh, int kps) {
-    const int n_ctx = meta[3], kbeg = blockIdx.x * kps;
-    if (kps != ATT_KC || kbeg >= n_ctx + step) return -1;
-    bf16_t* sK = reinterpret_cast<bf16_t*>(smem);
-    stage_kv_chunk<HD>(sK, sK + ATT_KC * (HD + 8), sSlot, kc, vc, key_slots, rope_cs, blockIdx.y, n_kvh * HD, kbeg,
-                       min(n_ctx, kbeg + kps), min(n_ctx + step, kbeg + kps));
-    return n_ctx;
-}
-
-// The stand-alone decode kernel: old keys staged before the PDL wait, the rest after it.
+// The stand-alone decode kernel, any split length: everything after the PDL wait.
 template <int HD>
 __device__ __forceinline__ void attn_decode_mma_kernel(const float* q, const bf16_t* kc, const bf16_t* vc,
         const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh, int kps,
         float qscale, float* part_o, float2* part_ml) {
     __shared__ __align__(16) unsigned char smem[DecAttnSmem<HD>::BYTES];
     __shared__ int sSlot[ATT_KC];
-    __shared__ float2 sQcs[HD / 2];  // RoPE row of the query position (host-written table: read before the wait)
-    pdl_trigger();
-    const int fresh = attn_decode_prestage<HD>(smem, sSlot, kc, vc, key_slots, meta, step, rope_cs, n_kvh, kps);
-    const int qpos = meta[3] + step - 1;
-    for (int d = threadIdx.x; d < HD / 2; d += blockDim.x) sQcs[d] = rope_cs[(size_t)qpos * (HD / 2) + d];
-    pdl_wait();  // the body syncs the block before it reads sQcs
+    pdl_trigger(FAM_ATTN);
+    pdl_wait(FAM_ATTN);
     attn_decode_mma_body<HD>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
-                             smem, sSlot, blockIdx.x, blockIdx.y, sQcs, fresh);
+                             smem, sSlot, blockIdx.x, blockIdx.y);
 }
 extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd128(const float* q, const bf16_t* kc,
         const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
@@ -471,6 +450,73 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd64(const flo
     attn_decode_mma_kernel<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
 }
 
+// Single-chunk splits (kps == ATT_KC, the default): before the PDL wait (while the QKV GEMV still runs) the split
+// stages its keys older than this decode pass (j < n_ctx = meta[3]: written by the prefill or earlier chunks,
+// complete before the decode started: its first kernel is launched without a programmatic edge; slots and RoPE
+// rows are host-written constants), the slot indices of the rest and the query position's RoPE row. After it:
+// the query (through shared memory, so no query registers live across the staging) and this pass's keys in one
+// round trip, then the chunk. Lean on registers (~half of attn_decode_mma's): more of its blocks fit beside the
+// QKV GEMV, so they are resident, and staged, when its wait opens.
+template <int HD>
+__device__ __forceinline__ void attn_decode_pre_kernel(const float* __restrict__ q, const bf16_t* kc, const bf16_t* vc,
+        const int* __restrict__ key_slots, const int* __restrict__ meta, int step, const float2* __restrict__ rope_cs,
+        int G, int n_kvh, float qscale, float* part_o, float2* part_ml) {
+    constexpr int KS = HD / 16, HALF = HD / 2;
+    constexpr int QPT = DEC_MAXG * HD / (32 * DEC_WARPS);  // query values per thread
+    __shared__ __align__(16) unsigned char smem[DecAttnSmem<HD>::BYTES];
+    __shared__ int sSlot[ATT_KC];
+    __shared__ float2 sQcs[HALF];
+    __shared__ __align__(16) float sQ[DEC_MAXG * HD];
+    bf16_t* sK = reinterpret_cast<bf16_t*>(smem);
+    bf16_t* sVt = sK + ATT_KC * (HD + 8);
+    pdl_trigger(FAM_ATTN);
+    const int n_ctx = meta[3], L = n_ctx + step, kbeg = blockIdx.x * ATT_KC, kvh = blockIdx.y, nkv = n_kvh * HD;
+    if (kbeg >= L) return;
+    const int kend = min(L, kbeg + ATT_KC);
+    stage_kv_chunk<HD, false, true>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kbeg, min(n_ctx, kend), kend);
+    for (int d = threadIdx.x; d < HALF; d += blockDim.x) sQcs[d] = rope_cs[(size_t)(L - 1) * HALF + d];
+    pdl_wait(FAM_ATTN);
+    float qt[QPT];
+    const float* qg = q + (size_t)kvh * G * HD;
+#pragma unroll
+    for (int i = 0; i < QPT; ++i) {
+        const int idx = threadIdx.x + i * blockDim.x;
+        qt[i] = idx < G * HD ? qg[idx] : 0.f;
+    }
+    __syncthreads();  // the pre-wait staging (zero rows from n_ctx on) is complete in every thread
+    const int j0 = max(kbeg, n_ctx);
+    if (j0 < kend) stage_kv_keys<HD, 2>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, j0, kend, kbeg);
+#pragma unroll
+    for (int i = 0; i < QPT; ++i) sQ[threadIdx.x + i * blockDim.x] = qt[i];
+    __syncthreads();
+    uint32_t qa[KS][4];
+    {
+        float qv[2][KS][4];
+        dec_load_q<HD, false>(sQ, G, qv);
+        dec_build_q<HD>(qv, sQcs, qscale, qa);
+    }
+    DecState<HD> st;
+    st.init();
+    dec_attend16<HD>(sK, sVt, (threadIdx.x >> 5) * 16, kbeg, kend, qa, st);
+    const int Hq = n_kvh * G;
+    dec_merge<HD, DEC_WARPS>(reinterpret_cast<float*>(smem), G, st, [&](int h, int d, float num, float M, float den) {
+        const size_t row = (size_t)blockIdx.x * Hq + kvh * G + h;
+        part_o[row * HD + d] = num;
+        if (d == 0) part_ml[row] = make_float2(M, den);
+    });
+}
+// kps: must be ATT_KC (64); kept in the signature so every decode-attention kernel takes the same arguments
+extern "C" __global__ void __launch_bounds__(128) attn_decode_pre_hd128(const float* q, const bf16_t* kc,
+        const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
+        int kps, float qscale, float* part_o, float2* part_ml) {
+    attn_decode_pre_kernel<128>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, qscale, part_o, part_ml);
+}
+extern "C" __global__ void __launch_bounds__(128) attn_decode_pre_hd64(const float* q, const bf16_t* kc,
+        const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
+        int kps, float qscale, float* part_o, float2* part_ml) {
+    attn_decode_pre_kernel<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, qscale, part_o, part_ml);
+}
+
 #define CMB_GROUPS 8  // split groups per combine block (blockDim.x == 32 * CMB_GROUPS)
 
 // Merge split partials. Row r = qh * T + token (T = 32 prefill, 1 decode). Block: 32 dims x CMB_GROUPS split
@@ -480,9 +526,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd64(const flo
 extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* __restrict__ part_o,
         const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta,
         int meta_idx, int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
-    pdl_trigger();
+    pdl_trigger(FAM_COMBINE);
     const int L = meta[meta_idx] + add;  // host-written: read before the wait
-    pdl_wait();
+    pdl_wait(FAM_COMBINE);
     __shared__ float s_m[CMB_GROUPS], s_num[CMB_GROUPS][32], s_den[CMB_GROUPS];
     const int per_row = HD >> 5;
     const int r = blockIdx.x / per_row;
@@ -506,6 +552,72 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* __re
     if ((threadIdx.x & 31) == 0) s_den[sg] = den;
     __syncthreads();
     if (sg != 0) return;
+#pragma unroll
+    for (int i = 1; i < CMB_GROUPS; ++i) { num += s_num[i][threadIdx.x]; den += s_den[i]; }
+    const float y = num / den;
+    const int qh = r / T, tok = r - qh * T;
+    const size_t o = (size_t)tok * Hq * HD + (size_t)qh * HD + d;
+    if (out_f32 != nullptr) out_f32[o] = y;
+    if (out_bf16 != nullptr) out_bf16[o] = f32_to_bf16(y);
+}
+
+// One-pass variant (tuning "combine": "one_pass"): every thread loads the (max, sum, value) of all its splits
+// (CMB_MAXS per round, all in flight) before using any, one L2 round trip per CMB_GROUPS * CMB_MAXS splits
+// instead of the two dependent loops above. Same arguments and output.
+#define CMB_MAXS 12
+extern "C" __global__ void __launch_bounds__(256) attn_combine_1p(const float* __restrict__ part_o,
+        const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta,
+        int meta_idx, int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
+    pdl_trigger(FAM_COMBINE);
+    const int L = meta[meta_idx] + add;  // host-written: read before the wait
+    pdl_wait(FAM_COMBINE);
+    __shared__ float s_m[CMB_GROUPS], s_num[CMB_GROUPS][32], s_den[CMB_GROUPS];
+    const int per_row = HD >> 5;
+    const int r = blockIdx.x / per_row;
+    const int d = (blockIdx.x - r * per_row) * 32 + (threadIdx.x & 31);
+    const int sg = threadIdx.x >> 5;
+    const int nsplit = (L + kps - 1) / kps;
+    float Mr = -INFINITY, num = 0.f, den = 0.f;  // this group's running merge
+    for (int base = sg; base < nsplit; base += CMB_GROUPS * CMB_MAXS) {
+        float m[CMB_MAXS], l[CMB_MAXS], o[CMB_MAXS];
+#pragma unroll
+        for (int i = 0; i < CMB_MAXS; ++i) {
+            const int sp = base + i * CMB_GROUPS;
+            m[i] = -INFINITY;
+            l[i] = o[i] = 0.f;
+            if (sp < nsplit) {
+                const float2 ml = part_ml[(size_t)sp * nrows + r];
+                m[i] = ml.x;
+                l[i] = ml.y;
+                o[i] = part_o[((size_t)sp * nrows + r) * HD + d];
+            }
+        }
+        float M = Mr;
+#pragma unroll
+        for (int i = 0; i < CMB_MAXS; ++i) M = fmaxf(M, m[i]);
+        const float c = Mr == -INFINITY ? 0.f : exp2f(Mr - M);
+        num *= c;
+        den *= c;
+#pragma unroll
+        for (int i = 0; i < CMB_MAXS; ++i) {
+            const float e = m[i] == -INFINITY ? 0.f : exp2f(m[i] - M);
+            num = fmaf(e, o[i], num);
+            den = fmaf(e, l[i], den);
+        }
+        Mr = M;
+    }
+    if ((threadIdx.x & 31) == 0) s_m[sg] = Mr;
+    __syncthreads();
+    float M = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < CMB_GROUPS; ++i) M = fmaxf(M, s_m[i]);
+    const float c = Mr == -INFINITY ? 0.f : exp2f(Mr - M);
+    s_num[sg][threadIdx.x & 31] = num * c;
+    if ((threadIdx.x & 31) == 0) s_den[sg] = den * c;
+    __syncthreads();
+    if (sg != 0) return;
+    num = s_num[0][threadIdx.x];
+    den = s_den[0];
 #pragma unroll
     for (int i = 1; i < CMB_GROUPS; ++i) { num += s_num[i][threadIdx.x]; den += s_den[i]; }
     const float y = num / den;

@@ -179,8 +179,10 @@ def test_gemm32_silu(dev, rng, version, wpb, I, K):
     assert rel_err(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("H,G,nkv_heads,hd", [(1536, 6, 2, 128), (896, 7, 2, 64)])
-def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd):
+@pytest.mark.parametrize("H,G,nkv_heads,hd,kv_prefetch", [(1536, 6, 2, 128, 0), (896, 7, 2, 64, 0),
+                                                            (1536, 6, 2, 128, 1)])
+def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd, kv_prefetch):
+    """kv_prefetch: the L2 prefetch of the older keys' cache rows must not change a result (nor fault)."""
     nq, nkv = H, nkv_heads * hd
     N = nq + 2 * nkv
     x = rng.standard_normal(H).astype(np.float32)
@@ -195,7 +197,7 @@ def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd):
     q = dev.poisoned(4 * nq)
     kc, vc = dev.poisoned(2 * slots_n * nkv), dev.poisoned(2 * slots_n * nkv)
     dev.fn("gemv_qkv")(dev.up(x), dev.up(nw_b), F32(1e-6), dev.up(w_b), dev.up(bias), I32(H), I32(nq), I32(nkv), q,
-                       kc, vc, dev.up(key_slots), dev.up(meta), I32(step), block=(256, 1, 1),
+                       kc, vc, dev.up(key_slots), dev.up(meta), I32(step), I32(kv_prefetch), block=(256, 1, 1),
                        grid=(math.ceil(N / 16), 1), shared=4 * H)
     xd = x.astype(np.float64)
     h = xd / np.sqrt(np.mean(xd * xd) + 1e-6) * nw
@@ -407,19 +409,22 @@ def test_attention_prefill_prestaged(dev, rng, hd, G, n_kvh, L):
                                        block=(64 * G, 1, 1), grid=(nsplit + 2, n_kvh))  # extra blocks must exit
     np.testing.assert_array_equal(dev.down(kc_d, (S, nkv), np.uint16), kc_exp)
     np.testing.assert_array_equal(dev.down(vc_d, (S, nkv), np.uint16), vc_exp)
-    out_f = dev.poisoned(4 * T * nq)
-    dev.fn("attn_combine")(part_o, part_ml, I32(rows), I32(hd), I32(T), I32(Hq), meta_d, I32(0), I32(0), I32(kps),
-                           out_f, np.intp(0), block=(256, 1, 1), grid=(rows * hd // 32, 1))
     ref = attention_ref(qkv[:, :nq].astype(np.float64).reshape(T, Hq, hd), bits_f32(kc_exp), bits_f32(vc_exp),
                         key_slots, L, p0 + np.arange(T), theta, G)
-    assert rel_err(dev.down(out_f, (T, nq), np.float32), ref) < 2e-2
+    for combine in ("attn_combine", "attn_combine_1p"):
+        out_f = dev.poisoned(4 * T * nq)
+        dev.fn(combine)(part_o, part_ml, I32(rows), I32(hd), I32(T), I32(Hq), meta_d, I32(0), I32(0), I32(kps),
+                        out_f, np.intp(0), block=(256, 1, 1), grid=(rows * hd // 32, 1))
+        assert rel_err(dev.down(out_f, (T, nq), np.float32), ref) < 2e-2, combine
 
 
-@pytest.mark.parametrize("kernel", ["attn_decode_mma", "attn_decode"])
+@pytest.mark.parametrize("kernel", ["attn_decode_mma", "attn_decode", "attn_decode_pre"])
 # (..., 4082, 32): 128 splits, more than the combine's first batch of loads (96)
 @pytest.mark.parametrize("hd,G,n_kvh,nctx,kps", [(128, 6, 2, 4082, 64), (64, 7, 2, 300, 32), (64, 2, 2, 50, 64),
                                                  (128, 6, 2, 1000, 256), (128, 6, 2, 4082, 32)])
 def test_attention_decode(dev, rng, kernel, hd, G, n_kvh, nctx, kps):
+    if kernel == "attn_decode_pre" and kps != 64:
+        pytest.skip("attn_decode_pre takes single-chunk splits only (kps 64)")
     theta, step = 1e6, 5
     Hq = G * n_kvh
     nkv = n_kvh * hd
@@ -437,9 +442,11 @@ def test_attention_decode(dev, rng, kernel, hd, G, n_kvh, nctx, kps):
     dev.fn(f"{kernel}_hd{hd}")(dev.up(q), dev.up(kc_b), dev.up(vc_b), dev.up(key_slots), meta_d, I32(step),
                                   dev.up(cs), I32(G), I32(n_kvh), I32(kps), F32(LOG2E / math.sqrt(hd)), part_o,
                                   part_ml, block=(128, 1, 1), grid=(nsplit + 3, n_kvh))
-    out = dev.poisoned(4 * Hq * hd)
-    dev.fn("attn_combine")(part_o, part_ml, I32(Hq), I32(hd), I32(1), I32(Hq), meta_d, I32(3), I32(step), I32(kps),
-                           out, np.intp(0), block=(256, 1, 1), grid=(Hq * hd // 32, 1))
     ref = attention_ref(q.astype(np.float64).reshape(1, Hq, hd), kc, vc, key_slots, L, np.array([L - 1]), theta, G)
-    # simt: fp32 all through; mma: bf16 Q, rotated K and P on the tensor cores
-    assert rel_err(dev.down(out, Hq * hd, np.float32), ref[0]) < (1e-4 if kernel == "attn_decode" else 2e-2)
+    # both merges of the partials; (4082, 32): 128 splits, more than one round of the one-pass merge's loads (96)
+    for combine in ("attn_combine", "attn_combine_1p"):
+        out = dev.poisoned(4 * Hq * hd)
+        dev.fn(combine)(part_o, part_ml, I32(Hq), I32(hd), I32(1), I32(Hq), meta_d, I32(3), I32(step), I32(kps),
+                        out, np.intp(0), block=(256, 1, 1), grid=(Hq * hd // 32, 1))
+        # simt: fp32 all through; mma: bf16 Q, rotated K and P on the tensor cores
+        assert rel_err(dev.down(out, Hq * hd, np.float32), ref[0]) < (1e-4 if kernel == "attn_decode" else 2e-2), combine

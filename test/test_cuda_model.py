@@ -206,12 +206,17 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel):
 
 
 @gpu
-@pytest.mark.parametrize("policy,use_graphs,pdl,decode_kernel", [
-    ("semantic", True, True, "persistent"), ("fifo", False, True, "persistent"),
-    ("sliding_window", True, False, "persistent"), ("semantic", True, True, "layered"),
-    ("sliding_window", False, False, "layered"), ("fifo", True, True, "layered")])
-def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_graphs, pdl, decode_kernel):
-    """Tiny geometry, budget of 4 frames, 9 frames: eviction, slot reuse and a budget shrink, vs NumpyEngine."""
+@pytest.mark.parametrize("policy,use_graphs,pdl,decode_kernel,extra", [
+    ("semantic", True, True, "persistent", {}), ("fifo", False, True, "persistent", {}),
+    ("sliding_window", True, False, "persistent", {}), ("semantic", True, True, "layered", {}),
+    ("sliding_window", False, False, "layered", {}), ("fifo", True, True, "layered", {}),
+    ("fifo", True, True, "layered", {"combine": "one_pass", "kv_l2_prefetch": True, "attn_decode_kps": 128,
+                                     "attn_prefill_kps": 128}),
+    ("semantic", True, True, "layered", {"late_trigger": "qkv,attn,combine,resid,gateup,gemm,rmsnorm,attn_pf",
+                                         "combine": "one_pass", "kv_l2_prefetch": True})])
+def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_graphs, pdl, decode_kernel, extra):
+    """Tiny geometry, budget of 4 frames, 9 frames: eviction, slot reuse and a budget shrink, vs NumpyEngine.
+    extra: tuning variants (the one-pass split merge, the K/V L2 prefetch, two-chunk splits)."""
     from vla_edge_ros.core.kv.manager import KVManager
     from vla_edge_ros.engine.checkpoint import load_checkpoint
     from vla_edge_ros.engine.numpy_backend import NumpyEngine
@@ -220,7 +225,7 @@ def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_g
     random_checkpoint(torch, cfg_dict, tmp_path / "tiny", seed=3)
     budget = 21 + 11 + 32 * 4  # 160
     cfg, kv, eng = make_engine(cfg_dict, tmp_path / "tiny", budget, policy=policy, use_graphs=use_graphs,
-                               tuning={"pdl": pdl, "decode_kernel": decode_kernel})
+                               tuning={"pdl": pdl, "decode_kernel": decode_kernel, **extra})
     assert eng.pdl == pdl and eng.persistent == (decode_kernel == "persistent")
     weights = load_checkpoint(tmp_path / "tiny", cfg)
     kv_np = KVManager(budget, 32, 21, policy=policy, embed_dim=cfg.hidden_size)

@@ -34,3 +34,43 @@ def test_report_prints_the_verdict(capsys):
     print_report(_res(6.5, 7.5))  # without HF compiled the goal cannot be called met
     out = capsys.readouterr().out
     assert "-> NOT MET" in out and "not measured" in out
+
+
+def test_timeline_summary_attributes_each_gap_to_its_kernel():
+    """Rows shaped like CudaEngine.timeline: each decode kernel's critical time is the gap from its release to the
+    next kernel's release, averaged over the middle layers of steps 2..; o_proj and down are told apart."""
+    from vla_edge_ros.bench.gpu_chunk_bench import timeline_summary
+    names = ["gemv_qkv", "attn_decode_pre_hd128", "attn_combine", "gemv_resid", "gemv_gateup", "gemv_resid"]
+    gap = [2.0, 8.0, 5.0, 1.0, 16.0, 6.5]
+    rows, t = [("rmsnorm_rows_bf16", 0.0, 1.0, 2.0)] * 3, 10.0
+    for _ in range(8):
+        for n, g in [("embed_gather", 1.0)] + [(n, g) for _ in range(28) for n, g in zip(names, gap)] + \
+                [("gemv_logits", 1.0), ("argmax_tokens", 1.0)]:
+            rows.append((n, t - 3.0, t, t + 0.5))
+            t += g
+    got = {k: (crit, lead, spread, n) for k, crit, lead, spread, n in timeline_summary(rows, 28)}
+    assert set(got) == {"gemv_qkv", "attn_decode_pre_hd128", "attn_combine", "gemv_resid o_proj", "gemv_gateup",
+                        "gemv_resid down"}
+    for k, g in zip(["gemv_qkv", "attn_decode_pre_hd128", "attn_combine", "gemv_resid o_proj", "gemv_gateup",
+                     "gemv_resid down"], gap):
+        crit, lead, spread, n = got[k]
+        assert abs(crit - g) < 1e-9 and abs(lead - 3.0) < 1e-9 and abs(spread - 0.5) < 1e-9
+        assert n == 7 * 26  # steps 2..8, layers 1..26
+
+
+def test_late_trigger_mask_matches_the_kernel_families():
+    from vla_edge_ros.engine.cuda_backend import LATE_TRIGGER_FAMILIES, late_trigger_mask
+    from vla_edge_ros.engine.interface import EngineError
+    assert late_trigger_mask("") == 0
+    assert late_trigger_mask("qkv") == 1
+    assert late_trigger_mask("attn, combine") == 0b110
+    assert late_trigger_mask(",".join(LATE_TRIGGER_FAMILIES)) == (1 << len(LATE_TRIGGER_FAMILIES)) - 1
+    import pytest
+    with pytest.raises(EngineError, match="unknown kernel family"):
+        late_trigger_mask("attn,nope")
+    # the enum in cuda/common.cuh lists the same families in the same order
+    import re
+    from vla_edge_ros.engine.cuda_backend import CUDA_DIR
+    enum = re.search(r"enum VlaFamily \{([^}]*)\}", (CUDA_DIR / "common.cuh").read_text()).group(1)
+    fams = [m.group(1).lower() for m in re.finditer(r"FAM_(\w+) = \d+", enum)]
+    assert fams == list(LATE_TRIGGER_FAMILIES)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -132,6 +133,10 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("prefill kps 128", {"attn_prefill_kps": 128}),
         ("prefill kps 256", {"attn_prefill_kps": 256}),
         ("decode kps 128", {"attn_decode_kps": 128}),
+        ("combine two pass", {"combine": "two_pass"}),
+        ("K/V L2 prefetch off", {"kv_l2_prefetch": False}),
+        ("late trigger none", {"late_trigger": ""}),
+        ("late trigger qkv,attn,combine", {"late_trigger": "qkv,attn,combine"}),
         ("gemv min_ks 1024", {"gemv_min_ks": 1024}),
         ("gemv 1 split", {"gemv_target_blocks": 1}),
         ("gemm min_ks 512", {"gemm_min_ks": 512}),
@@ -139,7 +144,12 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("gemv target 576 blocks", {"gemv_target_blocks": 576}),
     ]
     if args.variants == "short":
-        variants = variants[:3] + [v for v in variants if v[0] in ("graphs off", "decode kps 128", "prefill kps 128")]
+        variants = variants[:3] + [v for v in variants if v[0] in ("graphs off", "decode kps 128", "prefill kps 128",
+                                                        "combine two pass", "K/V L2 prefetch off",
+                                                        "late trigger none")]
+    if args.variant_filter:
+        keys = [k.strip() for k in args.variant_filter.split(",") if k.strip()]
+        variants = [v for v in variants if any(k in v[0] for k in keys)]
     if not args.no_variants:
         for name, tune in variants:
             try:
@@ -157,6 +167,55 @@ def run_ours(cfg, weights_np, args, log) -> dict:
     out["tracked_bytes"] = eng.memory()["current_bytes"]
     eng.close()
     return out
+
+
+def run_timeline(cfg, weights_np, args, log) -> dict:
+    """One chunk's kernel timeline from an engine built with VLA_CUDA_TIMELINE=1 (its own engine: the stamps cost
+    a few atomics per block), after the cache is full and 20 warm-up chunks."""
+    from vla_edge_ros.core.kv.manager import KVManager
+    from vla_edge_ros.engine.cuda_backend import CudaEngine
+    os.environ["VLA_CUDA_TIMELINE"] = "1"
+    try:
+        kv = KVManager(args.budget, cfg.n_patches, len(INSTRUCTION.encode()), policy=args.policy,
+                       embed_dim=cfg.hidden_size)
+        eng = CudaEngine(cfg, weights_np, kv, instruction=INSTRUCTION, decode_tokens=args.decode_tokens,
+                         max_vram_gb=args.max_vram_gb, log=log)
+        if args.tune:
+            eng.retune(**json.loads(args.tune))
+    finally:
+        os.environ.pop("VLA_CUDA_TIMELINE", None)
+    rng = np.random.default_rng(1)
+    fid = [0]
+
+    def chunk():
+        eng.run_chunk((0.02 * rng.standard_normal((cfg.n_patches, cfg.hidden_size))).astype(np.float32), fid[0])
+        fid[0] += 1
+
+    while eng.kv.occupancy_tokens + cfg.n_patches <= args.budget:
+        chunk()
+    for _ in range(20):
+        chunk()
+    rows = eng.timeline(chunk)
+    eng.close()
+    return {"rows": rows}
+
+
+def timeline_summary(rows: list, layers: int) -> list[tuple[str, float, float, float, int]]:
+    """Per kernel name in the decode pass's middle (steps 2.., layers 1..L-2): mean time from its first block's
+    release (PDL wait passed) to the next kernel's, mean lead (release - start of its first block), mean release
+    spread (last - first block), count."""
+    dec0 = next(i for i, r in enumerate(rows) if r[0] == "embed_gather")
+    per_step = (len(rows) - dec0) // max(1, sum(1 for r in rows if r[0] == "embed_gather"))
+    acc: dict[str, list] = {}
+    for i in range(dec0 + per_step, len(rows) - 1):
+        pos = (i - dec0) % per_step  # 0 embed, then 6 per layer, then logits, argmax
+        layer = (pos - 1) // 6
+        if not 1 <= layer <= layers - 2:
+            continue
+        n, start, rel, rel_last = rows[i]
+        key = n if n != "gemv_resid" else ("gemv_resid o_proj" if (pos - 1) % 6 == 3 else "gemv_resid down")
+        acc.setdefault(key, []).append((rows[i + 1][2] - rel, rel - start, rel_last - rel))
+    return [(k, *np.mean(np.asarray(v), axis=0).tolist(), len(v)) for k, v in acc.items()]
 
 
 def run_loop(cfg, weights_np, args, log) -> dict:
@@ -326,6 +385,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ablate", action="store_true",
                     help="also time a chunk graph without each kernel family (its in-chain cost)")
     ap.add_argument("--variants", choices=["full", "short"], default="full")
+    ap.add_argument("--variant-filter", default="",
+                    help="comma-separated substrings: time only the variants whose name contains one")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also stamp one chunk's kernels (an engine built with VLA_CUDA_TIMELINE=1) and print the "
+                         "decode pass's per-kernel critical time")
     ap.add_argument("--tune", default="", help='JSON tuning applied before the main figure, e.g. {"pdl": false}')
     ap.add_argument("--json", default="")
     ap.add_argument("--loop-seconds", type=float, default=0.0,
@@ -362,6 +426,11 @@ def _main(args, parts, ctx, torch, cuda) -> int:
         weights_np = {k: v.view(torch.int16).cpu().numpy().view(np.uint16) for k, v in tensors.items()}
         res["ours"] = run_ours(cfg, weights_np, args, logs.append)
         n_ctx = res["ours"]["n_ctx"]
+        if args.timeline:
+            try:
+                res["timeline"] = run_timeline(cfg, weights_np, args, logs.append)
+            except Exception as exc:
+                res["timeline"] = {"error": f"{type(exc).__name__}: {exc}"}
         if args.loop_seconds > 0:
             try:
                 res["loop"] = run_loop(cfg, weights_np, args, logs.append)
@@ -458,6 +527,22 @@ def print_report(res: dict) -> None:
         print(f"\nper-kernel family (isolated graphs, ms per chunk; sum {tot:.3f} vs chunk {m['gpu_median_ms']:.3f}):")
         for k, v in sorted(km.items(), key=lambda kv: -kv[1]):
             print(f"  {k:16s} {v:8.3f} ms  {v / tot:6.1%}")
+        tl = res.get("timeline") or {}
+        if "error" in tl:
+            print(f"\ntimeline: ERROR {tl['error']}")
+        elif tl:
+            print("\ndecode timeline (us, mean over steps 2.. and the middle layers): release -> next release, "
+                  "launched ahead of its release, release spread over blocks")
+            for k, crit, lead, spread, n in timeline_summary(tl["rows"], res["geometry_layers"]):
+                print(f"  {k:20s} {crit:7.2f} {lead:7.2f} {spread:7.2f}   (n={n})")
+            rows = tl["rows"]
+            dec0 = next(i for i, r in enumerate(rows) if r[0] == "embed_gather")
+            print(f"prefill {rows[dec0][2] - rows[0][1]:.1f} us, decode {rows[-1][2] - rows[dec0][2]:.1f} us (to the "
+                  "last kernel's release); one layer of decode step 4 (start / release / last release, us):")
+            per_step = (len(rows) - dec0) // sum(1 for r in rows if r[0] == "embed_gather")
+            i0 = dec0 + 3 * per_step + 1 + 6 * 10
+            for n, a, b, c in rows[i0:i0 + 7]:
+                print(f"  {n:20s} {a:10.2f} {b:10.2f} {c:10.2f}")
         ab = o.get("ablation_ms") or {}
         if ab:
             print(f"\nin-chain cost per family (one graph per chunk {ab['full']:.3f} ms minus the graph without "

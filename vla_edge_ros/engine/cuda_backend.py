@@ -168,7 +168,14 @@ DEFAULT_TUNING = {
     "attn_prefill_kps": 64,  # keys per split, multiple of 64; 64 = one staged chunk per split: the old keys
                              # staged before the PDL wait, this chunk's K/V taken from the QKV output and stored
                              # by the attention (attn_prefill_pre_*, no kv_store_prefill launch)
-    "attn_decode_kps": 64,
+    "attn_decode_kps": 64,  # 64: attn_decode_pre_* (old keys staged before the PDL wait, lean on registers)
+    "combine": "one_pass",  # split merge: "one_pass" (attn_combine_1p) or "two_pass" (attn_combine, +0.04 ms)
+    "kv_l2_prefetch": True,  # the QKV GEMV asks L2 for the layer's older K/V rows before its PDL wait (off: +0.07)
+    # kernel families (LATE_TRIGGER_FAMILIES, comma-separated) that let their successor launch after their own PDL
+    # wait instead of at their start. All of them: a kernel launches when its predecessor's predecessor is done, so
+    # at most two wait behind a running one; triggering at the start let later kernels pile up resident (holding
+    # registers) and starve the running one: none late +0.80 ms/chunk on the H200 (docs/KERNEL_NOTES.md session 4)
+    "late_trigger": "qkv,attn,combine,resid,gateup,gemm,rmsnorm,attn_pf",
     "decode_kernel": "layered",  # "layered": six kernels per layer (gemv.cu + rope_attention.cu); "persistent":
                                  # one launch per decode token (cuda/decode_persistent.cu), measured slower
                                  # on the H200 (16.3 vs 11.6 ms/chunk at ea7c250: docs/KERNEL_NOTES.md v5)
@@ -176,6 +183,21 @@ DEFAULT_TUNING = {
     "pd_grid": 0,  # test hook only: force the persistent grid size (a grid that is not resident must be flagged)
     "pd_profile": False,  # benchmark only: the persistent kernel stamps clock64 at every phase boundary
 }
+
+LATE_TRIGGER_FAMILIES = ("qkv", "attn", "combine", "resid", "gateup", "gemm", "rmsnorm", "attn_pf")  # common.cuh
+
+
+def late_trigger_mask(spec: str) -> int:
+    """'attn,combine' -> the VlaFamily bit mask of cuda/common.cuh."""
+    mask = 0
+    for name in (n.strip() for n in str(spec).split(",")):
+        if not name:
+            continue
+        if name not in LATE_TRIGGER_FAMILIES:
+            raise EngineError(f"late_trigger: unknown kernel family {name!r} (known: {', '.join(LATE_TRIGGER_FAMILIES)})")
+        mask |= 1 << LATE_TRIGGER_FAMILIES.index(name)
+    return mask
+
 
 PD_THREADS = 128  # cuda/decode_persistent.cu: PD_THREADS
 PD_SEG = 1536  # cuda/decode_persistent.cu: PD_SEG (columns per GEMV item)
@@ -486,18 +508,21 @@ class CudaEngine(Engine):
             "gemm32s_atomic_w4": "PiPiiiiPi", "gemm32s_atomic_w8": "PiPiiiiPi",
             "gemm32s_silu_w4": "PiPiiiP", "gemm32s_silu_w8": "PiPiiiP",
             "attn_decode_mma_hd128": "PPPPPiPiiifPP", "attn_decode_mma_hd64": "PPPPPiPiiifPP",
-            "gemv_qkv": "PPfPPiiiPPPPPi", "gemv_resid": "PPiiiP", "gemv_gateup": "PPfPiiP",
+            "attn_decode_pre_hd128": "PPPPPiPiiifPP", "attn_decode_pre_hd64": "PPPPPiPiiifPP",
+            "gemv_qkv": "PPfPPiiiPPPPPii", "gemv_resid": "PPiiiP", "gemv_gateup": "PPfPiiP",
             "gemv_logits": "PPiPfPiiPP",
             "kv_store_prefill": "PiiiPPPP",
             "attn_prefill_hd128": "PiPPPPPiiifPP", "attn_prefill_hd64": "PiPPPPPiiifPP",
             "attn_prefill_pre_hd128": "PiPPPPPiiifPP", "attn_prefill_pre_hd64": "PiPPPPPiiifPP",
             "attn_decode_hd128": "PPPPPiPiiifPP", "attn_decode_hd64": "PPPPPiPiiifPP",
-            "attn_combine": "PPiiiiPiiiPP",
+            "attn_combine": "PPiiiiPiiiPP", "attn_combine_1p": "PPiiiiPiiiPP",
             "argmax_tokens": "PiiPi",
             "decode_layers_hd128": "PiPPPPPPPPiPiiiiffiPPP", "decode_layers_hd64": "PiPPPPPPPPiPiiiiffiPPP",
         }
         self.sigs = sigs
         self.kx: dict[str, Any] = {}  # the same kernels, loaded for cuLaunchKernelEx (PDL)
+        self.xmods: dict[str, Any] = {}
+        self.timeline_build = os.environ.get("VLA_CUDA_TIMELINE") == "1"  # set at construction (benchmarks)
         self.pdl_launcher = None
         try:
             from vla_edge_ros.engine.graphs import PdlLauncher
@@ -508,12 +533,13 @@ class CudaEngine(Engine):
             src = (CUDA_DIR / fname).read_text(encoding="utf-8")
             try:
                 cubin = nvcc_compile(src, no_extern_c=True, include_dirs=[str(CUDA_DIR)],
-                                     options=["-O3", "-std=c++17"])
+                                     options=["-O3", "-std=c++17"] + (["-DVLA_TIMELINE"] if self.timeline_build else []))
             except Exception as exc:
                 raise EngineError(f"compiling {CUDA_DIR / fname} failed: {exc}") from exc
             mod = cuda.module_from_buffer(cubin)
             self.modules[fname] = mod
             xmod = self.pdl_launcher.load(cubin) if self.pdl_launcher is not None else None
+            self.xmods[fname] = xmod
             for name, sig in sigs.items():
                 try:
                     f = mod.get_function(name)
@@ -583,6 +609,7 @@ class CudaEngine(Engine):
                 if name in self.kx:
                     self.kx[name].set_max_dynamic_shared(need)
         self.pdl = bool(t["pdl"]) and self.pdl_launcher is not None and len(self.kx) == len(self.k)
+        self._write_late_trigger(late_trigger_mask(t["late_trigger"]))
         self._plan_persistent()
         attn = "attn_prefill_hd%d" % self.HD
         threads = 64 * self.G
@@ -590,6 +617,18 @@ class CudaEngine(Engine):
         if threads > 1024 or threads * regs > 65536:
             raise EngineError(f"prefill attention needs {threads} threads x {regs} registers per block: "
                               f"{self.G} query heads per KV head is too many for head_dim {self.HD}")
+
+    def _write_late_trigger(self, mask: int) -> None:
+        """cuda/common.cuh vla_late_trigger in every loaded module (PyCUDA's and the PDL launcher's)."""
+        cuda = self._cuda
+        val = np.array([mask], np.uint32)
+        for mod in self.modules.values():
+            ptr, _ = mod.get_global("vla_late_trigger")
+            cuda.memcpy_htod(ptr, val)
+        for mod in self.xmods.values():
+            if mod is not None:
+                ptr, _ = self.pdl_launcher.global_ptr(mod, "vla_late_trigger")
+                cuda.memcpy_htod(ptr, val)
 
     def _plan_persistent(self) -> None:
         """Grid of the persistent decode kernel: every block resident at once (its grid barriers spin), sized
@@ -650,12 +689,20 @@ class CudaEngine(Engine):
             return
         if self._skip is not None and self._tag_of(name) in self._skip:
             return
+        if self._tl_names is not None:
+            self._tl_names.append(name)
         if self.pdl:
             self.kx[name].launch(grid, block, self.stream.handle, args, smem=smem, pdl=not serial)
         else:
             args = [np.intp(a) if type(a) is int else a for a in args]  # device pointers
             self.k[name].prepared_async_call(grid, block, self.stream, *args, shared_size=smem)
         self._launches += 1
+
+    def _combine_name(self) -> str:
+        c = self.tuning["combine"]
+        if c not in ("two_pass", "one_pass"):
+            raise EngineError(f"combine must be 'two_pass' or 'one_pass', got {c!r}")
+        return "attn_combine_1p" if c == "one_pass" else "attn_combine"
 
     @staticmethod
     def _tag_of(name: str) -> str:
@@ -666,6 +713,8 @@ class CudaEngine(Engine):
         return name
 
     _only: set[str] | None = None
+    _tl_names: list[str] | None = None  # launch names recorded while capturing (timeline)
+    timeline_build = False  # benchmark builds: kernels stamp a timeline (cuda/common.cuh VLA_TIMELINE)
     _skip: set[str] | None = None
     _launches = 0
     host_profile_ms: dict[str, float] = {}  # the last chunk's host-time split (_device_chunk)
@@ -712,7 +761,7 @@ class CudaEngine(Engine):
             self._launch(attn, (self.nsplit_pf, self.n_kvh), (64 * self.G, 1, 1), self.qkv, np.int32(self.nqkv),
                          P(kc), P(vc), self.key_slots, self.meta, self.rope, np.int32(self.G), np.int32(self.n_kvh),
                          np.int32(kps), qscale, self.part_o_pf, self.part_ml_pf)
-            self._launch("attn_combine", (self.Hq * T * self.HD // 32, 1), (256, 1, 1), self.part_o_pf, self.part_ml_pf,
+            self._launch(self._combine_name(), (self.Hq * T * self.HD // 32, 1), (256, 1, 1), self.part_o_pf, self.part_ml_pf,
                          np.int32(self.Hq * T), np.int32(self.HD), np.int32(T), np.int32(self.Hq), self.meta,
                          np.int32(0), np.int32(0), np.int32(kps), P(0), self.attn_bf)
             self._gemm(self.p_o, blk, self.attn_bf, nq, Lw["wo"], H, nq, self.x_pre, H)
@@ -741,8 +790,13 @@ class CudaEngine(Engine):
         eps = np.float32(self.eps)
         nq = self.Hq * self.HD
         qscale = np.float32(math.log2(math.e) / math.sqrt(self.HD))
-        attn = ("attn_decode_mma_hd%d" if self.tuning["decode_attn"] == "mma" else "attn_decode_hd%d") % self.HD
         kps = int(self.tuning["attn_decode_kps"])
+        if self.tuning["decode_attn"] == "mma":
+            attn = ("attn_decode_pre_hd%d" if kps == 64 else "attn_decode_mma_hd%d") % self.HD
+        else:
+            attn = "attn_decode_hd%d" % self.HD
+        combine = self._combine_name()
+        kv_pf = np.int32(bool(self.tuning["kv_l2_prefetch"]))
         start = self._launches
         n_steps = steps or self.decode_tokens
         if self.persistent and (self._only is None or "decode_layers" in self._only):
@@ -765,11 +819,11 @@ class CudaEngine(Engine):
                 kc, vc = self._layer_ptrs(i)
                 self._launch("gemv_qkv", (math.ceil(self.nqkv / (2 * GEMV_WARPS)), 1), (256, 1, 1), self.x_dec, Lw["ln1"],
                              eps, Lw["wqkv"], Lw["bqkv"], np.int32(H), np.int32(nq), np.int32(self.nkv), self.q_dec,
-                             P(kc), P(vc), self.key_slots, self.meta, st, smem=4 * H)
+                             P(kc), P(vc), self.key_slots, self.meta, st, kv_pf, smem=4 * H)
                 self._launch(attn, (self.nsplit_dec, self.n_kvh), (128, 1, 1), self.q_dec, P(kc), P(vc),
                              self.key_slots, self.meta, st, self.rope, np.int32(self.G), np.int32(self.n_kvh),
                              np.int32(kps), qscale, self.part_o_dec, self.part_ml_dec)
-                self._launch("attn_combine", (self.Hq * self.HD // 32, 1), (256, 1, 1), self.part_o_dec, self.part_ml_dec,
+                self._launch(combine, (self.Hq * self.HD // 32, 1), (256, 1, 1), self.part_o_dec, self.part_ml_dec,
                              np.int32(self.Hq), np.int32(self.HD), np.int32(1), np.int32(self.Hq), self.meta,
                              np.int32(3), st, np.int32(kps), self.attn_dec, P(0))
                 rb, ns, ks = self.v_o
@@ -798,8 +852,13 @@ class CudaEngine(Engine):
         if not self.use_graphs:
             return
         self.stream.synchronize()
-        self._graphs["prefill"] = CudaGraph("prefill").capture(self.stream, self._enqueue_prefill)
-        self._graphs["decode"] = CudaGraph("decode").capture(self.stream, self._enqueue_decode)
+        self._tl_names = []
+        try:
+            self._graphs["prefill"] = CudaGraph("prefill").capture(self.stream, self._enqueue_prefill)
+            self._graphs["decode"] = CudaGraph("decode").capture(self.stream, self._enqueue_decode)
+            self.launch_names = self._tl_names
+        finally:
+            self._tl_names = None
 
     def _run_prefill(self) -> None:
         if self.use_graphs:
@@ -1029,6 +1088,41 @@ class CudaEngine(Engine):
             for tag in tags:
                 out[tag] = full - timed({tag})
         return out
+
+    def timeline(self, run_chunk: Callable[[], Any]) -> list[tuple[str, float, float, float]]:
+        """One chunk's kernels in launch order (benchmark builds: $VLA_CUDA_TIMELINE=1 when the engine was made,
+        graphs and PDL on): (name, first block started, first block past its PDL wait, last block past it), in
+        us from the first kernel's start. Kernels are matched to launches by grid id order."""
+        if not (self.timeline_build and self.pdl and self.use_graphs):
+            raise EngineError("timeline needs an engine built with VLA_CUDA_TIMELINE=1, PDL and graphs")
+        cuda = self._cuda
+        rows_of = {}
+        with self._active():
+            self.stream.synchronize()
+            for fname, mod in self.xmods.items():
+                try:
+                    ptr, size = self.pdl_launcher.global_ptr(mod, "vla_tl")
+                except EngineError:  # a module none of whose kernels stamps
+                    continue
+                init = np.zeros((size // 32, 4), np.uint64)
+                init[:, 1:3] = np.iinfo(np.uint64).max
+                cuda.memcpy_htod(ptr, init)
+                rows_of[fname] = (ptr, init)
+        run_chunk()
+        with self._active():
+            self.stream.synchronize()
+            got = []
+            for ptr, init in rows_of.values():
+                a = np.empty_like(init)
+                cuda.memcpy_dtoh(a, ptr)
+                got.append(a[a[:, 0] != 0])
+        rows = np.concatenate(got)
+        rows = rows[np.argsort(rows[:, 0])][-len(self.launch_names):]
+        if len(rows) != len(self.launch_names):
+            raise EngineError(f"timeline: {len(rows)} stamped grids for {len(self.launch_names)} launches")
+        t0 = int(rows[:, 1].min())
+        us = lambda v: (int(v) - t0) / 1e3
+        return [(n, us(r[1]), us(r[2]), us(r[3])) for n, r in zip(self.launch_names, rows)]
 
     def decode_phase_profile(self, run_chunk: Callable[[], Any], chunks: int = 20) -> dict[str, float]:
         """Share of each phase of the persistent decode kernel (critical path: block 0's clock64 at every barrier

@@ -239,6 +239,13 @@ class PdlLauncher:
             return None
         return PdlFunction(self, f, name, sig)
 
+    def global_ptr(self, module: ctypes.c_void_p, name: str) -> tuple[int, int]:
+        """(device address, bytes) of a __device__ variable of a loaded module."""
+        ptr, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        self.check(f"cuModuleGetGlobal({name})", self.lib.cuModuleGetGlobal_v2(
+            ctypes.byref(ptr), ctypes.byref(size), module, name.encode()))
+        return int(ptr.value), int(size.value)
+
     def unload(self) -> None:
         for m in self.modules:
             self.lib.cuModuleUnload(m)
