@@ -875,8 +875,8 @@ class CudaEngine(Engine):
     # ---- host-side inputs --------------------------------------------------------------------------------
     def _set_inputs(self, rows: np.ndarray, slots: np.ndarray, L: int, p0: int, T: int, n_ctx: int) -> None:
         cuda = self._cuda
-        self.h_x[:] = 0.0
         self.h_x[:T] = rows
+        self.h_x[T:] = 0.0  # (the prefix's last partial chunk; a frame fills all 32 rows)
         n = len(slots)
         self.h_slots[:n] = slots
         self.h_meta[:] = (L, p0, T, n_ctx)

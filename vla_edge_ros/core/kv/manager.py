@@ -76,6 +76,10 @@ class KVManager:
         self._salient: set[int] = set()
         self.saliency = SaliencyTracker(saliency_ks)
         self._context: np.ndarray | None = None
+        # KV blocks of the retained frames in context order, kept up to date by admit/evict (the context list is
+        # rebuilt from it every chunk: walking the frame order through the slot table cost ~50 us per chunk);
+        # None = rebuild from the order (after a budget change, a reset)
+        self._ctx_blocks: np.ndarray | None = np.zeros(0, np.int64)
         self._moves: list[tuple[int, np.ndarray, np.ndarray]] = []
         self.max_occupancy_tokens = self._table.occupancy_tokens
         self.frames_admitted = 0
@@ -140,7 +144,9 @@ class KVManager:
     def context_slots(self) -> np.ndarray:
         """Prefix slots, then each retained frame's slots oldest -> newest; logical position == index."""
         if self._context is None:
-            self._context = np.concatenate([self._table.prefix_slots, self._table.slots_of_frames(self._order)])
+            if self._ctx_blocks is None:
+                self._ctx_blocks = self._table.blocks_of_frames(self._order)
+            self._context = np.concatenate([self._table.prefix_slots, self._table.slots_of_blocks(self._ctx_blocks)])
             self._context.flags.writeable = False
         return self._context
 
@@ -170,6 +176,8 @@ class KVManager:
         victim = choose_victim(self._policy, self._order, self.semantic_evict,
                                self._salient.__contains__ if self.protect_salient else None)
         self._order.remove(victim)
+        if self._ctx_blocks is not None:
+            self._ctx_blocks = self._ctx_blocks[self._ctx_blocks != self._table.block_of(victim)]
         self._table.free(victim)
         self._salient.discard(victim)
         self.evictions += 1
@@ -194,6 +202,8 @@ class KVManager:
             self._embed_dim = v.shape[0]
         slots = self._table.allocate(frame_id)
         self._order.append(frame_id, v)
+        if self._ctx_blocks is not None:
+            self._ctx_blocks = np.append(self._ctx_blocks, self._table.block_of(frame_id))
         if salient:
             self._salient.add(frame_id)
         self.saliency.on_admit(frame_id, bool(salient))
@@ -228,6 +238,7 @@ class KVManager:
         self.saliency.on_evict(evicted)
         self._moves.extend(self._table.resize(int(budget_tokens)))
         self._context = None
+        self._ctx_blocks = None  # frames may have moved to other blocks
         return evicted
 
     @_synchronized
@@ -245,6 +256,7 @@ class KVManager:
         self.saliency.on_evict(dropped)
         self._moves = []
         self._context = None
+        self._ctx_blocks = None
         return dropped
 
     @_synchronized

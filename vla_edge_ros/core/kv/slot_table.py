@@ -69,12 +69,21 @@ class SlotTable:
     def slots(self, frame_id: int) -> np.ndarray:
         return self.block_slots(self._block_of[frame_id])
 
-    def slots_of_frames(self, frame_ids) -> np.ndarray:
-        """The slots of several frames, concatenated in the given order (one vectorised op: the inference path
+    def block_of(self, frame_id: int) -> int:
+        return self._block_of[frame_id]
+
+    def blocks_of_frames(self, frame_ids) -> np.ndarray:
+        return np.array([self._block_of[f] for f in frame_ids], dtype=np.int64)
+
+    def slots_of_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        """The slots of several blocks, concatenated in the given order (one vectorised op: the inference path
         rebuilds the ~4096-slot context list every chunk, and one np.arange per frame cost ~0.1 ms of host time)."""
-        blocks = np.fromiter((self._block_of[f] for f in frame_ids), dtype=np.int64)
         tpf = self.tokens_per_frame
-        return (self.prefix_tokens + blocks[:, None] * tpf + np.arange(tpf)).astype(np.int32).ravel()
+        return (self.prefix_tokens + np.asarray(blocks, np.int64)[:, None] * tpf + np.arange(tpf)).astype(np.int32).ravel()
+
+    def slots_of_frames(self, frame_ids) -> np.ndarray:
+        """The slots of several frames, concatenated in the given order."""
+        return self.slots_of_blocks(self.blocks_of_frames(frame_ids))
 
     def allocate(self, frame_id: int) -> np.ndarray:
         if frame_id in self._block_of:
