@@ -135,37 +135,54 @@ __device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSl
     stage_kv_rows<HD, CG, FUSE>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, kc0, kend - kc0);
 }
 
-// Keys [j0, j1) (logical positions, all in the chunk starting at kc0) into rows j - kc0 of a staged chunk:
-// rotated K, transposed V, from the cache rows sSlot[j - kc0] (slot indices staged before the PDL wait). One
-// memory round trip: every thread issues the K, V and RoPE loads of NB items (key, 2 dims of each half) before
-// using any. Cache read through L2 (__ldcg): the rows were written by the preceding kernel / phase.
-template <int HD, int NB>
-__device__ __forceinline__ void stage_kv_keys(bf16_t* sK, bf16_t* sVt, const int* sSlot, const bf16_t* kc,
-        const bf16_t* vc, const float2* __restrict__ rope_cs, int kvh, int nkv, int j0, int j1, int kc0) {
+// Items (key j in [j0, j1), dims d, d+1 of each half) of keys staged after the PDL wait, in one memory round trip:
+// every thread issues the K, V and RoPE loads of NB items before using any. src(j, k, v) points k / v at key j's K
+// and V values of this KV head, as E = uint32_t (two bf16: the cache) or float2 (two fp32: the QKV output), read
+// through L2 (__ldcg: the preceding kernel wrote them); put(j, d, klo, khi, vlo, vhi, cs) consumes one item.
+template <int HD, int NB, typename E, typename Src, typename Put>
+__device__ __forceinline__ void stage_kv_items(int j0, int j1, const float2* __restrict__ rope_cs, Src src, Put put) {
     constexpr int HALF = HD / 2, P = HALF / 2;
     const int n = (j1 - j0) * P;
     for (int base = threadIdx.x; base < n; base += NB * blockDim.x) {
-        uint32_t klo[NB], khi[NB], vlo[NB], vhi[NB];
+        E klo[NB], khi[NB], vlo[NB], vhi[NB];
         float4 cs[NB];
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             const int it = base + b * blockDim.x;
             if (it < n) {
                 const int j = j0 + it / P, d = (it % P) * 2;
-                const size_t row = (size_t)sSlot[j - kc0] * nkv + kvh * HD + d;
-                klo[b] = __ldcg(reinterpret_cast<const unsigned int*>(kc + row));
-                khi[b] = __ldcg(reinterpret_cast<const unsigned int*>(kc + row + HALF));
-                vlo[b] = __ldcg(reinterpret_cast<const unsigned int*>(vc + row));
-                vhi[b] = __ldcg(reinterpret_cast<const unsigned int*>(vc + row + HALF));
+                const E* k;
+                const E* v;
+                src(j, k, v);
+                klo[b] = __ldcg(k + d / 2);
+                khi[b] = __ldcg(k + (HALF + d) / 2);
+                vlo[b] = __ldcg(v + d / 2);
+                vhi[b] = __ldcg(v + (HALF + d) / 2);
                 cs[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)j * HALF + d);
             }
         }
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             const int it = base + b * blockDim.x;
-            if (it < n) put_kv_pair<HD>(sK, sVt, j0 - kc0 + it / P, (it % P) * 2, klo[b], khi[b], vlo[b], vhi[b], cs[b]);
+            if (it < n) put(j0 + it / P, (it % P) * 2, klo[b], khi[b], vlo[b], vhi[b], cs[b]);
         }
     }
+}
+
+// Keys [j0, j1) (logical positions, all in the chunk starting at kc0) into rows j - kc0 of a staged chunk: rotated
+// K, transposed V, from the cache rows sSlot[j - kc0] (slot indices staged before the PDL wait).
+template <int HD, int NB>
+__device__ __forceinline__ void stage_kv_keys(bf16_t* sK, bf16_t* sVt, const int* sSlot, const bf16_t* kc,
+        const bf16_t* vc, const float2* __restrict__ rope_cs, int kvh, int nkv, int j0, int j1, int kc0) {
+    stage_kv_items<HD, NB, unsigned int>(j0, j1, rope_cs,
+        [&](int j, const unsigned int*& k, const unsigned int*& v) {
+            const size_t row = (size_t)sSlot[j - kc0] * nkv + kvh * HD;
+            k = reinterpret_cast<const unsigned int*>(kc + row);
+            v = reinterpret_cast<const unsigned int*>(vc + row);
+        },
+        [&](int j, int d, uint32_t klo, uint32_t khi, uint32_t vlo, uint32_t vhi, float4 cs) {
+            put_kv_pair<HD>(sK, sVt, j - kc0, d, klo, khi, vlo, vhi, cs);
+        });
 }
 
 // Decode on tensor cores: the G query heads of KV head blockIdx.y are the rows of one m16 tile (rows >= G are

@@ -35,41 +35,23 @@ template <int HD>
 __device__ __forceinline__ void stage_kv_fresh(bf16_t* sK, bf16_t* sVt, const int* sSlot, const float* qkv, int ld,
         bf16_t* kc, bf16_t* vc, const float2* __restrict__ rope_cs, int kvh, int n_kvh, int G, int j0, int j1,
         int kc0, int p0) {
-    constexpr int HALF = HD / 2, P = HALF / 2, NB = 2;
     const int nkv = n_kvh * HD, nq = n_kvh * G * HD;
-    const int n = (j1 - j0) * P;
-    for (int base = threadIdx.x; base < n; base += NB * blockDim.x) {
-        float2 klo[NB], khi[NB], vlo[NB], vhi[NB];
-        float4 cs[NB];
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            const int it = base + b * blockDim.x;
-            if (it < n) {
-                const int j = j0 + it / P, d = (it % P) * 2;
-                const float* kr = qkv + (size_t)(j - p0) * ld + nq + kvh * HD + d;
-                klo[b] = __ldcg(reinterpret_cast<const float2*>(kr));
-                khi[b] = __ldcg(reinterpret_cast<const float2*>(kr + HALF));
-                vlo[b] = __ldcg(reinterpret_cast<const float2*>(kr + nkv));
-                vhi[b] = __ldcg(reinterpret_cast<const float2*>(kr + nkv + HALF));
-                cs[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)j * HALF + d);
-            }
-        }
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            const int it = base + b * blockDim.x;
-            if (it < n) {
-                const int j = j0 + it / P, d = (it % P) * 2;
-                const uint32_t k0 = pack_bf16x2(klo[b].x, klo[b].y), k1 = pack_bf16x2(khi[b].x, khi[b].y);
-                const uint32_t v0 = pack_bf16x2(vlo[b].x, vlo[b].y), v1 = pack_bf16x2(vhi[b].x, vhi[b].y);
-                const size_t row = (size_t)sSlot[j - kc0] * nkv + kvh * HD + d;
-                *reinterpret_cast<uint32_t*>(kc + row) = k0;
-                *reinterpret_cast<uint32_t*>(kc + row + HALF) = k1;
-                *reinterpret_cast<uint32_t*>(vc + row) = v0;
-                *reinterpret_cast<uint32_t*>(vc + row + HALF) = v1;
-                put_kv_pair<HD>(sK, sVt, j - kc0, d, k0, k1, v0, v1, cs[b]);
-            }
-        }
-    }
+    stage_kv_items<HD, 2, float2>(j0, j1, rope_cs,
+        [&](int j, const float2*& k, const float2*& v) {
+            const float* r = qkv + (size_t)(j - p0) * ld + nq + kvh * HD;
+            k = reinterpret_cast<const float2*>(r);
+            v = reinterpret_cast<const float2*>(r + nkv);
+        },
+        [&](int j, int d, float2 klo, float2 khi, float2 vlo, float2 vhi, float4 cs) {
+            const uint32_t k0 = pack_bf16x2(klo.x, klo.y), k1 = pack_bf16x2(khi.x, khi.y);
+            const uint32_t v0 = pack_bf16x2(vlo.x, vlo.y), v1 = pack_bf16x2(vhi.x, vhi.y);
+            const size_t row = (size_t)sSlot[j - kc0] * nkv + kvh * HD + d;
+            *reinterpret_cast<uint32_t*>(kc + row) = k0;
+            *reinterpret_cast<uint32_t*>(kc + row + HD / 2) = k1;
+            *reinterpret_cast<uint32_t*>(vc + row) = v0;
+            *reinterpret_cast<uint32_t*>(vc + row + HD / 2) = v1;
+            put_kv_pair<HD>(sK, sVt, j - kc0, d, k0, k1, v0, v1, cs);
+        });
 }
 
 // Prefill: 32 query rows per head (tokens; rows >= T are padding and ignored downstream) x G heads of one KV
@@ -240,46 +222,23 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(384) attn_prefill_hd128(const float* qkv, int ld, bf16_t* kc, bf16_t* vc,
-        const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps, float qscale,
-        float* part_o, float2* part_ml) {
-    __shared__ __align__(16) bf16_t sK[ATT_KC * (128 + 8)];
-    __shared__ __align__(16) bf16_t sVt[128 * (ATT_KC + 8)];
-    __shared__ int sSlot[ATT_KC];
-    attn_prefill_body<128, false>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
-                                 sK, sVt, sSlot);
-}
-// kps == ATT_KC only: old keys staged before the PDL wait, this chunk's K/V from the QKV output (and stored in the
-// cache here: no kv_store_prefill launch). A kernel of its own: sharing one with the variant above costs spills.
-extern "C" __global__ void __launch_bounds__(384) attn_prefill_pre_hd128(const float* qkv, int ld, bf16_t* kc,
-        bf16_t* vc, const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps,
-        float qscale, float* part_o, float2* part_ml) {
-    __shared__ __align__(16) bf16_t sK[ATT_KC * (128 + 8)];
-    __shared__ __align__(16) bf16_t sVt[128 * (ATT_KC + 8)];
-    __shared__ int sSlot[ATT_KC];
-    attn_prefill_body<128, true>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, ATT_KC, qscale, part_o, part_ml,
-                                sK, sVt, sSlot);
-}
-extern "C" __global__ void __launch_bounds__(512) attn_prefill_hd64(const float* qkv, int ld, bf16_t* kc, bf16_t* vc,
-        const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps, float qscale,
-        float* part_o, float2* part_ml) {
-    __shared__ __align__(16) bf16_t sK[ATT_KC * (64 + 8)];
-    __shared__ __align__(16) bf16_t sVt[64 * (ATT_KC + 8)];
-    __shared__ int sSlot[ATT_KC];
-    attn_prefill_body<64, false>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
-                                 sK, sVt, sSlot);
-}
-// kps == ATT_KC only: old keys staged before the PDL wait, this chunk's K/V from the QKV output (and stored in the
-// cache here: no kv_store_prefill launch). A kernel of its own: sharing one with the variant above costs spills.
-extern "C" __global__ void __launch_bounds__(512) attn_prefill_pre_hd64(const float* qkv, int ld, bf16_t* kc,
-        bf16_t* vc, const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps,
-        float qscale, float* part_o, float2* part_ml) {
-    __shared__ __align__(16) bf16_t sK[ATT_KC * (64 + 8)];
-    __shared__ __align__(16) bf16_t sVt[64 * (ATT_KC + 8)];
-    __shared__ int sSlot[ATT_KC];
-    attn_prefill_body<64, true>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, ATT_KC, qscale, part_o, part_ml,
-                                sK, sVt, sSlot);
-}
+// The prefill kernels: attn_prefill_hd* (any multiple-of-64 split length, every key from the cache, after a
+// kv_store_prefill launch) and attn_prefill_pre_hd* (kps == ATT_KC only: old keys staged before the PDL wait, this
+// chunk's K/V from the QKV output and stored in the cache here). Two kernels: one holding both paths spills.
+#define ATTN_PREFILL_KERNEL(NAME, HD, THREADS, FRESH)                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME(const float* qkv, int ld, bf16_t* kc, bf16_t* vc,      \
+            const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps, float qscale,  \
+            float* part_o, float2* part_ml) {                                                                      \
+        __shared__ __align__(16) bf16_t sK[ATT_KC * (HD + 8)];                                                     \
+        __shared__ __align__(16) bf16_t sVt[HD * (ATT_KC + 8)];                                                    \
+        __shared__ int sSlot[ATT_KC];                                                                              \
+        attn_prefill_body<HD, FRESH>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, FRESH ? ATT_KC : kps,    \
+                                     qscale, part_o, part_ml, sK, sVt, sSlot);                                     \
+    }
+ATTN_PREFILL_KERNEL(attn_prefill_hd128, 128, 384, false)
+ATTN_PREFILL_KERNEL(attn_prefill_pre_hd128, 128, 384, true)
+ATTN_PREFILL_KERNEL(attn_prefill_hd64, 64, 512, false)
+ATTN_PREFILL_KERNEL(attn_prefill_pre_hd64, 64, 512, true)
 
 
 // Decode: one query token (G heads of KV head blockIdx.y) against keys [split*kps, min(L, +kps)).
@@ -520,12 +479,16 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_pre_hd64(const flo
 #define CMB_GROUPS 8  // split groups per combine block (blockDim.x == 32 * CMB_GROUPS)
 
 // Merge split partials. Row r = qh * T + token (T = 32 prefill, 1 decode). Block: 32 dims x CMB_GROUPS split
-// groups (each group walks every CMB_GROUPS-th split, so the loads of all splits are in flight together);
-// grid.x = nrows * HD / 32. Active splits: ceil(L / kps), L = meta[meta_idx] + add.
-// Output [token][Hq * HD], fp32 and/or bf16.
-extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* __restrict__ part_o,
-        const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta,
-        int meta_idx, int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
+// groups (each group walks every CMB_GROUPS-th split); grid.x = nrows * HD / 32. Active splits: ceil(L / kps),
+// L = meta[meta_idx] + add. Output [token][Hq * HD], fp32 and/or bf16.
+// ONE_PASS (attn_combine_1p, the default): every thread loads the (max, sum, value) of CMB_MAXS of its splits at
+// once, before using any, and merges them online: one L2 round trip per CMB_GROUPS * CMB_MAXS splits. Else
+// (attn_combine): a loop for the maximum, then one for the sums.
+#define CMB_MAXS 12
+template <bool ONE_PASS>
+__device__ __forceinline__ void attn_combine_body(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
+        int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx, int add, int kps,
+        float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
     pdl_trigger(FAM_COMBINE);
     const int L = meta[meta_idx] + add;  // host-written: read before the wait
     pdl_wait(FAM_COMBINE);
@@ -535,18 +498,55 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* __re
     const int d = (blockIdx.x - r * per_row) * 32 + (threadIdx.x & 31);
     const int sg = threadIdx.x >> 5;
     const int nsplit = (L + kps - 1) / kps;
-    float M = -INFINITY;
-    for (int s = sg; s < nsplit; s += CMB_GROUPS) M = fmaxf(M, part_ml[(size_t)s * nrows + r].x);
-    if ((threadIdx.x & 31) == 0) s_m[sg] = M;
+    float Mg = -INFINITY, num = 0.f, den = 0.f;  // this group's max and its sums relative to it
+    if (ONE_PASS) {
+        for (int base = sg; base < nsplit; base += CMB_GROUPS * CMB_MAXS) {
+            float m[CMB_MAXS], l[CMB_MAXS], o[CMB_MAXS];
+#pragma unroll
+            for (int i = 0; i < CMB_MAXS; ++i) {
+                const int sp = base + i * CMB_GROUPS;
+                m[i] = -INFINITY;
+                l[i] = o[i] = 0.f;
+                if (sp < nsplit) {
+                    const float2 ml = part_ml[(size_t)sp * nrows + r];
+                    m[i] = ml.x;
+                    l[i] = ml.y;
+                    o[i] = part_o[((size_t)sp * nrows + r) * HD + d];
+                }
+            }
+            float M = Mg;
+#pragma unroll
+            for (int i = 0; i < CMB_MAXS; ++i) M = fmaxf(M, m[i]);
+            const float c = Mg == -INFINITY ? 0.f : exp2f(Mg - M);
+            num *= c;
+            den *= c;
+#pragma unroll
+            for (int i = 0; i < CMB_MAXS; ++i) {
+                const float e = m[i] == -INFINITY ? 0.f : exp2f(m[i] - M);
+                num = fmaf(e, o[i], num);
+                den = fmaf(e, l[i], den);
+            }
+            Mg = M;
+        }
+    } else {
+        for (int s = sg; s < nsplit; s += CMB_GROUPS) Mg = fmaxf(Mg, part_ml[(size_t)s * nrows + r].x);
+    }
+    if ((threadIdx.x & 31) == 0) s_m[sg] = Mg;
     __syncthreads();
+    float M = -INFINITY;
 #pragma unroll
     for (int i = 0; i < CMB_GROUPS; ++i) M = fmaxf(M, s_m[i]);
-    float num = 0.f, den = 0.f;
-    for (int s = sg; s < nsplit; s += CMB_GROUPS) {
-        const float2 ml = part_ml[(size_t)s * nrows + r];
-        const float e = ml.x == -INFINITY ? 0.f : exp2f(ml.x - M);
-        num = fmaf(e, part_o[((size_t)s * nrows + r) * HD + d], num);
-        den = fmaf(e, ml.y, den);
+    if (ONE_PASS) {
+        const float c = Mg == -INFINITY ? 0.f : exp2f(Mg - M);
+        num *= c;
+        den *= c;
+    } else {
+        for (int s = sg; s < nsplit; s += CMB_GROUPS) {
+            const float2 ml = part_ml[(size_t)s * nrows + r];
+            const float e = ml.x == -INFINITY ? 0.f : exp2f(ml.x - M);
+            num = fmaf(e, part_o[((size_t)s * nrows + r) * HD + d], num);
+            den = fmaf(e, ml.y, den);
+        }
     }
     s_num[sg][threadIdx.x & 31] = num;
     if ((threadIdx.x & 31) == 0) s_den[sg] = den;
@@ -560,69 +560,11 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* __re
     if (out_f32 != nullptr) out_f32[o] = y;
     if (out_bf16 != nullptr) out_bf16[o] = f32_to_bf16(y);
 }
-
-// One-pass variant (tuning "combine": "one_pass"): every thread loads the (max, sum, value) of all its splits
-// (CMB_MAXS per round, all in flight) before using any, one L2 round trip per CMB_GROUPS * CMB_MAXS splits
-// instead of the two dependent loops above. Same arguments and output.
-#define CMB_MAXS 12
-extern "C" __global__ void __launch_bounds__(256) attn_combine_1p(const float* __restrict__ part_o,
-        const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta,
-        int meta_idx, int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
-    pdl_trigger(FAM_COMBINE);
-    const int L = meta[meta_idx] + add;  // host-written: read before the wait
-    pdl_wait(FAM_COMBINE);
-    __shared__ float s_m[CMB_GROUPS], s_num[CMB_GROUPS][32], s_den[CMB_GROUPS];
-    const int per_row = HD >> 5;
-    const int r = blockIdx.x / per_row;
-    const int d = (blockIdx.x - r * per_row) * 32 + (threadIdx.x & 31);
-    const int sg = threadIdx.x >> 5;
-    const int nsplit = (L + kps - 1) / kps;
-    float Mr = -INFINITY, num = 0.f, den = 0.f;  // this group's running merge
-    for (int base = sg; base < nsplit; base += CMB_GROUPS * CMB_MAXS) {
-        float m[CMB_MAXS], l[CMB_MAXS], o[CMB_MAXS];
-#pragma unroll
-        for (int i = 0; i < CMB_MAXS; ++i) {
-            const int sp = base + i * CMB_GROUPS;
-            m[i] = -INFINITY;
-            l[i] = o[i] = 0.f;
-            if (sp < nsplit) {
-                const float2 ml = part_ml[(size_t)sp * nrows + r];
-                m[i] = ml.x;
-                l[i] = ml.y;
-                o[i] = part_o[((size_t)sp * nrows + r) * HD + d];
-            }
-        }
-        float M = Mr;
-#pragma unroll
-        for (int i = 0; i < CMB_MAXS; ++i) M = fmaxf(M, m[i]);
-        const float c = Mr == -INFINITY ? 0.f : exp2f(Mr - M);
-        num *= c;
-        den *= c;
-#pragma unroll
-        for (int i = 0; i < CMB_MAXS; ++i) {
-            const float e = m[i] == -INFINITY ? 0.f : exp2f(m[i] - M);
-            num = fmaf(e, o[i], num);
-            den = fmaf(e, l[i], den);
-        }
-        Mr = M;
-    }
-    if ((threadIdx.x & 31) == 0) s_m[sg] = Mr;
-    __syncthreads();
-    float M = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < CMB_GROUPS; ++i) M = fmaxf(M, s_m[i]);
-    const float c = Mr == -INFINITY ? 0.f : exp2f(Mr - M);
-    s_num[sg][threadIdx.x & 31] = num * c;
-    if ((threadIdx.x & 31) == 0) s_den[sg] = den * c;
-    __syncthreads();
-    if (sg != 0) return;
-    num = s_num[0][threadIdx.x];
-    den = s_den[0];
-#pragma unroll
-    for (int i = 1; i < CMB_GROUPS; ++i) { num += s_num[i][threadIdx.x]; den += s_den[i]; }
-    const float y = num / den;
-    const int qh = r / T, tok = r - qh * T;
-    const size_t o = (size_t)tok * Hq * HD + (size_t)qh * HD + d;
-    if (out_f32 != nullptr) out_f32[o] = y;
-    if (out_bf16 != nullptr) out_bf16[o] = f32_to_bf16(y);
+extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* part_o, const float2* part_ml, int nrows,
+        int HD, int T, int Hq, const int* meta, int meta_idx, int add, int kps, float* out_f32, bf16_t* out_bf16) {
+    attn_combine_body<false>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
+}
+extern "C" __global__ void __launch_bounds__(256) attn_combine_1p(const float* part_o, const float2* part_ml, int nrows,
+        int HD, int T, int Hq, const int* meta, int meta_idx, int add, int kps, float* out_f32, bf16_t* out_bf16) {
+    attn_combine_body<true>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
 }

@@ -347,56 +347,31 @@ def attention_ref(q, kc, vc, key_slots, n_keys, qpos, theta, G):
     return out.reshape(T, Hq * hd)
 
 
-@pytest.mark.parametrize("hd,G,n_kvh,L,kps", [(128, 6, 2, 4082, 128), (128, 6, 2, 178, 64), (64, 7, 2, 1000, 256),
-                                              (64, 2, 2, 530, 128)])
-def test_attention_prefill(dev, rng, hd, G, n_kvh, L, kps):
+# attn_prefill_pre (kps 64 only): p0 = L - 32 at a split boundary (4064 = 63 x 64), inside a split (146), and a
+# cache with no older keys (L = 32)
+@pytest.mark.parametrize("kernel,hd,G,n_kvh,L,kps", [
+    ("attn_prefill", 128, 6, 2, 4082, 128), ("attn_prefill", 128, 6, 2, 178, 64), ("attn_prefill", 64, 7, 2, 1000, 256),
+    ("attn_prefill", 64, 2, 2, 530, 128), ("attn_prefill_pre", 128, 6, 2, 4096, 64),
+    ("attn_prefill_pre", 128, 6, 2, 178, 64), ("attn_prefill_pre", 64, 7, 2, 1000, 64),
+    ("attn_prefill_pre", 64, 2, 2, 32, 64)])
+def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
+    """attn_prefill: every key from the cache. attn_prefill_pre: keys j < p0 from the cache (staged before the PDL
+    wait), this chunk's keys j >= p0 from the QKV output, which it also stores in the cache (bf16, pre-RoPE); every
+    other cache row stays as it was. Both split merges."""
     T, theta = 32, 1e6
     Hq = G * n_kvh
     nq, nkv = Hq * hd, n_kvh * hd
     ld = nq + 2 * nkv
     S = L + 40
     key_slots = rng.permutation(S).astype(np.int32)
-    kc_b, kc = rand_bf16(rng, (S, nkv))
-    vc_b, vc = rand_bf16(rng, (S, nkv))
+    kc_b, _ = rand_bf16(rng, (S, nkv))
+    vc_b, _ = rand_bf16(rng, (S, nkv))
     qkv = rng.standard_normal((T, ld)).astype(np.float32)
     p0 = L - T
-    meta = np.array([L, p0, T, 0], np.int32)
-    cs = rope_table(S + 64, hd, theta)
-    nsplit = math.ceil(L / kps)
-    rows = Hq * T
-    part_o, part_ml = dev.poisoned(4 * nsplit * rows * hd), dev.poisoned(8 * nsplit * rows)
-    ks_d, meta_d, cs_d = dev.up(key_slots), dev.up(meta), dev.up(cs)
-    dev.fn(f"attn_prefill_hd{hd}")(dev.up(qkv), I32(ld), dev.up(kc_b), dev.up(vc_b), ks_d, meta_d, cs_d, I32(G),
-                                   I32(n_kvh), I32(kps), F32(LOG2E / math.sqrt(hd)), part_o, part_ml,
-                                   block=(64 * G, 1, 1), grid=(nsplit + 2, n_kvh))  # extra blocks must exit
-    out_b, out_f = dev.poisoned(2 * T * nq), dev.poisoned(4 * T * nq)
-    dev.fn("attn_combine")(part_o, part_ml, I32(rows), I32(hd), I32(T), I32(Hq), meta_d, I32(0), I32(0), I32(kps),
-                           out_f, out_b, block=(256, 1, 1), grid=(rows * hd // 32, 1))
-    ref = attention_ref(qkv[:, :nq].astype(np.float64).reshape(T, Hq, hd), kc, vc, key_slots, L,
-                        p0 + np.arange(T), theta, G)
-    assert rel_err(dev.down(out_f, (T, nq), np.float32), ref) < 2e-2
-    assert rel_err(bits_f32(dev.down(out_b, (T, nq), np.uint16)), ref) < 2e-2
-
-
-# p0 = L - 32 at a split boundary (4064 = 63 x 64), inside a split (178 - 32 = 146), and a cache with no older keys
-@pytest.mark.parametrize("hd,G,n_kvh,L", [(128, 6, 2, 4096), (128, 6, 2, 178), (64, 7, 2, 1000), (64, 2, 2, 32)])
-def test_attention_prefill_prestaged(dev, rng, hd, G, n_kvh, L):
-    """attn_prefill_pre_*: keys j < p0 from the cache (staged before the PDL wait), this chunk's keys j >= p0 from
-    the QKV output; the kernel also stores those K/V rows in the cache (bf16, pre-RoPE) and leaves every other row
-    alone."""
-    T, theta, kps = 32, 1e6, 64
-    Hq = G * n_kvh
-    nq, nkv = Hq * hd, n_kvh * hd
-    ld = nq + 2 * nkv
-    S = L + 40
-    key_slots = rng.permutation(S).astype(np.int32)
-    kc_b, kc = rand_bf16(rng, (S, nkv))
-    vc_b, vc = rand_bf16(rng, (S, nkv))
-    qkv = rng.standard_normal((T, ld)).astype(np.float32)
-    p0 = L - T
-    fresh = key_slots[p0:L]
     kc_exp, vc_exp = kc_b.copy(), vc_b.copy()
-    kc_exp[fresh], vc_exp[fresh] = bf16_bits(qkv[:, nq:nq + nkv]), bf16_bits(qkv[:, nq + nkv:])
+    if kernel == "attn_prefill_pre":
+        fresh = key_slots[p0:L]
+        kc_exp[fresh], vc_exp[fresh] = bf16_bits(qkv[:, nq:nq + nkv]), bf16_bits(qkv[:, nq + nkv:])
     meta = np.array([L, p0, T, 0], np.int32)
     cs = rope_table(S + 64, hd, theta)
     nsplit = math.ceil(L / kps)
@@ -404,18 +379,19 @@ def test_attention_prefill_prestaged(dev, rng, hd, G, n_kvh, L):
     part_o, part_ml = dev.poisoned(4 * nsplit * rows * hd), dev.poisoned(8 * nsplit * rows)
     meta_d = dev.up(meta)
     kc_d, vc_d = dev.up(kc_b), dev.up(vc_b)
-    dev.fn(f"attn_prefill_pre_hd{hd}")(dev.up(qkv), I32(ld), kc_d, vc_d, dev.up(key_slots), meta_d, dev.up(cs),
-                                       I32(G), I32(n_kvh), I32(kps), F32(LOG2E / math.sqrt(hd)), part_o, part_ml,
-                                       block=(64 * G, 1, 1), grid=(nsplit + 2, n_kvh))  # extra blocks must exit
+    dev.fn(f"{kernel}_hd{hd}")(dev.up(qkv), I32(ld), kc_d, vc_d, dev.up(key_slots), meta_d, dev.up(cs), I32(G),
+                               I32(n_kvh), I32(kps), F32(LOG2E / math.sqrt(hd)), part_o, part_ml,
+                               block=(64 * G, 1, 1), grid=(nsplit + 2, n_kvh))  # extra blocks must exit
     np.testing.assert_array_equal(dev.down(kc_d, (S, nkv), np.uint16), kc_exp)
     np.testing.assert_array_equal(dev.down(vc_d, (S, nkv), np.uint16), vc_exp)
     ref = attention_ref(qkv[:, :nq].astype(np.float64).reshape(T, Hq, hd), bits_f32(kc_exp), bits_f32(vc_exp),
                         key_slots, L, p0 + np.arange(T), theta, G)
     for combine in ("attn_combine", "attn_combine_1p"):
-        out_f = dev.poisoned(4 * T * nq)
+        out_b, out_f = dev.poisoned(2 * T * nq), dev.poisoned(4 * T * nq)
         dev.fn(combine)(part_o, part_ml, I32(rows), I32(hd), I32(T), I32(Hq), meta_d, I32(0), I32(0), I32(kps),
-                        out_f, np.intp(0), block=(256, 1, 1), grid=(rows * hd // 32, 1))
+                        out_f, out_b, block=(256, 1, 1), grid=(rows * hd // 32, 1))
         assert rel_err(dev.down(out_f, (T, nq), np.float32), ref) < 2e-2, combine
+        assert rel_err(bits_f32(dev.down(out_b, (T, nq), np.uint16)), ref) < 2e-2, combine
 
 
 @pytest.mark.parametrize("kernel", ["attn_decode_mma", "attn_decode", "attn_decode_pre"])

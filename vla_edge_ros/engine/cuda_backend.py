@@ -1047,15 +1047,21 @@ class CudaEngine(Engine):
                 if g.nodes_hint == 0:  # family unused by this configuration
                     g.destroy()
                     continue
-                g.launch(self.stream)
-                self.ev[0].record(self.stream)
-                for _ in range(reps):
-                    g.launch(self.stream)
-                self.ev[1].record(self.stream)
-                self.ev[1].synchronize()
-                out[tag] = self.ev[1].time_since(self.ev[0]) / reps
-                g.destroy()
+                out[tag] = self._time_graph(g, reps)
         return out
+
+    def _time_graph(self, g, reps: int) -> float:
+        """GPU ms per replay of graph g (one warm-up replay, then reps between two events); destroys g."""
+        try:
+            g.launch(self.stream)
+            self.ev[0].record(self.stream)
+            for _ in range(reps):
+                g.launch(self.stream)
+            self.ev[1].record(self.stream)
+            self.ev[1].synchronize()
+            return self.ev[1].time_since(self.ev[0]) / reps
+        finally:
+            g.destroy()
 
     def time_ablations(self, reps: int = 20) -> dict[str, float]:
         """In-chain cost of each kernel family: GPU ms per chunk of one graph holding a whole chunk (prefill +
@@ -1071,14 +1077,7 @@ class CudaEngine(Engine):
                 g = CudaGraph("ablate").capture(self.stream, lambda: self._enqueue_prefill() + self._enqueue_decode())
             finally:
                 self._skip = None
-            g.launch(self.stream)
-            self.ev[0].record(self.stream)
-            for _ in range(reps):
-                g.launch(self.stream)
-            self.ev[1].record(self.stream)
-            self.ev[1].synchronize()
-            g.destroy()
-            return self.ev[1].time_since(self.ev[0]) / reps
+            return self._time_graph(g, reps)
 
         tags = ["gemm32_atomic", "gemm32_silu", "rmsnorm", "kv_store", "attn_prefill", "attn_combine", "embed",
                 "gemv_qkv", "attn_decode", "gemv_resid", "gemv_gateup", "gemv_logits", "argmax"]
