@@ -560,11 +560,13 @@ __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part
     if (out_f32 != nullptr) out_f32[o] = y;
     if (out_bf16 != nullptr) out_bf16[o] = f32_to_bf16(y);
 }
-extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* part_o, const float2* part_ml, int nrows,
-        int HD, int T, int Hq, const int* meta, int meta_idx, int add, int kps, float* out_f32, bf16_t* out_bf16) {
+extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* __restrict__ part_o,
+        const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx,
+        int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
     attn_combine_body<false>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
 }
-extern "C" __global__ void __launch_bounds__(256) attn_combine_1p(const float* part_o, const float2* part_ml, int nrows,
-        int HD, int T, int Hq, const int* meta, int meta_idx, int add, int kps, float* out_f32, bf16_t* out_bf16) {
+extern "C" __global__ void __launch_bounds__(256) attn_combine_1p(const float* __restrict__ part_o,
+        const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx,
+        int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
     attn_combine_body<true>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
 }
