@@ -194,7 +194,8 @@ def late_trigger_mask(spec: str) -> int:
         if not name:
             continue
         if name not in LATE_TRIGGER_FAMILIES:
-            raise EngineError(f"late_trigger: unknown kernel family {name!r} (known: {', '.join(LATE_TRIGGER_FAMILIES)})")
+            raise EngineError(f"late_trigger: unknown kernel family {name!r} "
+                              f"(known: {', '.join(LATE_TRIGGER_FAMILIES)})")
         mask |= 1 << LATE_TRIGGER_FAMILIES.index(name)
     return mask
 
@@ -533,7 +534,8 @@ class CudaEngine(Engine):
             src = (CUDA_DIR / fname).read_text(encoding="utf-8")
             try:
                 cubin = nvcc_compile(src, no_extern_c=True, include_dirs=[str(CUDA_DIR)],
-                                     options=["-O3", "-std=c++17"] + (["-DVLA_TIMELINE"] if self.timeline_build else []))
+                                     options=["-O3", "-std=c++17"]
+                                     + (["-DVLA_TIMELINE"] if self.timeline_build else []))
             except Exception as exc:
                 raise EngineError(f"compiling {CUDA_DIR / fname} failed: {exc}") from exc
             mod = cuda.module_from_buffer(cubin)
@@ -610,8 +612,9 @@ class CudaEngine(Engine):
                     self.kx[name].set_max_dynamic_shared(need)
         self.pdl = bool(t["pdl"]) and self.pdl_launcher is not None and len(self.kx) == len(self.k)
         self._write_late_trigger(late_trigger_mask(t["late_trigger"]))
+        self._combine_name()  # a bad "combine" fails here, not at capture
         self._plan_persistent()
-        attn = "attn_prefill_hd%d" % self.HD
+        attn = ("attn_prefill_pre_hd%d" if int(t["attn_prefill_kps"]) == 64 else "attn_prefill_hd%d") % self.HD
         threads = 64 * self.G
         regs = self.k[attn].num_regs
         if threads > 1024 or threads * regs > 65536:
@@ -761,9 +764,9 @@ class CudaEngine(Engine):
             self._launch(attn, (self.nsplit_pf, self.n_kvh), (64 * self.G, 1, 1), self.qkv, np.int32(self.nqkv),
                          P(kc), P(vc), self.key_slots, self.meta, self.rope, np.int32(self.G), np.int32(self.n_kvh),
                          np.int32(kps), qscale, self.part_o_pf, self.part_ml_pf)
-            self._launch(self._combine_name(), (self.Hq * T * self.HD // 32, 1), (256, 1, 1), self.part_o_pf, self.part_ml_pf,
-                         np.int32(self.Hq * T), np.int32(self.HD), np.int32(T), np.int32(self.Hq), self.meta,
-                         np.int32(0), np.int32(0), np.int32(kps), P(0), self.attn_bf)
+            self._launch(self._combine_name(), (self.Hq * T * self.HD // 32, 1), (256, 1, 1), self.part_o_pf,
+                         self.part_ml_pf, np.int32(self.Hq * T), np.int32(self.HD), np.int32(T), np.int32(self.Hq),
+                         self.meta, np.int32(0), np.int32(0), np.int32(kps), P(0), self.attn_bf)
             self._gemm(self.p_o, blk, self.attn_bf, nq, Lw["wo"], H, nq, self.x_pre, H)
             self._launch("rmsnorm_rows_bf16", (T, 1), (256, 1, 1), self.x_pre, Lw["ln2"], self.h_bf, np.int32(H), eps,
                          P(0), P(0), np.int32(0))
