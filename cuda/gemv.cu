@@ -125,13 +125,13 @@ __device__ __forceinline__ void gemv_prologue(float* sx, const float* __restrict
     __syncthreads();
 }
 
-// The start every GEMV kernel shares: its weight loads and norm weights requested, the PDL trigger and wait, then
-// the input vector v (K floats, RMS-normed when normw is given) in shared memory sx.
 struct NoPreWait {
     __device__ void operator()() const {}
 };
 
-// pre(): more work before the wait, after the weight loads are issued (it may block on its own loads)
+// The start every GEMV kernel shares: its weight loads and norm weights requested, pre() (more work before the
+// wait, after the weight loads are issued: it may block on loads of its own), the PDL trigger and wait (FAM: the
+// kernel family, common.cuh), then the input vector v (K floats, RMS-normed when normw is given) in shared memory sx.
 template <int PV, int FAM, int RPW, typename Pre = NoPreWait>
 __device__ __forceinline__ void gemv_start(float* sx, GemvRows<RPW>& R, int K, bool valid, const float* __restrict__ v,
                                            const bf16_t* __restrict__ normw, float eps, float* norm_out,
