@@ -191,19 +191,20 @@ def run_timeline(cfg, weights_np, args, log) -> dict:
         eng.run_chunk((0.02 * rng.standard_normal((cfg.n_patches, cfg.hidden_size))).astype(np.float32), fid[0])
         fid[0] += 1
 
-    while eng.kv.occupancy_tokens + cfg.n_patches <= args.budget:
-        chunk()
-    for _ in range(20):
-        chunk()
-    rows = eng.timeline(chunk)
-    eng.close()
-    return {"rows": rows}
+    try:
+        while eng.kv.occupancy_tokens + cfg.n_patches <= args.budget:
+            chunk()
+        for _ in range(20):
+            chunk()
+        return {"rows": eng.timeline(chunk)}
+    finally:
+        eng.close()
 
 
 def timeline_summary(rows: list, layers: int) -> list[tuple[str, float, float, float, int]]:
     """Per kernel name in the decode pass's middle (steps 2.., layers 1..L-2): mean time from its first block's
     release (PDL wait passed) to the next kernel's, mean lead (release - start of its first block), mean release
-    spread (last - first block), count."""
+    spread (last - first block), count. For the layered decode (six kernels per layer)."""
     dec0 = next(i for i, r in enumerate(rows) if r[0] == "embed_gather")
     per_step = (len(rows) - dec0) // max(1, sum(1 for r in rows if r[0] == "embed_gather"))
     acc: dict[str, list] = {}
