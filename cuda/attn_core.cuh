@@ -198,35 +198,37 @@ struct DecAttnSmem {
     static constexpr int BYTES = STAGE_BYTES > MERGE_BYTES ? STAGE_BYTES : MERGE_BYTES;
 };
 
-// The pieces of a decode-attention block (the split kernel below, the cluster kernel of rope_attention.cu).
-// Lane (g = lane / 4, t = lane % 4) of a warp holds the m16 rows g (head g) and g + 8 (head g + 8, zero: G <= 8).
+// Query fragments of a tensor-core attention warp (the prefill and decode kernels): lane (g = lane / 4, t = lane % 4)
+// holds m16 rows g and g + 8 of the A operand; qv[r] = row g + 8 r, dims ks * 16 + hh * 8 + 2 t (+1).
 
-// raw query loads of the G heads of one KV head, qg = its first head (pre-RoPE; issued early, rotated later by
-// dec_build_q); qg may point to global or shared memory
+// raw query loads (pre-RoPE; issued early, rotated later by q_frag_build) of rows row0 (m16 row g) and row1
+// (row g + 8), HD floats each in global or shared memory; a row whose flag ok0 / ok1 is false is zero (a constant
+// true folds away when inlined)
 template <int HD, bool CG>
-__device__ __forceinline__ void dec_load_q(const float* __restrict__ qg, int G, float (&qv)[2][HD / 16][4]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+__device__ __forceinline__ void q_frag_load(const float* row0, bool ok0, const float* row1, bool ok1,
+                                            float (&qv)[2][HD / 16][4]) {
+    const int t = threadIdx.x & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int h = g + 8 * r;
-        const float* qh = qg + h * HD;
+        const float* row = r == 0 ? row0 : row1;
+        const bool ok = r == 0 ? ok0 : ok1;
 #pragma unroll
         for (int ks = 0; ks < HD / 16; ++ks)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const int d = ks * 16 + hh * 8 + 2 * t;
                 float2 a = make_float2(0.f, 0.f);
-                if (h < G) a = ld_kv<CG>(reinterpret_cast<const float2*>(qh + d));
+                if (ok) a = ld_kv<CG>(reinterpret_cast<const float2*>(row + d));
                 qv[r][ks][2 * hh] = a.x;
                 qv[r][ks][2 * hh + 1] = a.y;
             }
     }
 }
 
-// RoPE (q_cs: the query position's (cos, sin) row), scale, pack into bf16 A fragments
+// RoPE (cs0 / cs1: the (cos, sin) rows of the two rows' positions), scale, pack into bf16 A fragments
 template <int HD>
-__device__ __forceinline__ void dec_build_q(const float (&qv)[2][HD / 16][4], const float2* q_cs, float qscale,
-                                            uint32_t (&qa)[HD / 16][4]) {
+__device__ __forceinline__ void q_frag_build(const float (&qv)[2][HD / 16][4], const float2* cs0, const float2* cs1,
+                                             float qscale, uint32_t (&qa)[HD / 16][4]) {
     constexpr int KS = HD / 16;
     const int t = threadIdx.x & 3;
     float qr[2][KS][4];
@@ -236,8 +238,8 @@ __device__ __forceinline__ void dec_build_q(const float (&qv)[2][HD / 16][4], co
         for (int ks = 0; ks < KS / 2; ++ks)
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const int d = ks * 16 + (j >> 1) * 8 + 2 * t + (j & 1);
-                const float2 cs = q_cs[d];
+                const int d = ks * 16 + (j >> 1) * 8 + 2 * t + (j & 1);  // < HD / 2
+                const float2 cs = (r == 0 ? cs0 : cs1)[d];
                 const float lo = qv[r][ks][j], hi = qv[r][ks + KS / 2][j];
                 qr[r][ks][j] = (lo * cs.x - hi * cs.y) * qscale;
                 qr[r][ks + KS / 2][j] = (hi * cs.x + lo * cs.y) * qscale;
@@ -248,6 +250,34 @@ __device__ __forceinline__ void dec_build_q(const float (&qv)[2][HD / 16][4], co
         qa[ks][1] = pack_bf16x2(qr[1][ks][0], qr[1][ks][1]);
         qa[ks][2] = pack_bf16x2(qr[0][ks][2], qr[0][ks][3]);
         qa[ks][3] = pack_bf16x2(qr[1][ks][2], qr[1][ks][3]);
+    }
+}
+
+// The pieces of a decode-attention block (attn_decode_mma_body below, attn_decode_pre_* of rope_attention.cu, the
+// persistent kernel): m16 row r = query head r of the KV head's group (rows >= G are zero: G <= 8).
+
+// the G heads of one KV head, qg = its first head
+template <int HD, bool CG>
+__device__ __forceinline__ void dec_load_q(const float* __restrict__ qg, int G, float (&qv)[2][HD / 16][4]) {
+    const int g = (threadIdx.x & 31) >> 2;
+    q_frag_load<HD, CG>(qg + g * HD, g < G, qg + (g + 8) * HD, g + 8 < G, qv);
+}
+
+// S = Q K^T over NT n8 tiles of staged keys (rows row0 .. row0 + 8 NT - 1 of sK, rotated, [key][HD + 8] bf16)
+template <int HD, int NT>
+__device__ __forceinline__ void qk_tiles(const bf16_t* sK, int row0, const uint32_t (&qa)[HD / 16][4],
+                                         float (&s)[NT][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        const bf16_t* kr = sK + (row0 + n * 8 + g) * (HD + 8) + 2 * t;
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ++ks) {
+            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + ks * 16);
+            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + ks * 16 + 8);
+            mma_bf16_16816(s[n], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
+        }
     }
 }
 
@@ -268,20 +298,10 @@ struct DecState {
 template <int HD>
 __device__ __forceinline__ void dec_attend16(const bf16_t* sK, const bf16_t* sVt, int row0, int j0, int kend,
                                              const uint32_t (&qa)[HD / 16][4], DecState<HD>& st) {
-    constexpr int KS = HD / 16, NT_O = HD / 8, KSTR = HD + 8, VSTR = ATT_KC + 8;
+    constexpr int NT_O = HD / 8, VSTR = ATT_KC + 8;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     float s[2][4];
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-        const bf16_t* kr = sK + (row0 + n * 8 + g) * KSTR + 2 * t;
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + ks * 16);
-            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + ks * 16 + 8);
-            mma_bf16_16816(s[n], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
-        }
-    }
+    qk_tiles<HD, 2>(sK, row0, qa, s);
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
     for (int n = 0; n < 2; ++n)
@@ -400,7 +420,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q
     uint32_t qa[KS][4];
     float qv[2][KS][4];
     dec_load_q<HD, CG>(q + (size_t)kvh * G * HD, G, qv);
-    if (!DEFER_Q) dec_build_q<HD>(qv, qcs, qscale, qa);
+    if (!DEFER_Q) q_frag_build<HD>(qv, qcs, qcs, qscale, qa);
     DecState<HD> st;
     st.init();
 
@@ -417,7 +437,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q
             stage_kv_chunk<HD, CG>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kc0, kend);
             __syncthreads();
         }
-        if (DEFER_Q && kc0 == kbeg) dec_build_q<HD>(qv, qcs, qscale, qa);
+        if (DEFER_Q && kc0 == kbeg) q_frag_build<HD>(qv, qcs, qcs, qscale, qa);
         dec_attend16<HD>(sK, sVt, warp * 16, kc0, kend, qa, st);
     }
 

@@ -45,13 +45,7 @@ __device__ __forceinline__ void gemm32_body(const bf16_t* __restrict__ A, int ld
     pdl_trigger(FAM_GEMM);
     pdl_wait(FAM_GEMM);
     if (kbeg >= kend) return;  // uniform over the block
-    float acc[2][2][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+    float acc[2][2][4] = {};
 
     int buf = 0;
     for (int kc = kbeg; kc < kend; kc += GEMM_KC, buf ^= 1) {
@@ -204,13 +198,7 @@ __device__ __forceinline__ void gemm32v2_body(const bf16_t* __restrict__ A, int 
     }
     __syncthreads();
     if (!active) return;
-    float acc[2][2][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+    float acc[2][2][4] = {};
     constexpr int STEP = 32 * GEMM2_U;
     for (int k0 = 0; k0 < klen; k0 += 2 * STEP) {
         gemm2_load<WPB>(bB, W0, W1, k0 + STEP, klen, true);

@@ -65,8 +65,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     constexpr int KS = HD / 16;       // k16 steps over the head dim
     constexpr int HALF = HD / 2;
     constexpr int NT_O = HD / 8;      // n8 tiles of the output
-    constexpr int KSTR = HD + 8;      // bf16 row stride of staged keys (conflict-free fragment loads)
-    constexpr int VSTR = ATT_KC + 8;  // bf16 row stride of transposed values
+    constexpr int VSTR = ATT_KC + 8;  // bf16 row stride of transposed values (staged keys: HD + 8, qk_tiles)
 
     const int L = meta[0], p0 = meta[1];
     const int kvh = blockIdx.y;
@@ -97,40 +96,8 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     uint32_t qa[KS][4];
     {
         float qv[2][KS][4];
-        const float* q0 = qkv + (size_t)tok0 * ld + qh * HD;
-        const float* q1 = qkv + (size_t)tok1 * ld + qh * HD;
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int d = ks * 16 + hh * 8 + 2 * t;
-                const float2 a = *reinterpret_cast<const float2*>(q0 + d);
-                const float2 b = *reinterpret_cast<const float2*>(q1 + d);
-                qv[0][ks][2 * hh] = a.x; qv[0][ks][2 * hh + 1] = a.y;
-                qv[1][ks][2 * hh] = b.x; qv[1][ks][2 * hh + 1] = b.y;
-            }
-        float qr[2][KS][4];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int pos = r == 0 ? pos0 : pos1;
-#pragma unroll
-            for (int ks = 0; ks < KS / 2; ++ks)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int d = ks * 16 + (j >> 1) * 8 + 2 * t + (j & 1);  // < HALF
-                    const float2 cs = rope_cs[(size_t)pos * HALF + d];
-                    const float lo = qv[r][ks][j], hi = qv[r][ks + KS / 2][j];
-                    qr[r][ks][j] = (lo * cs.x - hi * cs.y) * qscale;
-                    qr[r][ks + KS / 2][j] = (hi * cs.x + lo * cs.y) * qscale;
-                }
-        }
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            qa[ks][0] = pack_bf16x2(qr[0][ks][0], qr[0][ks][1]);
-            qa[ks][1] = pack_bf16x2(qr[1][ks][0], qr[1][ks][1]);
-            qa[ks][2] = pack_bf16x2(qr[0][ks][2], qr[0][ks][3]);
-            qa[ks][3] = pack_bf16x2(qr[1][ks][2], qr[1][ks][3]);
-        }
+        q_frag_load<HD, false>(qkv + (size_t)tok0 * ld + qh * HD, true, qkv + (size_t)tok1 * ld + qh * HD, true, qv);
+        q_frag_build<HD>(qv, rope_cs + (size_t)pos0 * HALF, rope_cs + (size_t)pos1 * HALF, qscale, qa);
     }
 
     float o[NT_O][4];
@@ -148,17 +115,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
 
         // ---- S = Q K^T (16 rows x 64 keys per warp)
         float s[ATT_KC / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < ATT_KC / 8; ++nt) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-            const bf16_t* kr = sK + (nt * 8 + g) * KSTR + 2 * t;
-#pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-                const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + ks * 16);
-                const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + ks * 16 + 8);
-                mma_bf16_16816(s[nt], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
-            }
-        }
+        qk_tiles<HD, ATT_KC / 8>(sK, 0, qa, s);
         // ---- mask (range and causality), online softmax (log2 domain)
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
@@ -452,7 +409,7 @@ __device__ __forceinline__ void attn_decode_pre_kernel(const float* __restrict__
     {
         float qv[2][KS][4];
         dec_load_q<HD, false>(sQ, G, qv);
-        dec_build_q<HD>(qv, sQcs, qscale, qa);
+        q_frag_build<HD>(qv, sQcs, sQcs, qscale, qa);
     }
     DecState<HD> st;
     st.init();
