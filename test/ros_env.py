@@ -59,8 +59,9 @@ def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def read_json_when(path: Path, pred, timeout_s: float = 10.0) -> dict:
-    """The JSON at ``path`` once ``pred(json)`` holds (a file being rewritten may be unreadable for a moment)."""
+def read_json_when(path: Path, pred, timeout_s: float = 10.0, show=None) -> dict:
+    """The JSON at ``path`` once ``pred(json)`` holds (a file being rewritten may be unreadable for a moment).
+    show(last json or None): what the failure message shows (default: the whole JSON)."""
     box = {}
 
     def check():
@@ -70,7 +71,7 @@ def read_json_when(path: Path, pred, timeout_s: float = 10.0) -> dict:
             return False
         return pred(box["s"])
 
-    assert wait_for(check, timeout_s, 0.1), box.get("s")
+    assert wait_for(check, timeout_s, 0.1), show(box.get("s")) if show else box.get("s")
     return box["s"]
 
 

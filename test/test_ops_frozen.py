@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from ros_env import Proc, apply_env, module_cmd, read_json, ros_env, wait_for
+from ros_env import Proc, apply_env, module_cmd, read_json, read_json_when, ros_env, wait_for
 
 DOMAIN_ID = 92
 FROZEN_LIMIT = 10
@@ -105,17 +105,8 @@ def test_frozen_camera_reported_and_held_on(tmp_path):
         return read_json(stats_path)
 
     def when(pred, timeout_s=10.0):
-        box = {}
-
-        def check():
-            try:
-                box["s"] = read_json(stats_path)
-            except (OSError, ValueError):
-                return False
-            return pred(box["s"])
-
-        assert wait_for(check, timeout_s, 0.1), (box.get("s", {}).get("camera"), box.get("s", {}).get("ticks"))
-        return box["s"]
+        return read_json_when(stats_path, pred, timeout_s,
+                              show=lambda s: ((s or {}).get("camera"), (s or {}).get("ticks")))
 
     def tick_deltas(seconds):
         a = stats()["ticks"]
