@@ -256,3 +256,158 @@ extern "C" __global__ void __launch_bounds__(256) gemm32s_silu_w8(const bf16_t* 
                                                                   int K, int sa, bf16_t* act) {
     gemm32v2_body<8, GEMM_SILU>(A, lda, W, N, K, K, sa, nullptr, 0, act);
 }
+
+// ---- version 4: balanced grid, split K inside the block, weights double-buffered in registers across row groups.
+// The v1/v2 grids give each block a fixed set of 16-row groups over its K range: 140 gate/up blocks on 132 SMs
+// (8 SMs do two), one weight chunk in flight per warp between mma phases, and the down GEMM 22 K splits x 32
+// tokens x 1536 fp32 atomics. Here grid = (R row-group ranges, S K splits) with R x S <= SMs: block (r, s)
+// owns a balanced range of 16-row groups and the K range s (k32 steps balanced over S); its NW warps split that
+// K range (warp w takes steps w, w + NW, ...: at most G4_U each), so one row group is one "item" for the whole
+// block and each warp holds two items' weights in registers (the next requested before the current one feeds the
+// mma; both before the PDL wait). A warp stages only its own activation columns (cp.async, no block barrier); the
+// warps' partial sums meet in shared memory once per item (double-buffered: one barrier per item), then the
+// epilogue adds into C (plainly when S == 1, atomically otherwise) or writes silu(gate) * up.
+// K range per split <= 32 * G4_NW * G4_U = 1536 columns.
+#define G4_NW 8
+#define G4_U 6
+#define G4_SA (4 * G4_U + 4)  // 16-byte words per activation row of a warp's slice (== 4 mod 8: no bank conflicts)
+#define G4_SMEM (G4_NW * 32 * G4_SA * 16 + 2 * G4_NW * 16 * 32 * 4)  // activation slices + two reduction buffers
+
+struct G4Buf {
+    uint4 w[G4_U][2];
+};
+
+// item rg: weight rows rg*16 + g and rg*16 + g + 8, this warp's steps (k0 = first column of its first step)
+__device__ __forceinline__ void g4_load(G4Buf& B, const bf16_t* __restrict__ W, int K, int rg, int k0, int nsw,
+                                        bool ok) {
+    const int g = (threadIdx.x & 31) >> 2;
+    const bf16_t* p0 = W + (size_t)(rg * 16 + g) * K + k0;
+    const bf16_t* p1 = p0 + (size_t)8 * K;
+#pragma unroll
+    for (int u = 0; u < G4_U; ++u)
+        if (ok && u < nsw) {
+            B.w[u][0] = ldg_stream16(p0 + 32 * G4_NW * u);
+            B.w[u][1] = ldg_stream16(p1 + 32 * G4_NW * u);
+        }
+}
+
+__device__ __forceinline__ void g4_mma(float (&acc)[2][2][4], const G4Buf& B, const uint4* sA, int nsw) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.f;
+#pragma unroll
+    for (int u = 0; u < G4_U; ++u) {
+        if (u < nsw) {
+            const int q = 4 * u + t;
+            const uint4 a0 = sA[g * G4_SA + q], a1 = sA[(g + 8) * G4_SA + q];
+            const uint4 a2 = sA[(g + 16) * G4_SA + q], a3 = sA[(g + 24) * G4_SA + q];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const uint32_t b0 = u4_word(B.w[u][j], 2 * h), b1 = u4_word(B.w[u][j], 2 * h + 1);
+                    mma_bf16_16816(acc[0][j], u4_word(a0, 2 * h), u4_word(a1, 2 * h), u4_word(a0, 2 * h + 1),
+                                   u4_word(a1, 2 * h + 1), b0, b1);
+                    mma_bf16_16816(acc[1][j], u4_word(a2, 2 * h), u4_word(a3, 2 * h), u4_word(a2, 2 * h + 1),
+                                   u4_word(a3, 2 * h + 1), b0, b1);
+                }
+        }
+    }
+}
+
+// the warps' partial sums of one item -> the epilogue (every thread of the block: 2 mi x 4 e x 32 source lanes)
+template <int MODE>
+__device__ __forceinline__ void g4_reduce(const float (&acc)[2][2][4], float* __restrict__ red, int rg,
+                                          float* __restrict__ C, int ldc, bool atomic, bf16_t* __restrict__ act,
+                                          int I) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) red[(warp * 16 + mi * 8 + j * 4 + e) * 32 + lane] = acc[mi][j][e];
+    __syncthreads();
+    const int sel = threadIdx.x >> 5, mi = sel >> 2, e = sel & 3;  // blockDim.x == 32 * G4_NW == 256
+    float v[2] = {0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < G4_NW; ++w)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) v[j] += red[(w * 16 + mi * 8 + j * 4 + e) * 32 + lane];
+    const int g = lane >> 2, t = lane & 3;
+    const int r = mi * 16 + g + (e >= 2 ? 8 : 0);
+    const int cp = 2 * t + (e & 1);
+    if (MODE == GEMM_ATOMIC) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            float* c = C + (size_t)r * ldc + rg * 16 + j * 8 + cp;
+            if (atomic) atomicAdd(c, v[j]);
+            else *c += v[j];
+        }
+    } else {
+        act[(size_t)r * I + rg * 8 + cp] = f32_to_bf16(silu(v[0]) * v[1]);
+    }
+}
+
+template <int MODE>
+__device__ __forceinline__ void gemm32v4_body(const bf16_t* __restrict__ A, int lda, const bf16_t* __restrict__ W,
+                                              int N, int K, float* __restrict__ C, int ldc,
+                                              bf16_t* __restrict__ act) {
+    extern __shared__ uint4 g4_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
+    const int nrg = N >> 4, nsteps = K >> 5;
+    const int rper = nrg / gridDim.x, rrem = nrg - rper * gridDim.x;
+    const int rg_beg = blockIdx.x * rper + min((int)blockIdx.x, rrem);
+    const int rg_end = rg_beg + rper + ((int)blockIdx.x < rrem ? 1 : 0);
+    const int sper = nsteps / gridDim.y, srem = nsteps - sper * gridDim.y;
+    const int st_beg = blockIdx.y * sper + min((int)blockIdx.y, srem);
+    const int st_n = sper + ((int)blockIdx.y < srem ? 1 : 0);
+    if (rg_beg >= rg_end || st_n == 0) return;  // uniform over the block
+    const int nsw = warp < st_n ? (st_n - warp + G4_NW - 1) / G4_NW : 0;  // this warp's steps (<= G4_U)
+    const int k0 = 32 * (st_beg + warp) + 8 * t;
+    G4Buf bA, bB;
+    // the first two items' weights do not depend on the previous kernel: requested before the PDL wait
+    g4_load(bA, W, K, rg_beg, k0, nsw, true);
+    g4_load(bB, W, K, rg_beg + 1, k0, nsw, rg_beg + 1 < rg_end);
+    pdl_trigger(FAM_GEMM);
+    pdl_wait(FAM_GEMM);
+    // this warp's activation columns: rows 0..31 x words 4u + c (c = 0..3) of its steps u
+    uint4* sA = g4_smem + warp * (32 * G4_SA);
+    for (int i = lane; i < 32 * 4 * nsw; i += 32) {
+        const int r = i / (4 * nsw), rest = i - r * 4 * nsw, u = rest >> 2, c = rest & 3;
+        cp_async16(sA + r * G4_SA + 4 * u + c, A + (size_t)r * lda + 32 * (st_beg + warp + G4_NW * u) + 8 * c);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();
+    float* red = reinterpret_cast<float*>(g4_smem + G4_NW * 32 * G4_SA);
+    const bool atomic = gridDim.y > 1;
+    float acc[2][2][4];
+    int par = 0;
+    for (int rg = rg_beg; rg < rg_end; rg += 2) {
+        g4_mma(acc, bA, sA, nsw);
+        if (rg + 2 < rg_end) g4_load(bA, W, K, rg + 2, k0, nsw, true);
+        g4_reduce<MODE>(acc, red + par * (G4_NW * 16 * 32), rg, C, ldc, atomic, act, N >> 1);
+        par ^= 1;
+        if (rg + 1 >= rg_end) break;
+        g4_mma(acc, bB, sA, nsw);
+        if (rg + 3 < rg_end) g4_load(bB, W, K, rg + 3, k0, nsw, true);
+        g4_reduce<MODE>(acc, red + par * (G4_NW * 16 * 32), rg + 1, C, ldc, atomic, act, N >> 1);
+        par ^= 1;
+    }
+}
+
+// C[32][ldc] (+)= A W^T; grid = (row-group ranges, K splits); dynamic shared memory G4_SMEM
+extern "C" __global__ void __launch_bounds__(256, 1) gemm32v4_atomic(const bf16_t* A, int lda, const bf16_t* W,
+                                                                     int N, int K, float* C, int ldc) {
+    gemm32v4_body<GEMM_ATOMIC>(A, lda, W, N, K, C, ldc, nullptr);
+}
+// act[32][N/2] = silu(gate) * up (interleaved rows as gemm32_silu); grid = (row-group ranges, 1)
+extern "C" __global__ void __launch_bounds__(256, 1) gemm32v4_silu(const bf16_t* A, int lda, const bf16_t* W, int N,
+                                                                   int K, bf16_t* act) {
+    gemm32v4_body<GEMM_SILU>(A, lda, W, N, K, nullptr, 0, act);
+}

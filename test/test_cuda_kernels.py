@@ -179,6 +179,40 @@ def test_gemm32_silu(dev, rng, version, wpb, I, K):
     assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("N,K,grid", [(2048, 1536, None), (1536, 8960, None), (1536, 1536, None), (896, 4864, None),
+                                      (1152, 896, None), (1536, 8960, (7, 13)), (48, 1536, (5, 1)), (64, 96, (3, 2))])
+def test_gemm32v4_atomic(dev, rng, N, K, grid):
+    """gemm32v4: the engine's grids (gemm4_grid on 132 SMs) and odd ones (more blocks than row groups, splits of
+    uneven K ranges, warps without a k32 step: K = 96 has 3 steps for 8 warps)."""
+    from vla_edge_ros.engine.cuda_backend import G4_SMEM, gemm4_grid
+    a_b, a = rand_bf16(rng, (32, K))
+    w_b, w = rand_bf16(rng, (N, K), 0.05)
+    c0 = rng.standard_normal((32, N)).astype(np.float32)
+    C = dev.up(c0)
+    grid = grid or gemm4_grid(N, K, 132)
+    f = dev.fn("gemm32v4_atomic")
+    set_smem(dev, f, G4_SMEM)
+    f(dev.up(a_b), I32(K), dev.up(w_b), I32(N), I32(K), C, I32(N), block=(256, 1, 1), grid=grid, shared=G4_SMEM)
+    assert rel_err(dev.down(C, (32, N), np.float32), c0 + a @ w.T) < 1e-5
+
+
+@pytest.mark.parametrize("I,K,grid", [(8960, 1536, None), (4864, 896, None), (704, 256, None), (704, 256, (200, 1)),
+                                      (8960, 1536, (17, 1))])
+def test_gemm32v4_silu(dev, rng, I, K, grid):
+    from vla_edge_ros.engine.cuda_backend import G4_SMEM, gemm4_grid
+    a_b, a = rand_bf16(rng, (32, K))
+    g_b, g = rand_bf16(rng, (I, K), 0.05)
+    u_b, u = rand_bf16(rng, (I, K), 0.05)
+    act = dev.poisoned(2 * 32 * I)
+    grid = grid or gemm4_grid(2 * I, K, 132, max_splits=1)
+    f = dev.fn("gemm32v4_silu")
+    set_smem(dev, f, G4_SMEM)
+    f(dev.up(a_b), I32(K), dev.up(interleave_gate_up(g_b, u_b)), I32(2 * I), I32(K), act, block=(256, 1, 1),
+      grid=grid, shared=G4_SMEM)
+    gg, uu = a @ g.T, a @ u.T
+    assert rel_err(bits_f32(dev.down(act, (32, I), np.uint16)), gg / (1 + np.exp(-gg)) * uu) < 1e-2
+
+
 @pytest.mark.parametrize("H,G,nkv_heads,hd,kv_prefetch", [(1536, 6, 2, 128, 0), (896, 7, 2, 64, 0),
                                                             (1536, 6, 2, 128, 1)])
 def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd, kv_prefetch):

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from vla_edge_ros.engine.config import ModelConfig, qwen2_5_0_5b_dict, qwen2_5_1_5b_dict, tiny_default_dict
-from vla_edge_ros.engine.cuda_backend import cuda_available, cuda_status, interleave_gate_up, split_len
+from vla_edge_ros.engine.cuda_backend import (G4_NW, G4_U, cuda_available, cuda_status, gemm4_grid,
+                                              interleave_gate_up, split_len)
 from vla_edge_ros.engine.interface import EngineError
 from vla_edge_ros.engine.vram import VramTracker, check_budget
 
@@ -77,6 +78,33 @@ def test_split_len_covers_k_in_quanta():
             ks = split_len(K, rb, 264, 32, 256)
             assert ks % 32 == 0 and ks >= min(256, K)
             assert (K + ks - 1) // ks * ks >= K
+
+
+@pytest.mark.parametrize("N,K,n_sm,max_splits", [(17920, 1536, 132, 1), (2048, 1536, 132, 1), (1536, 8960, 132, 0),
+                                                  (896, 4864, 132, 0), (9728, 896, 114, 1), (1536, 8960, 16, 0),
+                                                  (32, 64, 132, 0)])
+def test_gemm4_grid_fits_the_sms_and_the_kernel(N, K, n_sm, max_splits):
+    """gemm32v4's grid: at most one block per SM, every split's K range within what a block's warps hold
+    (G4_NW x G4_U k32 steps), every row group and step covered, no block larger than needed by more than 2 %."""
+    R, S = gemm4_grid(N, K, n_sm, max_splits)
+    nrg, nsteps = N // 16, K // 32
+    assert 1 <= R <= nrg and 1 <= S <= nsteps and R * S <= n_sm
+    assert -(-nsteps // S) <= G4_NW * G4_U
+    if max_splits:
+        assert S <= max_splits
+    work = -(-nrg // R) * -(-nsteps // S)
+    best = min(-(-nrg // max(1, min(nrg, n_sm // s))) * -(-nsteps // s)
+               for s in range(-(-nsteps // (G4_NW * G4_U)), (max_splits or min(n_sm, nsteps)) + 1))
+    assert work <= best * 1.02
+
+
+def test_gemm4_grid_refuses_what_the_kernel_cannot_do():
+    with pytest.raises(EngineError):
+        gemm4_grid(2 * 8960, 3072, 132, max_splits=1)  # SiLU epilogue: K must fit one block
+    with pytest.raises(EngineError):
+        gemm4_grid(1000, 1536, 132)  # N not a multiple of 16
+    with pytest.raises(EngineError):
+        gemm4_grid(1536, 8960, 4)  # 280 k32 steps need 6 splits
 
 
 def test_probe_never_raises_and_explains():

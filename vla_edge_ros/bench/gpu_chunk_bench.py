@@ -137,6 +137,14 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("K/V L2 prefetch off", {"kv_l2_prefetch": False}),
         ("late trigger none", {"late_trigger": ""}),
         ("late trigger qkv,attn,combine", {"late_trigger": "qkv,attn,combine"}),
+        ("gemm v4 off (v9 GEMMs)", {"gemm_v4": ""}),
+        ("gemm v4 all four", {"gemm_v4": "qkv,o,gateup,down"}),
+        ("gemm v4 gateup only", {"gemm_v4": "gateup"}),
+        ("gemm v4 down only", {"gemm_v4": "down"}),
+        ("late trigger all but combine", {"late_trigger": "qkv,attn,resid,gateup,gemm,rmsnorm,attn_pf"}),
+        ("late trigger all but attn", {"late_trigger": "qkv,combine,resid,gateup,gemm,rmsnorm,attn_pf"}),
+        ("late trigger all but qkv", {"late_trigger": "attn,combine,resid,gateup,gemm,rmsnorm,attn_pf"}),
+        ("late trigger all but gemm", {"late_trigger": "qkv,attn,combine,resid,gateup,rmsnorm,attn_pf"}),
         ("gemv min_ks 1024", {"gemv_min_ks": 1024}),
         ("gemv 1 split", {"gemv_target_blocks": 1}),
         ("gemm min_ks 512", {"gemm_min_ks": 512}),
@@ -544,6 +552,12 @@ def print_report(res: dict) -> None:
             i0 = dec0 + 3 * per_step + 1 + 6 * 10
             for n, a, b, c in rows[i0:i0 + 7]:
                 print(f"  {n:20s} {a:10.2f} {b:10.2f} {c:10.2f}")
+            pf_layer = dec0 // res["geometry_layers"]  # the prefill's launches per layer (+ 3 after the last)
+            i0 = pf_layer * (res["geometry_layers"] // 2)
+            print("one prefill layer (start / release / last release / release -> next release, us):")
+            for k in range(i0, min(i0 + pf_layer, dec0 - 1)):
+                n, a, b, c = rows[k]
+                print(f"  {n:20s} {a:10.2f} {b:10.2f} {c:10.2f} {rows[k + 1][2] - b:8.2f}")
         ab = o.get("ablation_ms") or {}
         if ab:
             print(f"\nin-chain cost per family (one graph per chunk {ab['full']:.3f} ms minus the graph without "

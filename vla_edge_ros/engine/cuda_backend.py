@@ -141,6 +141,32 @@ def interleave_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return out.reshape(2 * inter, h)
 
 
+G4_NW, G4_U = 8, 6  # cuda/gemm_skinny.cu: warps per block, k32 steps per warp (gemm32v4_*)
+G4_SMEM = G4_NW * 32 * (4 * G4_U + 4) * 16 + 2 * G4_NW * 16 * 32 * 4  # cuda/gemm_skinny.cu G4_SMEM
+G4_USES = ("qkv", "o", "gateup", "down")  # tuning "gemm_v4": the prefill GEMMs that use gemm32v4_*
+
+
+def gemm4_grid(N: int, K: int, n_sm: int, max_splits: int = 0, tol: float = 0.02) -> tuple[int, int]:
+    """Grid (R row-group ranges, S K splits) of gemm32v4_*: R x S <= n_sm blocks (one per SM), the K range of a
+    split at most G4_NW x G4_U k32 steps, S <= max_splits when given (the SiLU epilogue needs S == 1). Minimises
+    the largest block's work (16-row groups x k32 steps); within `tol` of that, the fewest splits (each split adds
+    32 x N fp32 atomics)."""
+    if N % 16 or K % 32 or N <= 0 or K <= 0:
+        raise EngineError(f"gemm32v4: N={N} must be a multiple of 16 and K={K} of 32")
+    nrg, nsteps = N // 16, K // 32
+    s_min = math.ceil(nsteps / (G4_NW * G4_U))
+    s_max = min(nsteps, n_sm, s_min + 32, max_splits or n_sm)
+    if s_min > s_max:
+        raise EngineError(f"gemm32v4: K={K} needs {s_min} splits, at most {s_max} allowed")
+    cands = []
+    for S in range(s_min, s_max + 1):
+        R = max(1, min(nrg, n_sm // S))
+        cands.append((math.ceil(nrg / R) * math.ceil(nsteps / S), S, R))
+    best = min(c for c, _, _ in cands)
+    S, _, R = min((S, c, R) for c, S, R in cands if c <= best * (1 + tol))
+    return R, S
+
+
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
@@ -155,6 +181,9 @@ def split_len(K: int, row_blocks: int, target_blocks: int, quantum: int, min_len
 DEFAULT_TUNING = {
     "gemm_version": 1,      # 1: A staged per 256-wide K chunk; 2: whole A slice staged once, W double-buffered
                             # (v2 measured slower on the H200: docs/KERNEL_NOTES.md)
+    "gemm_v4": "gateup,down",  # prefill GEMMs (of G4_USES) on gemm32v4_* (balanced grid of one block per SM, K
+                               # split inside the block), the others on gemm_version 1 / 2. H200, session 5: -0.14
+                               # ms/chunk for these two; qkv and o on v4 +0.10 (docs/KERNEL_NOTES.md)
     "gemm_wpb": 8,          # warps per block of the split-K skinny GEMMs (16 weight rows each)
     "gemm_silu_wpb": 8,     # warps per block of the gate/up GEMM (full K per block)
     "decode_attn": "mma",   # "mma" (tensor cores) or "simt" (first version, CUDA cores)
@@ -508,6 +537,7 @@ class CudaEngine(Engine):
             "gemm32_silu_w4": "PiPiiP", "gemm32_silu_w8": "PiPiiP",
             "gemm32s_atomic_w4": "PiPiiiiPi", "gemm32s_atomic_w8": "PiPiiiiPi",
             "gemm32s_silu_w4": "PiPiiiP", "gemm32s_silu_w8": "PiPiiiP",
+            "gemm32v4_atomic": "PiPiiPi", "gemm32v4_silu": "PiPiiP",
             "attn_decode_mma_hd128": "PPPPPiPiiifPP", "attn_decode_mma_hd64": "PPPPPiPiiifPP",
             "attn_decode_pre_hd128": "PPPPPiPiiifPP", "attn_decode_pre_hd64": "PPPPPiPiiifPP",
             "gemv_qkv": "PPfPPiiiPPPPPii", "gemv_resid": "PPiiiP", "gemv_gateup": "PPfPiiP",
@@ -589,6 +619,19 @@ class CudaEngine(Engine):
         self.p_gu = (math.ceil(2 * I / (16 * swpb)), 1, H, sa, 32 * sa * 16)
         if ver == 2:
             smem_need[f"gemm32s_silu_w{swpb}"] = 32 * sa * 16
+        uses = {u.strip() for u in str(t["gemm_v4"]).split(",") if u.strip()}
+        if uses - set(G4_USES):
+            raise EngineError(f"gemm_v4: unknown GEMM(s) {sorted(uses - set(G4_USES))} (known: {', '.join(G4_USES)})")
+        n_sm = cuda.Device(0).get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+        shapes = {"qkv": (self.nqkv, H, 1), "o": (H, self.Hq * self.HD, 1), "gateup": (2 * I, H, 1), "down": (H, I, 0)}
+        self.g4: dict[str, tuple[int, int]] = {}
+        for u in uses:
+            N, K, ms = shapes[u]
+            if u == "gateup" and K > 32 * G4_NW * G4_U:
+                continue  # the SiLU epilogue needs the whole K in one block: gemm32_silu
+            self.g4[u] = gemm4_grid(N, K, n_sm, ms)
+        if self.g4:
+            smem_need["gemm32v4_atomic"] = smem_need["gemm32v4_silu"] = G4_SMEM
         gtb, gmk = int(t["gemv_target_blocks"]), int(t["gemv_min_ks"])
 
         def gemv(N: int, K: int) -> tuple[int, int, int]:
@@ -709,7 +752,8 @@ class CudaEngine(Engine):
 
     @staticmethod
     def _tag_of(name: str) -> str:
-        for tag in ("gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits", "decode_layers",
+        for tag in ("gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "gemm32v4_atomic", "gemm32v4_silu",
+                    "gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits", "decode_layers",
                     "attn_prefill", "attn_decode", "attn_combine", "rmsnorm", "kv_store", "embed", "argmax"):
             if name.startswith(tag):
                 return tag
@@ -728,9 +772,12 @@ class CudaEngine(Engine):
         off = i * self.slots_alloc * self.nkv * 2
         return int(self.kc) + off, int(self.vc) + off
 
-    def _gemm(self, plan, blk, A, lda: int, W, N: int, K: int, C, ldc: int) -> None:
+    def _gemm(self, plan, blk, A, lda: int, W, N: int, K: int, C, ldc: int, use: str = "") -> None:
         rb, ns, ks, sa, smem = plan
-        if self.gemm_version == 2:
+        if use in self.g4:
+            self._launch("gemm32v4_atomic", self.g4[use], (32 * G4_NW, 1, 1), A, np.int32(lda), W, np.int32(N),
+                         np.int32(K), C, np.int32(ldc), smem=G4_SMEM)
+        elif self.gemm_version == 2:
             self._launch(f"gemm32s_atomic_w{self.gemm_wpb}", (rb, ns), blk, A, np.int32(lda), W, np.int32(N),
                          np.int32(K), np.int32(ks), np.int32(sa), C, np.int32(ldc), smem=smem)
         else:
@@ -757,7 +804,7 @@ class CudaEngine(Engine):
             # boundary does that too)
             self._launch("rmsnorm_rows_bf16", (T, 1), (256, 1, 1), self.x_pre, Lw["ln1"], self.h_bf, np.int32(H), eps,
                          Lw["bqkv"], self.qkv, np.int32(self.nqkv), serial=i == 0)
-            self._gemm(self.p_qkv, blk, self.h_bf, H, Lw["wqkv"], self.nqkv, H, self.qkv, self.nqkv)
+            self._gemm(self.p_qkv, blk, self.h_bf, H, Lw["wqkv"], self.nqkv, H, self.qkv, self.nqkv, "qkv")
             if not pre:
                 self._launch("kv_store_prefill", (T, 1), (256, 1, 1), self.qkv, np.int32(self.nqkv), np.int32(nq),
                              np.int32(self.nkv), P(kc), P(vc), self.key_slots, self.meta)
@@ -767,17 +814,20 @@ class CudaEngine(Engine):
             self._launch(self._combine_name(), (self.Hq * T * self.HD // 32, 1), (256, 1, 1), self.part_o_pf,
                          self.part_ml_pf, np.int32(self.Hq * T), np.int32(self.HD), np.int32(T), np.int32(self.Hq),
                          self.meta, np.int32(0), np.int32(0), np.int32(kps), P(0), self.attn_bf)
-            self._gemm(self.p_o, blk, self.attn_bf, nq, Lw["wo"], H, nq, self.x_pre, H)
+            self._gemm(self.p_o, blk, self.attn_bf, nq, Lw["wo"], H, nq, self.x_pre, H, "o")
             self._launch("rmsnorm_rows_bf16", (T, 1), (256, 1, 1), self.x_pre, Lw["ln2"], self.h_bf, np.int32(H), eps,
                          P(0), P(0), np.int32(0))
             rb, _, _, sa, smem = self.p_gu
-            if self.gemm_version == 2:
+            if "gateup" in self.g4:
+                self._launch("gemm32v4_silu", self.g4["gateup"], (32 * G4_NW, 1, 1), self.h_bf, np.int32(H),
+                             Lw["wgu"], np.int32(2 * I), np.int32(H), self.act_bf, smem=G4_SMEM)
+            elif self.gemm_version == 2:
                 self._launch(f"gemm32s_silu_w{self.gemm_silu_wpb}", (rb, 1), sblk, self.h_bf, np.int32(H), Lw["wgu"],
                              np.int32(2 * I), np.int32(H), np.int32(sa), self.act_bf, smem=smem)
             else:
                 self._launch(f"gemm32_silu_w{self.gemm_silu_wpb}", (rb, 1), sblk, self.h_bf, np.int32(H), Lw["wgu"],
                              np.int32(2 * I), np.int32(H), self.act_bf)
-            self._gemm(self.p_d, blk, self.act_bf, I, Lw["wd"], H, I, self.x_pre, H)
+            self._gemm(self.p_d, blk, self.act_bf, I, Lw["wd"], H, I, self.x_pre, H, "down")
         self._launch("rmsnorm_rows_f32", (T, 1), (256, 1, 1), self.x_pre, self.final_norm, self.final_h,
                      np.int32(H), eps)
         self._launch("gemv_logits", (math.ceil(self.n_bins / GEMV_WARPS), 1), (256, 1, 1), self.final_h, self.meta,
@@ -1037,8 +1087,8 @@ class CudaEngine(Engine):
         chunk (prefill + decode), replayed ``reps`` times. Scribbles over activations and the decode scratch
         of the KV cache: call reset() afterwards if the engine is to be used again (benchmark only)."""
         from vla_edge_ros.engine.graphs import CudaGraph
-        tags = ["rmsnorm", "gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "kv_store", "attn_prefill", "attn_combine",
-                "embed", "gemv_qkv", "attn_decode", "gemv_resid", "gemv_gateup", "decode_layers", "gemv_logits", "argmax"]
+        tags = ["rmsnorm", "gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "gemm32v4_atomic",
+                "gemm32v4_silu", "kv_store", "attn_prefill", "attn_combine", "embed", "gemv_qkv", "attn_decode", "gemv_resid", "gemv_gateup", "decode_layers", "gemv_logits", "argmax"]
         out: dict[str, float] = {}
         with self._active():
             for tag in tags:
@@ -1082,7 +1132,7 @@ class CudaEngine(Engine):
                 self._skip = None
             return self._time_graph(g, reps)
 
-        tags = ["gemm32_atomic", "gemm32_silu", "rmsnorm", "kv_store", "attn_prefill", "attn_combine", "embed",
+        tags = ["gemm32_atomic", "gemm32_silu", "gemm32v4_atomic", "gemm32v4_silu", "rmsnorm", "kv_store", "attn_prefill", "attn_combine", "embed",
                 "gemv_qkv", "attn_decode", "gemv_resid", "gemv_gateup", "gemv_logits", "argmax"]
         with self._active():
             full = timed(None)
