@@ -442,45 +442,66 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_pre_hd64(const flo
 // once, before using any, and merges them online: one L2 round trip per CMB_GROUPS * CMB_MAXS splits. Else
 // (attn_combine): a loop for the maximum, then one for the sums.
 #define CMB_MAXS 12
-template <bool ONE_PASS>
+// VEC dims per thread (float VEC-vector loads of the partials): grid.x = nrows * HD / (32 * VEC). The prefill's
+// merge (384 rows x 65 splits x 128 dims, 12.8 MB) with VEC = 1 is 1536 blocks in ~1.5 waves; VEC = 4: 384 blocks,
+// a quarter of the load instructions.
+template <int VEC> struct CmbVec;
+template <> struct CmbVec<1> { typedef float T; };
+template <> struct CmbVec<2> { typedef float2 T; };
+template <> struct CmbVec<4> { typedef float4 T; };
+template <int VEC>
+__device__ __forceinline__ float cmb_get(const typename CmbVec<VEC>::T& v, int i) {
+    return reinterpret_cast<const float*>(&v)[i];
+}
+
+template <bool ONE_PASS, int VEC>
 __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
         int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx, int add, int kps,
         float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
+    typedef typename CmbVec<VEC>::T VT;
     pdl_trigger(FAM_COMBINE);
     const int L = meta[meta_idx] + add;  // host-written: read before the wait
     pdl_wait(FAM_COMBINE);
-    __shared__ float s_m[CMB_GROUPS], s_num[CMB_GROUPS][32], s_den[CMB_GROUPS];
-    const int per_row = HD >> 5;
+    __shared__ float s_m[CMB_GROUPS], s_num[CMB_GROUPS][32 * VEC], s_den[CMB_GROUPS];
+    const int lane = threadIdx.x & 31;
+    const int per_row = HD / (32 * VEC);
     const int r = blockIdx.x / per_row;
-    const int d = (blockIdx.x - r * per_row) * 32 + (threadIdx.x & 31);
+    const int d = (blockIdx.x - r * per_row) * 32 * VEC + lane * VEC;
     const int sg = threadIdx.x >> 5;
     const int nsplit = (L + kps - 1) / kps;
-    float Mg = -INFINITY, num = 0.f, den = 0.f;  // this group's max and its sums relative to it
+    const VT* po = reinterpret_cast<const VT*>(part_o);
+    float Mg = -INFINITY, num[VEC], den = 0.f;  // this group's max and its sums relative to it
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) num[k] = 0.f;
     if (ONE_PASS) {
         for (int base = sg; base < nsplit; base += CMB_GROUPS * CMB_MAXS) {
-            float m[CMB_MAXS], l[CMB_MAXS], o[CMB_MAXS];
+            float m[CMB_MAXS], l[CMB_MAXS];
+            VT o[CMB_MAXS];
 #pragma unroll
             for (int i = 0; i < CMB_MAXS; ++i) {
                 const int sp = base + i * CMB_GROUPS;
                 m[i] = -INFINITY;
-                l[i] = o[i] = 0.f;
+                l[i] = 0.f;
+                o[i] = VT{};
                 if (sp < nsplit) {
                     const float2 ml = part_ml[(size_t)sp * nrows + r];
                     m[i] = ml.x;
                     l[i] = ml.y;
-                    o[i] = part_o[((size_t)sp * nrows + r) * HD + d];
+                    o[i] = po[(((size_t)sp * nrows + r) * HD + d) / VEC];
                 }
             }
             float M = Mg;
 #pragma unroll
             for (int i = 0; i < CMB_MAXS; ++i) M = fmaxf(M, m[i]);
             const float c = Mg == -INFINITY ? 0.f : exp2f(Mg - M);
-            num *= c;
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) num[k] *= c;
             den *= c;
 #pragma unroll
             for (int i = 0; i < CMB_MAXS; ++i) {
                 const float e = m[i] == -INFINITY ? 0.f : exp2f(m[i] - M);
-                num = fmaf(e, o[i], num);
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) num[k] = fmaf(e, cmb_get<VEC>(o[i], k), num[k]);
                 den = fmaf(e, l[i], den);
             }
             Mg = M;
@@ -488,42 +509,64 @@ __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part
     } else {
         for (int s = sg; s < nsplit; s += CMB_GROUPS) Mg = fmaxf(Mg, part_ml[(size_t)s * nrows + r].x);
     }
-    if ((threadIdx.x & 31) == 0) s_m[sg] = Mg;
+    if (lane == 0) s_m[sg] = Mg;
     __syncthreads();
     float M = -INFINITY;
 #pragma unroll
     for (int i = 0; i < CMB_GROUPS; ++i) M = fmaxf(M, s_m[i]);
     if (ONE_PASS) {
         const float c = Mg == -INFINITY ? 0.f : exp2f(Mg - M);
-        num *= c;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) num[k] *= c;
         den *= c;
     } else {
         for (int s = sg; s < nsplit; s += CMB_GROUPS) {
             const float2 ml = part_ml[(size_t)s * nrows + r];
             const float e = ml.x == -INFINITY ? 0.f : exp2f(ml.x - M);
-            num = fmaf(e, part_o[((size_t)s * nrows + r) * HD + d], num);
+            const VT ov = po[(((size_t)s * nrows + r) * HD + d) / VEC];
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) num[k] = fmaf(e, cmb_get<VEC>(ov, k), num[k]);
             den = fmaf(e, ml.y, den);
         }
     }
-    s_num[sg][threadIdx.x & 31] = num;
-    if ((threadIdx.x & 31) == 0) s_den[sg] = den;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) s_num[sg][lane * VEC + k] = num[k];
+    if (lane == 0) s_den[sg] = den;
     __syncthreads();
     if (sg != 0) return;
 #pragma unroll
-    for (int i = 1; i < CMB_GROUPS; ++i) { num += s_num[i][threadIdx.x]; den += s_den[i]; }
-    const float y = num / den;
+    for (int i = 1; i < CMB_GROUPS; ++i) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) num[k] += s_num[i][lane * VEC + k];
+        den += s_den[i];
+    }
     const int qh = r / T, tok = r - qh * T;
     const size_t o = (size_t)tok * Hq * HD + (size_t)qh * HD + d;
-    if (out_f32 != nullptr) out_f32[o] = y;
-    if (out_bf16 != nullptr) out_bf16[o] = f32_to_bf16(y);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+        const float y = num[k] / den;
+        if (out_f32 != nullptr) out_f32[o + k] = y;
+        if (out_bf16 != nullptr) out_bf16[o + k] = f32_to_bf16(y);
+    }
 }
 extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* __restrict__ part_o,
         const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx,
         int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
-    attn_combine_body<false>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
+    attn_combine_body<false, 1>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
 }
 extern "C" __global__ void __launch_bounds__(256) attn_combine_1p(const float* __restrict__ part_o,
         const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx,
         int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
-    attn_combine_body<true>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
+    attn_combine_body<true, 1>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
+}
+// VEC dims per thread (HD a multiple of 32 * VEC): the prefill's merge
+extern "C" __global__ void __launch_bounds__(256) attn_combine_1p_v2(const float* __restrict__ part_o,
+        const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx,
+        int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
+    attn_combine_body<true, 2>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
+}
+extern "C" __global__ void __launch_bounds__(256) attn_combine_1p_v4(const float* __restrict__ part_o,
+        const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx,
+        int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
+    attn_combine_body<true, 4>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
 }

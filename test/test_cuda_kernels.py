@@ -420,10 +420,14 @@ def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
     np.testing.assert_array_equal(dev.down(vc_d, (S, nkv), np.uint16), vc_exp)
     ref = attention_ref(qkv[:, :nq].astype(np.float64).reshape(T, Hq, hd), bits_f32(kc_exp), bits_f32(vc_exp),
                         key_slots, L, p0 + np.arange(T), theta, G)
-    for combine in ("attn_combine", "attn_combine_1p"):
+    # every merge; _v2 / _v4: 2 / 4 dims per thread (HD a multiple of 64 / 128)
+    for combine, vec in (("attn_combine", 1), ("attn_combine_1p", 1), ("attn_combine_1p_v2", 2),
+                         ("attn_combine_1p_v4", 4)):
+        if hd % (32 * vec):
+            continue
         out_b, out_f = dev.poisoned(2 * T * nq), dev.poisoned(4 * T * nq)
         dev.fn(combine)(part_o, part_ml, I32(rows), I32(hd), I32(T), I32(Hq), meta_d, I32(0), I32(0), I32(kps),
-                        out_f, out_b, block=(256, 1, 1), grid=(rows * hd // 32, 1))
+                        out_f, out_b, block=(256, 1, 1), grid=(rows * hd // (32 * vec), 1))
         assert rel_err(dev.down(out_f, (T, nq), np.float32), ref) < 2e-2, combine
         assert rel_err(bits_f32(dev.down(out_b, (T, nq), np.uint16)), ref) < 2e-2, combine
 
@@ -454,10 +458,13 @@ def test_attention_decode(dev, rng, kernel, hd, G, n_kvh, nctx, kps):
                                   part_ml, block=(128, 1, 1), grid=(nsplit + 3, n_kvh))
     ref = attention_ref(q.astype(np.float64).reshape(1, Hq, hd), kc, vc, key_slots, L, np.array([L - 1]), theta, G)
     # both merges of the partials; (4082, 32): 128 splits, more than one round of the one-pass merge's loads (96)
-    for combine in ("attn_combine", "attn_combine_1p"):
+    for combine, vec in (("attn_combine", 1), ("attn_combine_1p", 1), ("attn_combine_1p_v2", 2),
+                         ("attn_combine_1p_v4", 4)):
+        if hd % (32 * vec):
+            continue
         out = dev.poisoned(4 * Hq * hd)
         dev.fn(combine)(part_o, part_ml, I32(Hq), I32(hd), I32(1), I32(Hq), meta_d, I32(3), I32(step), I32(kps),
-                        out, np.intp(0), block=(256, 1, 1), grid=(Hq * hd // 32, 1))
+                        out, np.intp(0), block=(256, 1, 1), grid=(Hq * hd // (32 * vec), 1))
         # simt: fp32 all through; mma: bf16 Q, rotated K and P on the tensor cores
         tol = 1e-4 if kernel == "attn_decode" else 2e-2
         assert rel_err(dev.down(out, Hq * hd, np.float32), ref[0]) < tol, combine

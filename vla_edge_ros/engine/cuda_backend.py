@@ -198,6 +198,8 @@ DEFAULT_TUNING = {
                              # staged before the PDL wait, this chunk's K/V taken from the QKV output and stored
                              # by the attention (attn_prefill_pre_*, no kv_store_prefill launch)
     "attn_decode_kps": 64,  # 64: attn_decode_pre_* (old keys staged before the PDL wait, lean on registers)
+    "combine_prefill_vec": 4,  # one_pass merges, dims per thread (1, 2, 4; capped so that HD % (32 vec) == 0): the
+    "combine_decode_vec": 1,   # prefill's and the decode's
     "combine": "one_pass",  # split merge: "one_pass" (attn_combine_1p) or "two_pass" (attn_combine, +0.04 ms)
     "kv_l2_prefetch": True,  # the QKV GEMV asks L2 for the layer's older K/V rows before its PDL wait (off: +0.07)
     # kernel families (LATE_TRIGGER_FAMILIES, comma-separated) that let their successor launch after their own PDL
@@ -546,7 +548,8 @@ class CudaEngine(Engine):
             "attn_prefill_hd128": "PiPPPPPiiifPP", "attn_prefill_hd64": "PiPPPPPiiifPP",
             "attn_prefill_pre_hd128": "PiPPPPPiiifPP", "attn_prefill_pre_hd64": "PiPPPPPiiifPP",
             "attn_decode_hd128": "PPPPPiPiiifPP", "attn_decode_hd64": "PPPPPiPiiifPP",
-            "attn_combine": "PPiiiiPiiiPP", "attn_combine_1p": "PPiiiiPiiiPP",
+            "attn_combine": "PPiiiiPiiiPP", "attn_combine_1p": "PPiiiiPiiiPP", "attn_combine_1p_v2": "PPiiiiPiiiPP",
+            "attn_combine_1p_v4": "PPiiiiPiiiPP",
             "argmax_tokens": "PiiPi",
             "decode_layers_hd128": "PiPPPPPPPPiPiiiiffiPPP", "decode_layers_hd64": "PiPPPPPPPPiPiiiiffiPPP",
         }
@@ -655,10 +658,10 @@ class CudaEngine(Engine):
                     self.kx[name].set_max_dynamic_shared(need)
         self.pdl = bool(t["pdl"]) and self.pdl_launcher is not None and len(self.kx) == len(self.k)
         self._write_late_trigger(late_trigger_mask(t["late_trigger"]))
-        self._combine_name()  # a bad "combine" fails here, not at capture
+        self._combine_vec("combine_prefill_vec")  # a bad "combine" fails here, not at capture
+        self._combine_vec("combine_decode_vec")
         self._plan_persistent()
-        attn = ("attn_prefill_pre_hd%d" if int(t["attn_prefill_kps"]) == 64 else "attn_prefill_hd%d") % self.HD
-        threads = 64 * self.G
+        attn, threads = self._attn_prefill()
         regs = self.k[attn].num_regs
         if threads > 1024 or threads * regs > 65536:
             raise EngineError(f"prefill attention needs {threads} threads x {regs} registers per block: "
@@ -744,6 +747,24 @@ class CudaEngine(Engine):
             self.k[name].prepared_async_call(grid, block, self.stream, *args, shared_size=smem)
         self._launches += 1
 
+    def _attn_prefill(self) -> tuple[str, int]:
+        """The prefill attention kernel and its threads per block (cuda/rope_attention.cu ATTN_PREFILL_KERNEL)."""
+        pre = int(self.tuning["attn_prefill_kps"]) == 64  # cuda/rope_attention.cu ATT_KC
+        return ("attn_prefill_pre_hd%d" if pre else "attn_prefill_hd%d") % self.HD, 64 * self.G
+
+    def _combine_vec(self, key: str) -> tuple[str, int]:
+        """A split merge kernel and its dims per thread (attn_combine_1p_v2 / _v4 for one_pass); key: the tuning
+        entry, combine_prefill_vec or combine_decode_vec."""
+        name = self._combine_name()
+        vec = int(self.tuning[key])
+        if vec not in (1, 2, 4):
+            raise EngineError(f"{key} must be 1, 2 or 4, got {vec}")
+        if name != "attn_combine_1p":
+            return name, 1
+        while self.HD % (32 * vec):
+            vec //= 2
+        return (name if vec == 1 else f"{name}_v{vec}"), vec
+
     def _combine_name(self) -> str:
         c = self.tuning["combine"]
         if c not in ("two_pass", "one_pass"):
@@ -795,7 +816,7 @@ class CudaEngine(Engine):
         sblk = (32 * self.gemm_silu_wpb, 1, 1)
         kps = int(self.tuning["attn_prefill_kps"])
         pre = kps == 64  # cuda/rope_attention.cu ATT_KC: the attention stores this chunk's K/V itself
-        attn = ("attn_prefill_pre_hd%d" if pre else "attn_prefill_hd%d") % self.HD
+        attn, athreads = self._attn_prefill()
         start = self._launches
         for i, Lw in enumerate(self.layers):
             kc, vc = self._layer_ptrs(i)
@@ -808,10 +829,11 @@ class CudaEngine(Engine):
             if not pre:
                 self._launch("kv_store_prefill", (T, 1), (256, 1, 1), self.qkv, np.int32(self.nqkv), np.int32(nq),
                              np.int32(self.nkv), P(kc), P(vc), self.key_slots, self.meta)
-            self._launch(attn, (self.nsplit_pf, self.n_kvh), (64 * self.G, 1, 1), self.qkv, np.int32(self.nqkv),
+            self._launch(attn, (self.nsplit_pf, self.n_kvh), (athreads, 1, 1), self.qkv, np.int32(self.nqkv),
                          P(kc), P(vc), self.key_slots, self.meta, self.rope, np.int32(self.G), np.int32(self.n_kvh),
                          np.int32(kps), qscale, self.part_o_pf, self.part_ml_pf)
-            self._launch(self._combine_name(), (self.Hq * T * self.HD // 32, 1), (256, 1, 1), self.part_o_pf,
+            cname, vec = self._combine_vec("combine_prefill_vec")
+            self._launch(cname, (self.Hq * T * self.HD // (32 * vec), 1), (256, 1, 1), self.part_o_pf,
                          self.part_ml_pf, np.int32(self.Hq * T), np.int32(self.HD), np.int32(T), np.int32(self.Hq),
                          self.meta, np.int32(0), np.int32(0), np.int32(kps), P(0), self.attn_bf)
             self._gemm(self.p_o, blk, self.attn_bf, nq, Lw["wo"], H, nq, self.x_pre, H, "o")
@@ -848,7 +870,7 @@ class CudaEngine(Engine):
             attn = ("attn_decode_pre_hd%d" if kps == 64 else "attn_decode_mma_hd%d") % self.HD
         else:
             attn = "attn_decode_hd%d" % self.HD
-        combine = self._combine_name()
+        combine, cvec = self._combine_vec("combine_decode_vec")
         kv_pf = np.int32(bool(self.tuning["kv_l2_prefetch"]))
         start = self._launches
         n_steps = steps or self.decode_tokens
@@ -876,7 +898,8 @@ class CudaEngine(Engine):
                 self._launch(attn, (self.nsplit_dec, self.n_kvh), (128, 1, 1), self.q_dec, P(kc), P(vc),
                              self.key_slots, self.meta, st, self.rope, np.int32(self.G), np.int32(self.n_kvh),
                              np.int32(kps), qscale, self.part_o_dec, self.part_ml_dec)
-                self._launch(combine, (self.Hq * self.HD // 32, 1), (256, 1, 1), self.part_o_dec, self.part_ml_dec,
+                self._launch(combine, (self.Hq * self.HD // (32 * cvec), 1), (256, 1, 1), self.part_o_dec,
+                             self.part_ml_dec,
                              np.int32(self.Hq), np.int32(self.HD), np.int32(1), np.int32(self.Hq), self.meta,
                              np.int32(3), st, np.int32(kps), self.attn_dec, P(0))
                 rb, ns, ks = self.v_o
