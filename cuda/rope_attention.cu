@@ -454,19 +454,15 @@ __device__ __forceinline__ float cmb_get(const typename CmbVec<VEC>::T& v, int i
     return reinterpret_cast<const float*>(&v)[i];
 }
 
-template <bool ONE_PASS, int VEC>
-__device__ __forceinline__ void attn_combine_body(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
-        int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx, int add, int kps,
-        float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
+// merge_row: row r, dims d = dblk * 32 * VEC + lane * VEC + k of every split (L keys: nsplit = ceil(L / kps));
+// store(k, d, value) runs in the threads of split group 0 only (every thread returns from here).
+template <bool ONE_PASS, int VEC, typename Store>
+__device__ __forceinline__ void merge_row(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
+                                          int nrows, int HD, int r, int dblk, int L, int kps, Store store) {
     typedef typename CmbVec<VEC>::T VT;
-    pdl_trigger(FAM_COMBINE);
-    const int L = meta[meta_idx] + add;  // host-written: read before the wait
-    pdl_wait(FAM_COMBINE);
     __shared__ float s_m[CMB_GROUPS], s_num[CMB_GROUPS][32 * VEC], s_den[CMB_GROUPS];
     const int lane = threadIdx.x & 31;
-    const int per_row = HD / (32 * VEC);
-    const int r = blockIdx.x / per_row;
-    const int d = (blockIdx.x - r * per_row) * 32 * VEC + lane * VEC;
+    const int d = dblk * 32 * VEC + lane * VEC;
     const int sg = threadIdx.x >> 5;
     const int nsplit = (L + kps - 1) / kps;
     const VT* po = reinterpret_cast<const VT*>(part_o);
@@ -540,14 +536,26 @@ __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part
         for (int k = 0; k < VEC; ++k) num[k] += s_num[i][lane * VEC + k];
         den += s_den[i];
     }
-    const int qh = r / T, tok = r - qh * T;
-    const size_t o = (size_t)tok * Hq * HD + (size_t)qh * HD + d;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-        const float y = num[k] / den;
-        if (out_f32 != nullptr) out_f32[o + k] = y;
-        if (out_bf16 != nullptr) out_bf16[o + k] = f32_to_bf16(y);
-    }
+    for (int k = 0; k < VEC; ++k) store(k, d + k, num[k] / den);
+}
+
+template <bool ONE_PASS, int VEC>
+__device__ __forceinline__ void attn_combine_body(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
+        int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx, int add, int kps,
+        float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
+    pdl_trigger(FAM_COMBINE);
+    const int L = meta[meta_idx] + add;  // host-written: read before the wait
+    pdl_wait(FAM_COMBINE);
+    const int per_row = HD / (32 * VEC);
+    const int r = blockIdx.x / per_row;
+    const int qh = r / T, tok = r - qh * T;
+    const size_t o = (size_t)tok * Hq * HD + (size_t)qh * HD;
+    merge_row<ONE_PASS, VEC>(part_o, part_ml, nrows, HD, r, blockIdx.x - r * per_row, L, kps,
+                             [&](int, int d, float y) {
+                                 if (out_f32 != nullptr) out_f32[o + d] = y;
+                                 if (out_bf16 != nullptr) out_bf16[o + d] = f32_to_bf16(y);
+                             });
 }
 extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* __restrict__ part_o,
         const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx,
@@ -569,4 +577,58 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine_1p_v4(const float
         const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx,
         int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
     attn_combine_body<true, 4>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
+}
+
+// Decode: the split merge of head h = blockIdx.y and its share of the o_proj GEMV in one kernel,
+// x[n] += W_o[n][h*HD .. h*HD + HD) . merge(h) for the block's rows (o_proj split over K by head: each block merges
+// only its own head's 64-odd partials, one L2 round trip with the one-pass loads, instead of a merge kernel whose
+// completion the o_proj GEMV waits for). Before the PDL wait: the block's W_o rows (MO_U 16-byte words per lane).
+// grid = (ceil(N / MO_ROWS(HD)), Hq), 256 threads.
+#define MO_WARPS 8
+#define MO_U 8
+template <int HD>
+struct MergeOproj {
+    static constexpr int LPR = HD / 8;                     // lanes per weight row (8 bf16 each)
+    static constexpr int RPS = 32 / LPR;                   // rows per warp and step
+    static constexpr int ROWS = MO_WARPS * MO_U * RPS;     // rows per block
+};
+
+template <int HD>
+__device__ __forceinline__ void attn_merge_oproj_body(const float* __restrict__ part_o,
+        const float2* __restrict__ part_ml, int Hq, const int* __restrict__ meta, int step, int kps,
+        const bf16_t* __restrict__ Wo, int N, float* __restrict__ x) {
+    typedef MergeOproj<HD> MO;
+    __shared__ __align__(16) float s_o[HD];
+    const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int K = Hq * HD;
+    const int c = (lane % MO::LPR) * 8;  // this lane's 8 columns of the head
+    const int n0 = blockIdx.x * MO::ROWS + warp * MO_U * MO::RPS + lane / MO::LPR;
+    uint4 w[MO_U];
+#pragma unroll
+    for (int u = 0; u < MO_U; ++u) {
+        const int n = n0 + u * MO::RPS;
+        if (n < N) w[u] = ldg_stream16(Wo + (size_t)n * K + h * HD + c);
+    }
+    pdl_trigger(FAM_COMBINE);
+    const int L = meta[3] + step;  // host-written: read before the wait
+    pdl_wait(FAM_COMBINE);
+    merge_row<true, HD / 32>(part_o, part_ml, Hq, HD, h, 0, L, kps, [&](int, int d, float y) { s_o[d] = y; });
+    __syncthreads();
+    const float4 a = *reinterpret_cast<const float4*>(s_o + c), b = *reinterpret_cast<const float4*>(s_o + c + 4);
+#pragma unroll
+    for (int u = 0; u < MO_U; ++u) {
+        const int n = n0 + u * MO::RPS;
+        float acc = n < N ? dot8_bf16(w[u], a, b) : 0.f;
+#pragma unroll
+        for (int o = MO::LPR / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane % MO::LPR == 0 && n < N) atomicAdd(x + n, acc);
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) attn_merge_oproj_hd128(const float* part_o, const float2* part_ml,
+        int Hq, const int* meta, int step, int kps, const bf16_t* Wo, int N, float* x) {
+    attn_merge_oproj_body<128>(part_o, part_ml, Hq, meta, step, kps, Wo, N, x);
+}
+extern "C" __global__ void __launch_bounds__(256) attn_merge_oproj_hd64(const float* part_o, const float2* part_ml,
+        int Hq, const int* meta, int step, int kps, const bf16_t* Wo, int N, float* x) {
+    attn_merge_oproj_body<64>(part_o, part_ml, Hq, meta, step, kps, Wo, N, x);
 }

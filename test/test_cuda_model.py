@@ -241,10 +241,13 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel):
     ("fifo", True, True, "layered", {"combine": "one_pass", "kv_l2_prefetch": True, "attn_decode_kps": 128,
                                      "attn_prefill_kps": 128}),
     ("semantic", True, True, "layered", {"late_trigger": "qkv,attn,combine,resid,gateup,gemm,rmsnorm,attn_pf",
-                                         "combine": "one_pass", "kv_l2_prefetch": True})])
+                                         "combine": "one_pass", "kv_l2_prefetch": True}),
+    ("fifo", True, True, "layered", {"merge_oproj": True, "gemm_v4": "qkv,o,gateup,down", "combine_prefill_vec": 1}),
+    ("semantic", True, True, "layered", {"gemm_v4": "", "combine_prefill_vec": 2, "combine_decode_vec": 4})])
 def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_graphs, pdl, decode_kernel, extra):
     """Tiny geometry, budget of 4 frames, 9 frames: eviction, slot reuse and a budget shrink, vs NumpyEngine.
-    extra: tuning variants (the one-pass split merge, the K/V L2 prefetch, two-chunk splits)."""
+    extra: tuning variants (the one-pass split merge, the K/V L2 prefetch, two-chunk splits, the merge fused with
+    o_proj, every prefill GEMM on gemm32v4 or none, the merges' dims per thread)."""
     from vla_edge_ros.core.kv.manager import KVManager
     from vla_edge_ros.engine.checkpoint import load_checkpoint
     from vla_edge_ros.engine.numpy_backend import NumpyEngine

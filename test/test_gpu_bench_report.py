@@ -58,6 +58,22 @@ def test_timeline_summary_attributes_each_gap_to_its_kernel():
         assert n == 7 * 26  # steps 2..8, layers 1..26
 
 
+def test_timeline_summary_with_the_merge_and_o_proj_fused():
+    """Five decode kernels per layer (attn_merge_oproj): the one gemv_resid of a layer is the down projection."""
+    from vla_edge_ros.bench.gpu_chunk_bench import timeline_summary
+    names = ["gemv_qkv", "attn_decode_pre_hd128", "attn_merge_oproj_hd128", "gemv_gateup", "gemv_resid"]
+    gap = [2.0, 8.0, 5.0, 16.0, 6.5]
+    rows, t = [("rmsnorm_rows_bf16", 0.0, 1.0, 2.0)] * 3, 10.0
+    for _ in range(8):
+        for n, g in [("embed_gather", 1.0)] + [(n, g) for _ in range(28) for n, g in zip(names, gap)] + \
+                [("gemv_logits", 1.0), ("argmax_tokens", 1.0)]:
+            rows.append((n, t - 3.0, t, t + 0.5))
+            t += g
+    got = {k: crit for k, crit, lead, spread, n in timeline_summary(rows, 28)}
+    assert got == {"gemv_qkv": 2.0, "attn_decode_pre_hd128": 8.0, "attn_merge_oproj_hd128": 5.0, "gemv_gateup": 16.0,
+                   "gemv_resid down": 6.5}
+
+
 def test_late_trigger_mask_matches_the_kernel_families():
     from vla_edge_ros.engine.cuda_backend import LATE_TRIGGER_FAMILIES, late_trigger_mask
     from vla_edge_ros.engine.interface import EngineError

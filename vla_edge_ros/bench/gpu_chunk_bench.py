@@ -145,6 +145,8 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("gemm v4 all four", {"gemm_v4": "qkv,o,gateup,down"}),
         ("gemm v4 gateup only", {"gemm_v4": "gateup"}),
         ("gemm v4 down only", {"gemm_v4": "down"}),
+        ("late trigger all (v9)", {"late_trigger": "qkv,attn,combine,resid,gateup,gemm,rmsnorm,attn_pf"}),
+        ("merge + o_proj fused", {"merge_oproj": True}),
         ("late trigger all but combine", {"late_trigger": "qkv,attn,resid,gateup,gemm,rmsnorm,attn_pf"}),
         ("late trigger all but attn", {"late_trigger": "qkv,combine,resid,gateup,gemm,rmsnorm,attn_pf"}),
         ("late trigger all but qkv", {"late_trigger": "attn,combine,resid,gateup,gemm,rmsnorm,attn_pf"}),
@@ -218,17 +220,19 @@ def run_timeline(cfg, weights_np, args, log) -> dict:
 def timeline_summary(rows: list, layers: int) -> list[tuple[str, float, float, float, int]]:
     """Per kernel name in the decode pass's middle (steps 2.., layers 1..L-2): mean time from its first block's
     release (PDL wait passed) to the next kernel's, mean lead (release - start of its first block), mean release
-    spread (last - first block), count. For the layered decode (six kernels per layer)."""
+    spread (last - first block), count. For the layered decode (kernels per layer: six, or five with the merge and
+    o_proj fused); gemv_resid is o_proj unless it is the layer's last kernel (down)."""
     dec0 = next(i for i, r in enumerate(rows) if r[0] == "embed_gather")
     per_step = (len(rows) - dec0) // max(1, sum(1 for r in rows if r[0] == "embed_gather"))
+    kpl = (per_step - 3) // layers  # embed, then kpl per layer, then logits, argmax
     acc: dict[str, list] = {}
     for i in range(dec0 + per_step, len(rows) - 1):
-        pos = (i - dec0) % per_step  # 0 embed, then 6 per layer, then logits, argmax
-        layer = (pos - 1) // 6
+        pos = (i - dec0) % per_step
+        layer = (pos - 1) // kpl
         if not 1 <= layer <= layers - 2:
             continue
         n, start, rel, rel_last = rows[i]
-        key = n if n != "gemv_resid" else ("gemv_resid o_proj" if (pos - 1) % 6 == 3 else "gemv_resid down")
+        key = n if n != "gemv_resid" else ("gemv_resid down" if (pos - 1) % kpl == kpl - 1 else "gemv_resid o_proj")
         acc.setdefault(key, []).append((rows[i + 1][2] - rel, rel - start, rel_last - rel))
     return [(k, *np.mean(np.asarray(v), axis=0).tolist(), len(v)) for k, v in acc.items()]
 
@@ -555,8 +559,9 @@ def print_report(res: dict) -> None:
             print(f"prefill {rows[dec0][2] - rows[0][1]:.1f} us, decode {rows[-1][2] - rows[dec0][2]:.1f} us (to the "
                   "last kernel's release); one layer of decode step 4 (start / release / last release, us):")
             per_step = (len(rows) - dec0) // sum(1 for r in rows if r[0] == "embed_gather")
-            i0 = dec0 + 3 * per_step + 1 + 6 * 10
-            for n, a, b, c in rows[i0:i0 + 7]:
+            kpl = (per_step - 3) // res["geometry_layers"]
+            i0 = dec0 + 3 * per_step + 1 + kpl * 10
+            for n, a, b, c in rows[i0:i0 + kpl + 1]:
                 print(f"  {n:20s} {a:10.2f} {b:10.2f} {c:10.2f}")
             pf_layer = dec0 // res["geometry_layers"]  # the prefill's launches per layer (+ 3 after the last)
             i0 = pf_layer * (res["geometry_layers"] // 2)

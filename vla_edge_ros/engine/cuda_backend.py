@@ -146,6 +146,14 @@ G4_SMEM = G4_NW * 32 * (4 * G4_U + 4) * 16 + 2 * G4_NW * 16 * 32 * 4  # cuda/gem
 G4_USES = ("qkv", "o", "gateup", "down")  # tuning "gemm_v4": the prefill GEMMs that use gemm32v4_*
 
 
+MO_WARPS, MO_U = 8, 8  # cuda/rope_attention.cu: attn_merge_oproj_* warps per block, weight words per lane
+
+
+def merge_oproj_rows(hd: int) -> int:
+    """o_proj rows per block of attn_merge_oproj_hd{hd} (cuda/rope_attention.cu MergeOproj<HD>::ROWS)."""
+    return MO_WARPS * MO_U * (32 // (hd // 8))
+
+
 def gemm4_grid(N: int, K: int, n_sm: int, max_splits: int = 0, tol: float = 0.02) -> tuple[int, int]:
     """Grid (R row-group ranges, S K splits) of gemm32v4_*: R x S <= n_sm blocks (one per SM), the K range of a
     split at most G4_NW x G4_U k32 steps, S <= max_splits when given (the SiLU epilogue needs S == 1). Minimises
@@ -200,13 +208,19 @@ DEFAULT_TUNING = {
     "attn_decode_kps": 64,  # 64: attn_decode_pre_* (old keys staged before the PDL wait, lean on registers)
     "combine_prefill_vec": 4,  # one_pass merges, dims per thread (1, 2, 4; capped so that HD % (32 vec) == 0): the
     "combine_decode_vec": 1,   # prefill's and the decode's
-    "combine": "one_pass",  # split merge: "one_pass" (attn_combine_1p) or "two_pass" (attn_combine, +0.04 ms)
+    "combine": "one_pass",
+    "merge_oproj": False,  # decode: the split merge and o_proj in one kernel (attn_merge_oproj_*: o_proj split over
+                           # K by head, each block merges its head's partials) instead of attn_combine + gemv_resid.
+                           # H200 (session 5): the pair's 8.4 us per layer -> 5.0, but gate/up +2.6 and down +0.8 us:
+                           # +0.2 ms/chunk, so off (docs/KERNEL_NOTES.md)  # split merge: "one_pass" (attn_combine_1p) or "two_pass" (attn_combine, +0.04 ms)
     "kv_l2_prefetch": True,  # the QKV GEMV asks L2 for the layer's older K/V rows before its PDL wait (off: +0.07)
     # kernel families (LATE_TRIGGER_FAMILIES, comma-separated) that let their successor launch after their own PDL
-    # wait instead of at their start. All of them: a kernel launches when its predecessor's predecessor is done, so
-    # at most two wait behind a running one; triggering at the start let later kernels pile up resident (holding
-    # registers) and starve the running one: none late +0.80 ms/chunk on the H200 (docs/KERNEL_NOTES.md session 4)
-    "late_trigger": "qkv,attn,combine,resid,gateup,gemm,rmsnorm,attn_pf",
+    # wait instead of at their start: a kernel launches when its predecessor's predecessor is done, so at most two
+    # wait behind a running one; triggering at the start let later kernels pile up resident (holding registers) and
+    # starve the running one: none late +0.80 ms/chunk on the H200 (docs/KERNEL_NOTES.md session 4). All but the
+    # decode QKV GEMV (its attention then launches at its start and stages keys longer): -0.04 to -0.10 ms in four
+    # runs of session 5.
+    "late_trigger": "attn,combine,resid,gateup,gemm,rmsnorm,attn_pf",
     "decode_kernel": "layered",  # "layered": six kernels per layer (gemv.cu + rope_attention.cu); "persistent":
                                  # one launch per decode token (cuda/decode_persistent.cu), measured slower
                                  # on the H200 (16.3 vs 11.6 ms/chunk at ea7c250: docs/KERNEL_NOTES.md v5)
@@ -550,6 +564,7 @@ class CudaEngine(Engine):
             "attn_decode_hd128": "PPPPPiPiiifPP", "attn_decode_hd64": "PPPPPiPiiifPP",
             "attn_combine": "PPiiiiPiiiPP", "attn_combine_1p": "PPiiiiPiiiPP", "attn_combine_1p_v2": "PPiiiiPiiiPP",
             "attn_combine_1p_v4": "PPiiiiPiiiPP",
+            "attn_merge_oproj_hd128": "PPiPiiPiP", "attn_merge_oproj_hd64": "PPiPiiPiP",
             "argmax_tokens": "PiiPi",
             "decode_layers_hd128": "PiPPPPPPPPiPiiiiffiPPP", "decode_layers_hd64": "PiPPPPPPPPiPiiiiffiPPP",
         }
@@ -660,6 +675,8 @@ class CudaEngine(Engine):
         self._write_late_trigger(late_trigger_mask(t["late_trigger"]))
         self._combine_vec("combine_prefill_vec")  # a bad "combine" fails here, not at capture
         self._combine_vec("combine_decode_vec")
+        # attn_merge_oproj merges a whole head per block (HD = 32 x dims per thread) with the one-pass loads
+        self.merge_oproj = bool(t["merge_oproj"]) and t["combine"] == "one_pass" and self.HD in (64, 128)
         self._plan_persistent()
         attn, threads = self._attn_prefill()
         regs = self.k[attn].num_regs
@@ -773,7 +790,7 @@ class CudaEngine(Engine):
 
     @staticmethod
     def _tag_of(name: str) -> str:
-        for tag in ("gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "gemm32v4_atomic", "gemm32v4_silu",
+        for tag in ("attn_merge_oproj", "gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "gemm32v4_atomic", "gemm32v4_silu",
                     "gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits", "decode_layers",
                     "attn_prefill", "attn_decode", "attn_combine", "rmsnorm", "kv_store", "embed", "argmax"):
             if name.startswith(tag):
@@ -871,6 +888,7 @@ class CudaEngine(Engine):
         else:
             attn = "attn_decode_hd%d" % self.HD
         combine, cvec = self._combine_vec("combine_decode_vec")
+        mo_rows = merge_oproj_rows(self.HD)
         kv_pf = np.int32(bool(self.tuning["kv_l2_prefetch"]))
         start = self._launches
         n_steps = steps or self.decode_tokens
@@ -898,13 +916,17 @@ class CudaEngine(Engine):
                 self._launch(attn, (self.nsplit_dec, self.n_kvh), (128, 1, 1), self.q_dec, P(kc), P(vc),
                              self.key_slots, self.meta, st, self.rope, np.int32(self.G), np.int32(self.n_kvh),
                              np.int32(kps), qscale, self.part_o_dec, self.part_ml_dec)
-                self._launch(combine, (self.Hq * self.HD // (32 * cvec), 1), (256, 1, 1), self.part_o_dec,
-                             self.part_ml_dec,
-                             np.int32(self.Hq), np.int32(self.HD), np.int32(1), np.int32(self.Hq), self.meta,
-                             np.int32(3), st, np.int32(kps), self.attn_dec, P(0))
-                rb, ns, ks = self.v_o
-                self._launch("gemv_resid", (rb, ns), (256, 1, 1), self.attn_dec, Lw["wo"], np.int32(H), np.int32(nq),
-                             np.int32(ks), self.x_dec, smem=4 * ks)
+                if self.merge_oproj:
+                    self._launch("attn_merge_oproj_hd%d" % self.HD, (math.ceil(H / mo_rows), self.Hq), (256, 1, 1),
+                                 self.part_o_dec, self.part_ml_dec, np.int32(self.Hq), self.meta, st, np.int32(kps),
+                                 Lw["wo"], np.int32(H), self.x_dec)
+                else:
+                    self._launch(combine, (self.Hq * self.HD // (32 * cvec), 1), (256, 1, 1), self.part_o_dec,
+                                 self.part_ml_dec, np.int32(self.Hq), np.int32(self.HD), np.int32(1),
+                                 np.int32(self.Hq), self.meta, np.int32(3), st, np.int32(kps), self.attn_dec, P(0))
+                    rb, ns, ks = self.v_o
+                    self._launch("gemv_resid", (rb, ns), (256, 1, 1), self.attn_dec, Lw["wo"], np.int32(H),
+                                 np.int32(nq), np.int32(ks), self.x_dec, smem=4 * ks)
                 self._launch("gemv_gateup", (math.ceil(I / GEMV_WARPS), 1), (256, 1, 1), self.x_dec, Lw["ln2"], eps,
                              Lw["wgu"], np.int32(I), np.int32(H), self.act_dec, smem=4 * H)
                 rb, ns, ks = self.v_d
@@ -1111,7 +1133,8 @@ class CudaEngine(Engine):
         of the KV cache: call reset() afterwards if the engine is to be used again (benchmark only)."""
         from vla_edge_ros.engine.graphs import CudaGraph
         tags = ["rmsnorm", "gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "gemm32v4_atomic",
-                "gemm32v4_silu", "kv_store", "attn_prefill", "attn_combine", "embed", "gemv_qkv", "attn_decode", "gemv_resid", "gemv_gateup", "decode_layers", "gemv_logits", "argmax"]
+                "gemm32v4_silu", "kv_store", "attn_prefill", "attn_combine", "attn_merge_oproj", "embed", "gemv_qkv",
+                "attn_decode", "gemv_resid", "gemv_gateup", "decode_layers", "gemv_logits", "argmax"]
         out: dict[str, float] = {}
         with self._active():
             for tag in tags:
@@ -1155,8 +1178,8 @@ class CudaEngine(Engine):
                 self._skip = None
             return self._time_graph(g, reps)
 
-        tags = ["gemm32_atomic", "gemm32_silu", "gemm32v4_atomic", "gemm32v4_silu", "rmsnorm", "kv_store", "attn_prefill", "attn_combine", "embed",
-                "gemv_qkv", "attn_decode", "gemv_resid", "gemv_gateup", "gemv_logits", "argmax"]
+        tags = ["gemm32_atomic", "gemm32_silu", "gemm32v4_atomic", "gemm32v4_silu", "rmsnorm", "kv_store", "attn_prefill",
+                "attn_combine", "attn_merge_oproj", "embed", "gemv_qkv", "attn_decode", "gemv_resid", "gemv_gateup", "gemv_logits", "argmax"]
         with self._active():
             full = timed(None)
             out = {"full": full}
