@@ -15,6 +15,24 @@
 
 enum { GEMM_ATOMIC = 0, GEMM_SILU = 1 };
 
+// One k32 step of a warp's 32-token x 16-row tile: activation words q of rows g, g+8, g+16, g+24 (row stride sa,
+// 16-byte words), b = the lane's words of its two weight rows (g and g+8); words {2h, 2h+1} feed k16 half h.
+__device__ __forceinline__ void mma_k32(float (&acc)[2][2][4], const uint4 (&b)[2], const uint4* sA, int sa, int q,
+                                        int g) {
+    const uint4 a0 = sA[g * sa + q], a1 = sA[(g + 8) * sa + q];
+    const uint4 a2 = sA[(g + 16) * sa + q], a3 = sA[(g + 24) * sa + q];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const uint32_t b0 = u4_word(b[j], 2 * h), b1 = u4_word(b[j], 2 * h + 1);
+            mma_bf16_16816(acc[0][j], u4_word(a0, 2 * h), u4_word(a1, 2 * h), u4_word(a0, 2 * h + 1),
+                           u4_word(a1, 2 * h + 1), b0, b1);
+            mma_bf16_16816(acc[1][j], u4_word(a2, 2 * h), u4_word(a3, 2 * h), u4_word(a2, 2 * h + 1),
+                           u4_word(a3, 2 * h + 1), b0, b1);
+        }
+}
+
 template <int WPB, int MODE>
 __device__ __forceinline__ void gemm32_body(const bf16_t* __restrict__ A, int lda, const bf16_t* __restrict__ W,
                                             int N, int K, int ks_len, float* __restrict__ C, int ldc,
@@ -66,22 +84,7 @@ __device__ __forceinline__ void gemm32_body(const bf16_t* __restrict__ A, int ld
         if (active) {
 #pragma unroll
             for (int u = 0; u < GEMM_KC / 32; ++u) {
-                if (32 * u < clen) {
-                    const int q = 4 * u + t;
-                    const uint4 a0 = sA[g * GEMM_SA + q], a1 = sA[(g + 8) * GEMM_SA + q];
-                    const uint4 a2 = sA[(g + 16) * GEMM_SA + q], a3 = sA[(g + 24) * GEMM_SA + q];
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                        for (int j = 0; j < 2; ++j) {
-                            const uint32_t b0 = u4_word(b[u][j], 2 * h), b1 = u4_word(b[u][j], 2 * h + 1);
-                            mma_bf16_16816(acc[0][j], u4_word(a0, 2 * h), u4_word(a1, 2 * h), u4_word(a0, 2 * h + 1),
-                                           u4_word(a1, 2 * h + 1), b0, b1);
-                            mma_bf16_16816(acc[1][j], u4_word(a2, 2 * h), u4_word(a3, 2 * h), u4_word(a2, 2 * h + 1),
-                                           u4_word(a3, 2 * h + 1), b0, b1);
-                        }
-                    }
-                }
+                if (32 * u < clen) mma_k32(acc, b[u], sA, GEMM_SA, 4 * u + t, g);
             }
         }
     }
@@ -154,21 +157,7 @@ __device__ __forceinline__ void gemm2_mma(float (&acc)[2][2][4], const uint4 (&b
                                           int sa, int k0, int klen, int g, int t) {
 #pragma unroll
     for (int u = 0; u < GEMM2_U; ++u) {
-        if (k0 + 32 * u < klen) {
-            const int q = (k0 + 32 * u) / 8 + t;
-            const uint4 a0 = sA[g * sa + q], a1 = sA[(g + 8) * sa + q];
-            const uint4 a2 = sA[(g + 16) * sa + q], a3 = sA[(g + 24) * sa + q];
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const uint32_t b0 = u4_word(b[u][j], 2 * h), b1 = u4_word(b[u][j], 2 * h + 1);
-                    mma_bf16_16816(acc[0][j], u4_word(a0, 2 * h), u4_word(a1, 2 * h), u4_word(a0, 2 * h + 1),
-                                   u4_word(a1, 2 * h + 1), b0, b1);
-                    mma_bf16_16816(acc[1][j], u4_word(a2, 2 * h), u4_word(a3, 2 * h), u4_word(a2, 2 * h + 1),
-                                   u4_word(a3, 2 * h + 1), b0, b1);
-                }
-        }
+        if (k0 + 32 * u < klen) mma_k32(acc, b[u], sA, sa, (k0 + 32 * u) / 8 + t, g);
     }
 }
 
@@ -301,21 +290,7 @@ __device__ __forceinline__ void g4_mma(float (&acc)[2][2][4], const G4Buf& B, co
             for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.f;
 #pragma unroll
     for (int u = 0; u < G4_U; ++u) {
-        if (u < nsw) {
-            const int q = 4 * u + t;
-            const uint4 a0 = sA[g * G4_SA + q], a1 = sA[(g + 8) * G4_SA + q];
-            const uint4 a2 = sA[(g + 16) * G4_SA + q], a3 = sA[(g + 24) * G4_SA + q];
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const uint32_t b0 = u4_word(B.w[u][j], 2 * h), b1 = u4_word(B.w[u][j], 2 * h + 1);
-                    mma_bf16_16816(acc[0][j], u4_word(a0, 2 * h), u4_word(a1, 2 * h), u4_word(a0, 2 * h + 1),
-                                   u4_word(a1, 2 * h + 1), b0, b1);
-                    mma_bf16_16816(acc[1][j], u4_word(a2, 2 * h), u4_word(a3, 2 * h), u4_word(a2, 2 * h + 1),
-                                   u4_word(a3, 2 * h + 1), b0, b1);
-                }
-        }
+        if (u < nsw) mma_k32(acc, B.w[u], sA, G4_SA, 4 * u + t, g);
     }
 }
 

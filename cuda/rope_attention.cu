@@ -557,27 +557,19 @@ __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part
                                  if (out_bf16 != nullptr) out_bf16[o + d] = f32_to_bf16(y);
                              });
 }
-extern "C" __global__ void __launch_bounds__(256) attn_combine(const float* __restrict__ part_o,
-        const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx,
-        int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
-    attn_combine_body<false, 1>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
-}
-extern "C" __global__ void __launch_bounds__(256) attn_combine_1p(const float* __restrict__ part_o,
-        const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx,
-        int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
-    attn_combine_body<true, 1>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
-}
-// VEC dims per thread (HD a multiple of 32 * VEC): the prefill's merge
-extern "C" __global__ void __launch_bounds__(256) attn_combine_1p_v2(const float* __restrict__ part_o,
-        const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx,
-        int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
-    attn_combine_body<true, 2>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
-}
-extern "C" __global__ void __launch_bounds__(256) attn_combine_1p_v4(const float* __restrict__ part_o,
-        const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx,
-        int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
-    attn_combine_body<true, 4>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);
-}
+// attn_combine (two passes), attn_combine_1p (one pass, the decode's), _v2 / _v4 (one pass, VEC dims per thread, HD a
+// multiple of 32 * VEC: the prefill's)
+#define COMBINE_KERNEL(NAME, ONE_PASS, VEC)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const float* __restrict__ part_o,                       \
+            const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta,     \
+            int meta_idx, int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {          \
+        attn_combine_body<ONE_PASS, VEC>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32,     \
+                                         out_bf16);                                                                \
+    }
+COMBINE_KERNEL(attn_combine, false, 1)
+COMBINE_KERNEL(attn_combine_1p, true, 1)
+COMBINE_KERNEL(attn_combine_1p_v2, true, 2)
+COMBINE_KERNEL(attn_combine_1p_v4, true, 4)
 
 // Decode: the split merge of head h = blockIdx.y and its share of the o_proj GEMV in one kernel,
 // x[n] += W_o[n][h*HD .. h*HD + HD) . merge(h) for the block's rows (o_proj split over K by head: each block merges

@@ -36,19 +36,26 @@ def test_report_prints_the_verdict(capsys):
     assert "-> NOT MET" in out and "not measured" in out
 
 
+def _decode_rows(names, gap, layers=28, steps=8):
+    """Rows shaped like CudaEngine.timeline: a 3-kernel prefill, then per decode step embed, `names` per layer with
+    release-to-release gaps `gap` (us), logits and argmax; every kernel started 3 us before its release, its last
+    block released 0.5 us after its first."""
+    rows, t = [("rmsnorm_rows_bf16", 0.0, 1.0, 2.0)] * 3, 10.0
+    for _ in range(steps):
+        for n, g in [("embed_gather", 1.0)] + [(n, g) for _ in range(layers) for n, g in zip(names, gap)] + \
+                [("gemv_logits", 1.0), ("argmax_tokens", 1.0)]:
+            rows.append((n, t - 3.0, t, t + 0.5))
+            t += g
+    return rows
+
+
 def test_timeline_summary_attributes_each_gap_to_its_kernel():
     """Rows shaped like CudaEngine.timeline: each decode kernel's critical time is the gap from its release to the
     next kernel's release, averaged over the middle layers of steps 2..; o_proj and down are told apart."""
     from vla_edge_ros.bench.gpu_chunk_bench import timeline_summary
     names = ["gemv_qkv", "attn_decode_pre_hd128", "attn_combine", "gemv_resid", "gemv_gateup", "gemv_resid"]
     gap = [2.0, 8.0, 5.0, 1.0, 16.0, 6.5]
-    rows, t = [("rmsnorm_rows_bf16", 0.0, 1.0, 2.0)] * 3, 10.0
-    for _ in range(8):
-        for n, g in [("embed_gather", 1.0)] + [(n, g) for _ in range(28) for n, g in zip(names, gap)] + \
-                [("gemv_logits", 1.0), ("argmax_tokens", 1.0)]:
-            rows.append((n, t - 3.0, t, t + 0.5))
-            t += g
-    got = {k: (crit, lead, spread, n) for k, crit, lead, spread, n in timeline_summary(rows, 28)}
+    got = {k: (crit, lead, spread, n) for k, crit, lead, spread, n in timeline_summary(_decode_rows(names, gap), 28)}
     assert set(got) == {"gemv_qkv", "attn_decode_pre_hd128", "attn_combine", "gemv_resid o_proj", "gemv_gateup",
                         "gemv_resid down"}
     for k, g in zip(["gemv_qkv", "attn_decode_pre_hd128", "attn_combine", "gemv_resid o_proj", "gemv_gateup",
@@ -63,13 +70,7 @@ def test_timeline_summary_with_the_merge_and_o_proj_fused():
     from vla_edge_ros.bench.gpu_chunk_bench import timeline_summary
     names = ["gemv_qkv", "attn_decode_pre_hd128", "attn_merge_oproj_hd128", "gemv_gateup", "gemv_resid"]
     gap = [2.0, 8.0, 5.0, 16.0, 6.5]
-    rows, t = [("rmsnorm_rows_bf16", 0.0, 1.0, 2.0)] * 3, 10.0
-    for _ in range(8):
-        for n, g in [("embed_gather", 1.0)] + [(n, g) for _ in range(28) for n, g in zip(names, gap)] + \
-                [("gemv_logits", 1.0), ("argmax_tokens", 1.0)]:
-            rows.append((n, t - 3.0, t, t + 0.5))
-            t += g
-    got = {k: crit for k, crit, lead, spread, n in timeline_summary(rows, 28)}
+    got = {k: crit for k, crit, lead, spread, n in timeline_summary(_decode_rows(names, gap), 28)}
     assert got == {"gemv_qkv": 2.0, "attn_decode_pre_hd128": 8.0, "attn_merge_oproj_hd128": 5.0, "gemv_gateup": 16.0,
                    "gemv_resid down": 6.5}
 
