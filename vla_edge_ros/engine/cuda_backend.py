@@ -208,17 +208,18 @@ DEFAULT_TUNING = {
     "attn_decode_kps": 64,  # 64: attn_decode_pre_* (old keys staged before the PDL wait, lean on registers)
     "combine_prefill_vec": 4,  # one_pass merges, dims per thread (1, 2, 4; capped so that HD % (32 vec) == 0): the
     "combine_decode_vec": 1,   # prefill's and the decode's
-    "combine": "one_pass",
+    "combine": "one_pass",  # split merge: "one_pass" (attn_combine_1p) or "two_pass" (attn_combine, +0.04 ms)
     "merge_oproj": False,  # decode: the split merge and o_proj in one kernel (attn_merge_oproj_*: o_proj split over
                            # K by head, each block merges its head's partials) instead of attn_combine + gemv_resid.
-                           # H200 (session 5): the pair's 8.4 us per layer -> 5.0, but gate/up +2.6 and down +0.8 us:
-                           # +0.2 ms/chunk, so off (docs/KERNEL_NOTES.md)  # split merge: "one_pass" (attn_combine_1p) or "two_pass" (attn_combine, +0.04 ms)
+                           # H200 (session 5): the pair's 8.4 us per layer -> 5.0, but gate/up +2.6 and down +0.8 us;
+                           # +0.20 ms/chunk with every trigger late, -0.05 with the QKV's early (two runs): within the
+                           # spread between runs, so off (docs/KERNEL_NOTES.md)
     "kv_l2_prefetch": True,  # the QKV GEMV asks L2 for the layer's older K/V rows before its PDL wait (off: +0.07)
     # kernel families (LATE_TRIGGER_FAMILIES, comma-separated) that let their successor launch after their own PDL
     # wait instead of at their start: a kernel launches when its predecessor's predecessor is done, so at most two
     # wait behind a running one; triggering at the start let later kernels pile up resident (holding registers) and
     # starve the running one: none late +0.80 ms/chunk on the H200 (docs/KERNEL_NOTES.md session 4). All but the
-    # decode QKV GEMV (its attention then launches at its start and stages keys longer): -0.04 to -0.10 ms in four
+    # decode QKV GEMV (its attention then launches at its start and stages keys longer): -0.04 to -0.13 ms in four
     # runs of session 5.
     "late_trigger": "attn,combine,resid,gateup,gemm,rmsnorm,attn_pf",
     "decode_kernel": "layered",  # "layered": six kernels per layer (gemv.cu + rope_attention.cu); "persistent":
@@ -790,9 +791,9 @@ class CudaEngine(Engine):
 
     @staticmethod
     def _tag_of(name: str) -> str:
-        for tag in ("attn_merge_oproj", "gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "gemm32v4_atomic", "gemm32v4_silu",
-                    "gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits", "decode_layers",
-                    "attn_prefill", "attn_decode", "attn_combine", "rmsnorm", "kv_store", "embed", "argmax"):
+        for tag in ("attn_merge_oproj", "gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu",
+                    "gemm32v4_atomic", "gemm32v4_silu", "gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits",
+                    "decode_layers", "attn_prefill", "attn_decode", "attn_combine", "rmsnorm", "kv_store", "embed", "argmax"):
             if name.startswith(tag):
                 return tag
         return name
@@ -1178,8 +1179,9 @@ class CudaEngine(Engine):
                 self._skip = None
             return self._time_graph(g, reps)
 
-        tags = ["gemm32_atomic", "gemm32_silu", "gemm32v4_atomic", "gemm32v4_silu", "rmsnorm", "kv_store", "attn_prefill",
-                "attn_combine", "attn_merge_oproj", "embed", "gemv_qkv", "attn_decode", "gemv_resid", "gemv_gateup", "gemv_logits", "argmax"]
+        tags = ["gemm32_atomic", "gemm32_silu", "gemm32v4_atomic", "gemm32v4_silu", "rmsnorm", "kv_store",
+                "attn_prefill", "attn_combine", "attn_merge_oproj", "embed", "gemv_qkv", "attn_decode", "gemv_resid",
+                "gemv_gateup", "gemv_logits", "argmax"]
         with self._active():
             full = timed(None)
             out = {"full": full}
