@@ -455,7 +455,7 @@ __device__ __forceinline__ float cmb_get(const typename CmbVec<VEC>::T& v, int i
 }
 
 // merge_row: row r, dims d = dblk * 32 * VEC + lane * VEC + k of every split (L keys: nsplit = ceil(L / kps));
-// store(k, d, value) runs in the threads of split group 0 only (every thread returns from here).
+// store(d, value) runs in the threads of split group 0 only (every thread returns from here).
 template <bool ONE_PASS, int VEC, typename Store>
 __device__ __forceinline__ void merge_row(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
                                           int nrows, int HD, int r, int dblk, int L, int kps, Store store) {
@@ -537,7 +537,7 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_o, cons
         den += s_den[i];
     }
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) store(k, d + k, num[k] / den);
+    for (int k = 0; k < VEC; ++k) store(d + k, num[k] / den);
 }
 
 template <bool ONE_PASS, int VEC>
@@ -552,7 +552,7 @@ __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part
     const int qh = r / T, tok = r - qh * T;
     const size_t o = (size_t)tok * Hq * HD + (size_t)qh * HD;
     merge_row<ONE_PASS, VEC>(part_o, part_ml, nrows, HD, r, blockIdx.x - r * per_row, L, kps,
-                             [&](int, int d, float y) {
+                             [&](int d, float y) {
                                  if (out_f32 != nullptr) out_f32[o + d] = y;
                                  if (out_bf16 != nullptr) out_bf16[o + d] = f32_to_bf16(y);
                              });
@@ -604,7 +604,7 @@ __device__ __forceinline__ void attn_merge_oproj_body(const float* __restrict__ 
     pdl_trigger(FAM_COMBINE);
     const int L = meta[3] + step;  // host-written: read before the wait
     pdl_wait(FAM_COMBINE);
-    merge_row<true, HD / 32>(part_o, part_ml, Hq, HD, h, 0, L, kps, [&](int, int d, float y) { s_o[d] = y; });
+    merge_row<true, HD / 32>(part_o, part_ml, Hq, HD, h, 0, L, kps, [&](int d, float y) { s_o[d] = y; });
     __syncthreads();
     const float4 a = *reinterpret_cast<const float4*>(s_o + c), b = *reinterpret_cast<const float4*>(s_o + c + 4);
 #pragma unroll

@@ -835,6 +835,7 @@ class CudaEngine(Engine):
         kps = int(self.tuning["attn_prefill_kps"])
         pre = kps == 64  # cuda/rope_attention.cu ATT_KC: the attention stores this chunk's K/V itself
         attn, athreads = self._attn_prefill()
+        cname, cvec = self._combine_vec("combine_prefill_vec")
         start = self._launches
         for i, Lw in enumerate(self.layers):
             kc, vc = self._layer_ptrs(i)
@@ -850,8 +851,7 @@ class CudaEngine(Engine):
             self._launch(attn, (self.nsplit_pf, self.n_kvh), (athreads, 1, 1), self.qkv, np.int32(self.nqkv),
                          P(kc), P(vc), self.key_slots, self.meta, self.rope, np.int32(self.G), np.int32(self.n_kvh),
                          np.int32(kps), qscale, self.part_o_pf, self.part_ml_pf)
-            cname, vec = self._combine_vec("combine_prefill_vec")
-            self._launch(cname, (self.Hq * T * self.HD // (32 * vec), 1), (256, 1, 1), self.part_o_pf,
+            self._launch(cname, (self.Hq * T * self.HD // (32 * cvec), 1), (256, 1, 1), self.part_o_pf,
                          self.part_ml_pf, np.int32(self.Hq * T), np.int32(self.HD), np.int32(T), np.int32(self.Hq),
                          self.meta, np.int32(0), np.int32(0), np.int32(kps), P(0), self.attn_bf)
             self._gemm(self.p_o, blk, self.attn_bf, nq, Lw["wo"], H, nq, self.x_pre, H, "o")
