@@ -55,6 +55,21 @@ def wait_for(predicate, timeout_s: float, poll_s: float = 0.05) -> bool:
     return predicate()
 
 
+def call_answered(send, timeout_s: float = 60.0, resend_every_s: float = 2.0, what: str = "request"):
+    """send() -> rclpy Future of a service request that is safe to repeat; resent until one is answered.
+
+    A client's wait_for_service() only says that the server's request reader is discovered. Until the server
+    has also matched the client's response reader, its response is dropped and the future never completes
+    (seen in CI: a lifecycle GetState right after wait_for_service unanswered for 60 s). So the first request
+    on each service goes through here; once one answer came back, both directions are matched."""
+    t_end = time.monotonic() + timeout_s
+    while True:
+        fut = send()
+        if wait_for(fut.done, max(min(resend_every_s, t_end - time.monotonic()), 0.0)):
+            return fut.result()
+        assert time.monotonic() < t_end, f"no answer to {what} in {timeout_s:.0f} s"
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
@@ -128,8 +143,9 @@ def runtime_with_param_clients(domain_id: int, tmp: Path, client_name: str, clie
     clients = {n: AsyncParameterClient(node, n) for n in client_nodes}
     try:
         assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
-        for c in clients.values():
+        for name, c in clients.items():
             assert c.wait_for_services(timeout_sec=20.0)
+            call_answered(lambda: c.get_parameters(["use_sim_time"]), what=f"{name}/get_parameters")
         yield {"clients": clients, "stats": stats, "runtime": runtime, "node": node}
     finally:
         ex.shutdown(timeout_sec=2.0)

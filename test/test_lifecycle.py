@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ros_env import Proc, apply_env, module_cmd, read_json, ros_env, wait_for
+from ros_env import Proc, apply_env, call_answered, module_cmd, read_json, ros_env, wait_for
 
 DOMAIN_ID = 14
 rclpy = pytest.importorskip("rclpy")
@@ -46,6 +46,19 @@ class LifecycleClient:
         fut = client.call_async(req)
         assert wait_for(fut.done, timeout_s), "no answer"
         return fut.result()
+
+    def ready(self):
+        """Both services answer (see call_answered for why wait_for_service is not enough): each is pinged with
+        a request that is safe to repeat, GetState and ChangeState 'activate', which is refused while the node
+        is unconfigured (both tests call this while it is)."""
+        from lifecycle_msgs.msg import Transition
+        from lifecycle_msgs.srv import ChangeState, GetState
+
+        assert self.get.wait_for_service(timeout_sec=30.0) and self.change.wait_for_service(timeout_sec=30.0)
+        call_answered(lambda: self.get.call_async(GetState.Request()), what="get_state")
+        req = ChangeState.Request()
+        req.transition.id = Transition.TRANSITION_ACTIVATE
+        assert call_answered(lambda: self.change.call_async(req), what="change_state").success is False
 
     def state(self) -> str:
         from lifecycle_msgs.srv import GetState
@@ -89,7 +102,7 @@ def test_configure_activate_deactivate_cleanup_and_invalid_transition(tmp_path):
     runtime, cam, stats = _start(tmp_path)
     lc = LifecycleClient(tmp_path)
     try:
-        assert lc.get.wait_for_service(timeout_sec=30.0), runtime.output()
+        lc.ready()
         assert lc.state() == "unconfigured"
         # invalid requests while unconfigured: answered success=False, the process lives on
         assert lc.transition(T.TRANSITION_ACTIVATE) is False
@@ -156,8 +169,8 @@ def test_failed_configure_reports_reason_and_stays_unconfigured(tmp_path):
                                  autostart=True, camera=False)
     lc = LifecycleClient(tmp_path)
     try:
-        assert lc.get.wait_for_service(timeout_sec=30.0), runtime.output()
         assert wait_for(lambda: "configure failed" in runtime.output(), 30.0), runtime.output()
+        lc.ready()
         assert lc.state() == "unconfigured"
         assert wait_for(lambda: lc.diag.get("last_error", ""), 5.0)
         assert "configure failed" in lc.diag["last_error"] and "no_such_checkpoint" in lc.diag["last_error"]

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from ros_env import Proc, apply_env, module_cmd, read_json, read_json_when, ros_env, wait_for
+from ros_env import Proc, apply_env, call_answered, module_cmd, read_json, read_json_when, ros_env, wait_for
 
 DOMAIN_ID = 92
 FROZEN_LIMIT = 10
@@ -75,9 +75,11 @@ class FakeCameraAndDiag:
     def set_hold_on_frozen(self, value: bool):
         from rclpy.parameter import Parameter
 
-        fut = self.params.set_parameters([Parameter("hold_on_frozen", value=value)])
-        assert wait_for(fut.done, 10.0)
-        assert fut.result().results[0].successful, fut.result().results[0].reason
+        assert self.params.wait_for_services(timeout_sec=20.0)
+        # setting the same value again is harmless, so the first request may be resent (see call_answered)
+        res = call_answered(lambda: self.params.set_parameters([Parameter("hold_on_frozen", value=value)]),
+                            what="vla_camera/set_parameters").results[0]
+        assert res.successful, res.reason
 
     def close(self):
         self._stop.set()
