@@ -230,9 +230,11 @@ def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd, kv_prefetch):
     slot = key_slots[meta[3] + step - 1]
     q = dev.poisoned(4 * nq)
     kc, vc = dev.poisoned(2 * slots_n * nkv), dev.poisoned(2 * slots_n * nkv)
+    x_copy = dev.poisoned(4 * H)  # gemv_mlp's input: the residual as it was, not normed
     dev.fn("gemv_qkv")(dev.up(x), dev.up(nw_b), F32(1e-6), dev.up(w_b), dev.up(bias), I32(H), I32(nq), I32(nkv), q,
-                       kc, vc, dev.up(key_slots), dev.up(meta), I32(step), I32(kv_prefetch), block=(256, 1, 1),
-                       grid=(math.ceil(N / 16), 1), shared=4 * H)
+                       kc, vc, dev.up(key_slots), dev.up(meta), I32(step), I32(kv_prefetch), x_copy,
+                       block=(256, 1, 1), grid=(math.ceil(N / 16), 1), shared=4 * H)
+    np.testing.assert_array_equal(dev.down(x_copy, H, np.float32), x)
     xd = x.astype(np.float64)
     h = xd / np.sqrt(np.mean(xd * xd) + 1e-6) * nw
     y = w @ h + bias
@@ -243,15 +245,45 @@ def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd, kv_prefetch):
     assert rel_err(vout, y[nq + nkv:]) < 1e-2
 
 
-@pytest.mark.parametrize("N,K,ks", [(1536, 1536, 1536), (1536, 8960, 4608), (896, 4864, 1024), (1536, 1536, 768)])
-def test_gemv_resid(dev, rng, N, K, ks):
+@pytest.mark.parametrize("N,K,ks,second", [(1536, 1536, 1536, False), (1536, 8960, 4608, False),
+                                            (896, 4864, 1024, False), (1536, 1536, 768, False),
+                                            (1536, 1536, 1536, True), (1536, 1536, 768, True)])
+def test_gemv_resid(dev, rng, N, K, ks, second):
+    """second: the sum also added to a second residual copy (o_proj before the fused MLP), unsplit and split-K."""
     v = rng.standard_normal(K).astype(np.float32)
     w_b, w = rand_bf16(rng, (N, K), 0.05)
     x0 = rng.standard_normal(N).astype(np.float32)
-    x = dev.up(x0)
-    dev.fn("gemv_resid")(dev.up(v), dev.up(w_b), I32(N), I32(K), I32(ks), x, block=(256, 1, 1),
-                         grid=(math.ceil(N / 16), math.ceil(K / ks)), shared=4 * ks)
-    assert rel_err(dev.down(x, N, np.float32), x0 + w @ v.astype(np.float64)) < 1e-5
+    x2_0 = rng.standard_normal(N).astype(np.float32)
+    x, x2 = dev.up(x0), dev.up(x2_0)
+    dev.fn("gemv_resid")(dev.up(v), dev.up(w_b), I32(N), I32(K), I32(ks), x, x2 if second else np.intp(0),
+                         block=(256, 1, 1), grid=(math.ceil(N / 16), math.ceil(K / ks)), shared=4 * ks)
+    y = w @ v.astype(np.float64)
+    assert rel_err(dev.down(x, N, np.float32), x0 + y) < 1e-5
+    if second:
+        assert rel_err(dev.down(x2, N, np.float32), x2_0 + y) < 1e-5
+    else:
+        np.testing.assert_array_equal(dev.down(x2, N, np.float32), x2_0)  # untouched
+
+
+@pytest.mark.parametrize("I,K,R", [(8960, 1536, 1), (8960, 1536, 2), (8960, 1536, 4), (4864, 896, 2),
+                                   (704, 256, 4)])
+def test_gemv_mlp(dev, rng, I, K, R):
+    """The fused decode MLP: x_out += down(silu(gate(h)) * up(h)), h = rmsnorm(x_in); x_in is only read."""
+    x = rng.standard_normal(K).astype(np.float32)
+    x0 = rng.standard_normal(K).astype(np.float32)
+    nw_b, nw = rand_bf16(rng, K)
+    g_b, g = rand_bf16(rng, (I, K), 0.05)
+    u_b, u = rand_bf16(rng, (I, K), 0.05)
+    d_b, d = rand_bf16(rng, (K, I), 0.05)
+    x_in, x_out = dev.up(x), dev.up(x0)
+    dev.fn(f"gemv_mlp_r{R}")(x_in, dev.up(nw_b), F32(1e-6), dev.up(interleave_gate_up(g_b, u_b)), dev.up(d_b),
+                             I32(I), I32(K), x_out, block=(256, 1, 1), grid=(I // (8 * R), 1), shared=4 * (K + 8 * R))
+    xd = x.astype(np.float64)
+    h = xd / np.sqrt(np.mean(xd * xd) + 1e-6) * nw
+    gg, uu = g @ h, u @ h
+    want = x0 + d @ (gg / (1 + np.exp(-gg)) * uu)
+    assert rel_err(dev.down(x_out, K, np.float32), want) < 1e-5
+    np.testing.assert_array_equal(dev.down(x_in, K, np.float32), x)
 
 
 def test_gemv_gateup(dev, rng):

@@ -214,6 +214,10 @@ DEFAULT_TUNING = {
                            # H200 (session 5): the pair's 8.4 us per layer -> 5.0, but gate/up +2.6 and down +0.8 us;
                            # +0.20 ms/chunk with every trigger late, -0.05 with the QKV's early (two runs): within the
                            # spread between runs, so off (docs/KERNEL_NOTES.md)
+    "decode_mlp": 0,  # decode MLP: 0 = gemv_gateup + gemv_resid (down); R = 1, 2, 4: one gemv_mlp_r{R} kernel per
+                      # layer (gate/up, SiLU and down, each block 8R intermediates, down's columns streamed with
+                      # gate/up, the residual in two copies; cuda/gemv.cu). Needs the two-kernel merge (merge_oproj
+                      # off), I % 8R == 0 and hidden <= 2048 (else the two kernels).
     "kv_l2_prefetch": True,  # the QKV GEMV asks L2 for the layer's older K/V rows before its PDL wait (off: +0.07)
     # kernel families (LATE_TRIGGER_FAMILIES, comma-separated) that let their successor launch after their own PDL
     # wait instead of at their start: a kernel launches when its predecessor's predecessor is done, so at most two
@@ -442,6 +446,7 @@ class CudaEngine(Engine):
         self.act_bf = self._alloc("act_bf", 2 * T * I)
         self.final_h = self._alloc("final_h", 4 * T * H)
         self.x_dec = self._alloc("x_dec", 4 * H)
+        self.x_mlp = self._alloc("x_mlp", 4 * H)  # gemv_mlp's input: a copy of the residual (see gemv_mlp)
         self.q_dec = self._alloc("q_dec", 4 * self.Hq * self.HD)
         self.attn_dec = self._alloc("attn_dec", 4 * self.Hq * self.HD)
         self.act_dec = self._alloc("act_dec", 4 * I)
@@ -558,6 +563,8 @@ class CudaEngine(Engine):
             "attn_decode_mma_hd128": "PPPPPiPiiifPP", "attn_decode_mma_hd64": "PPPPPiPiiifPP",
             "attn_decode_pre_hd128": "PPPPPiPiiifPP", "attn_decode_pre_hd64": "PPPPPiPiiifPP",
             "gemv_qkv": "PPfPPiiiPPPPPii", "gemv_resid": "PPiiiP", "gemv_gateup": "PPfPiiP",
+            "gemv_qkv_xc": "PPfPPiiiPPPPPiiP", "gemv_resid_x2": "PPiiiPP",
+            "gemv_mlp_r1": "PPfPPiiP", "gemv_mlp_r2": "PPfPPiiP", "gemv_mlp_r4": "PPfPPiiP",
             "gemv_logits": "PPiPfPiiPP",
             "kv_store_prefill": "PiiiPPPP",
             "attn_prefill_hd128": "PiPPPPPiiifPP", "attn_prefill_hd64": "PiPPPPPiiifPP",
@@ -661,8 +668,10 @@ class CudaEngine(Engine):
         self.v_o = gemv(H, self.Hq * self.HD)
         self.v_d = gemv(H, I)
         gsm = 4 * max(H, self.v_o[2], self.v_d[2])
-        for name in ("gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits"):
+        for name in ("gemv_qkv", "gemv_qkv_xc", "gemv_resid", "gemv_resid_x2", "gemv_gateup", "gemv_logits"):
             smem_need[name] = gsm
+        for r in (1, 2, 4):
+            smem_need[f"gemv_mlp_r{r}"] = 4 * (H + 8 * r)
         max_optin = cuda.Device(0).get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         for name, need in smem_need.items():
             if need > max_optin:
@@ -678,12 +687,24 @@ class CudaEngine(Engine):
         self._combine_vec("combine_decode_vec")
         # attn_merge_oproj merges a whole head per block (HD = 32 x dims per thread) with the one-pass loads
         self.merge_oproj = bool(t["merge_oproj"]) and t["combine"] == "one_pass" and self.HD in (64, 128)
+        self.mlp_rounds = self._mlp_rounds()
         self._plan_persistent()
         attn, threads = self._attn_prefill()
         regs = self.k[attn].num_regs
         if threads > 1024 or threads * regs > 65536:
             raise EngineError(f"prefill attention needs {threads} threads x {regs} registers per block: "
                               f"{self.G} query heads per KV head is too many for head_dim {self.HD}")
+
+    def _mlp_rounds(self) -> int:
+        """Rounds per block of the fused decode MLP (gemv_mlp_r{R}), 0 for the two kernels."""
+        r = int(self.tuning["decode_mlp"])
+        if r not in (0, 1, 2, 4):
+            raise EngineError(f"decode_mlp must be 0, 1, 2 or 4, got {self.tuning['decode_mlp']!r}")
+        if r and (self.merge_oproj or self.I % (8 * r) or self.H > 2048 or self.H % 8):
+            self.log(f"cuda engine: decode_mlp {r} needs merge_oproj off, intermediate % {8 * r} == 0 and hidden "
+                     f"<= 2048; using gemv_gateup + gemv_resid")
+            return 0
+        return r
 
     def _write_late_trigger(self, mask: int) -> None:
         """cuda/common.cuh vla_late_trigger in every loaded module (PyCUDA's and the PDL launcher's)."""
@@ -792,7 +813,8 @@ class CudaEngine(Engine):
     @staticmethod
     def _tag_of(name: str) -> str:
         for tag in ("attn_merge_oproj", "gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu",
-                    "gemm32v4_atomic", "gemm32v4_silu", "gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits",
+                    "gemm32v4_atomic", "gemm32v4_silu", "gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_mlp",
+                    "gemv_logits",
                     "decode_layers", "attn_prefill", "attn_decode", "attn_combine", "rmsnorm", "kv_store", "embed", "argmax"):
             if name.startswith(tag):
                 return tag
@@ -891,6 +913,7 @@ class CudaEngine(Engine):
         combine, cvec = self._combine_vec("combine_decode_vec")
         mo_rows = merge_oproj_rows(self.HD)
         kv_pf = np.int32(bool(self.tuning["kv_l2_prefetch"]))
+        mlp = self.mlp_rounds
         start = self._launches
         n_steps = steps or self.decode_tokens
         if self.persistent and (self._only is None or "decode_layers" in self._only):
@@ -911,9 +934,11 @@ class CudaEngine(Engine):
                              self.pd_prof if self.tuning["pd_profile"] else 0, smem=self.pd_smem)
             for i, Lw in enumerate(self.layers if not self.persistent else ()):
                 kc, vc = self._layer_ptrs(i)
-                self._launch("gemv_qkv", (math.ceil(self.nqkv / (2 * GEMV_WARPS)), 1), (256, 1, 1), self.x_dec, Lw["ln1"],
-                             eps, Lw["wqkv"], Lw["bqkv"], np.int32(H), np.int32(nq), np.int32(self.nkv), self.q_dec,
-                             P(kc), P(vc), self.key_slots, self.meta, st, kv_pf, smem=4 * H)
+                # with the fused MLP the QKV GEMV also copies the residual into gemv_mlp's input x_mlp
+                self._launch("gemv_qkv_xc" if mlp else "gemv_qkv", (math.ceil(self.nqkv / (2 * GEMV_WARPS)), 1),
+                             (256, 1, 1), self.x_dec, Lw["ln1"], eps, Lw["wqkv"], Lw["bqkv"], np.int32(H), np.int32(nq),
+                             np.int32(self.nkv), self.q_dec, P(kc), P(vc), self.key_slots, self.meta, st, kv_pf,
+                             *((self.x_mlp,) if mlp else ()), smem=4 * H)
                 self._launch(attn, (self.nsplit_dec, self.n_kvh), (128, 1, 1), self.q_dec, P(kc), P(vc),
                              self.key_slots, self.meta, st, self.rope, np.int32(self.G), np.int32(self.n_kvh),
                              np.int32(kps), qscale, self.part_o_dec, self.part_ml_dec)
@@ -926,8 +951,13 @@ class CudaEngine(Engine):
                                  self.part_ml_dec, np.int32(self.Hq), np.int32(self.HD), np.int32(1),
                                  np.int32(self.Hq), self.meta, np.int32(3), st, np.int32(kps), self.attn_dec, P(0))
                     rb, ns, ks = self.v_o
-                    self._launch("gemv_resid", (rb, ns), (256, 1, 1), self.attn_dec, Lw["wo"], np.int32(H),
-                                 np.int32(nq), np.int32(ks), self.x_dec, smem=4 * ks)
+                    self._launch("gemv_resid_x2" if mlp else "gemv_resid", (rb, ns), (256, 1, 1), self.attn_dec,
+                                 Lw["wo"], np.int32(H), np.int32(nq), np.int32(ks), self.x_dec,
+                                 *((self.x_mlp,) if mlp else ()), smem=4 * ks)
+                if mlp:
+                    self._launch(f"gemv_mlp_r{mlp}", (I // (8 * mlp), 1), (256, 1, 1), self.x_mlp, Lw["ln2"], eps,
+                                 Lw["wgu"], Lw["wd"], np.int32(I), np.int32(H), self.x_dec, smem=4 * (H + 8 * mlp))
+                    continue
                 self._launch("gemv_gateup", (math.ceil(I / GEMV_WARPS), 1), (256, 1, 1), self.x_dec, Lw["ln2"], eps,
                              Lw["wgu"], np.int32(I), np.int32(H), self.act_dec, smem=4 * H)
                 rb, ns, ks = self.v_d
@@ -1135,7 +1165,7 @@ class CudaEngine(Engine):
         from vla_edge_ros.engine.graphs import CudaGraph
         tags = ["rmsnorm", "gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "gemm32v4_atomic",
                 "gemm32v4_silu", "kv_store", "attn_prefill", "attn_combine", "attn_merge_oproj", "embed", "gemv_qkv",
-                "attn_decode", "gemv_resid", "gemv_gateup", "decode_layers", "gemv_logits", "argmax"]
+                "attn_decode", "gemv_resid", "gemv_gateup", "gemv_mlp", "decode_layers", "gemv_logits", "argmax"]
         out: dict[str, float] = {}
         with self._active():
             for tag in tags:
@@ -1181,7 +1211,7 @@ class CudaEngine(Engine):
 
         tags = ["gemm32_atomic", "gemm32_silu", "gemm32v4_atomic", "gemm32v4_silu", "rmsnorm", "kv_store",
                 "attn_prefill", "attn_combine", "attn_merge_oproj", "embed", "gemv_qkv", "attn_decode", "gemv_resid",
-                "gemv_gateup", "gemv_logits", "argmax"]
+                "gemv_gateup", "gemv_mlp", "gemv_logits", "argmax"]
         with self._active():
             full = timed(None)
             out = {"full": full}
