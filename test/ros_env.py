@@ -60,8 +60,10 @@ def call_answered(send, timeout_s: float = 60.0, resend_every_s: float = 2.0, wh
 
     A client's wait_for_service() only says that the server's request reader is discovered. Until the server
     has also matched the client's response reader, its response is dropped and the future never completes
-    (seen in CI: a lifecycle GetState right after wait_for_service unanswered for 60 s). So the first request
-    on each service goes through here; once one answer came back, both directions are matched."""
+    (rmw_fastrtps waits only 100 ms for that reader before giving up on the response: ros2/rmw_fastrtps#390 and
+    #467; seen in CI on 2 loaded cores: a lifecycle GetState right after wait_for_service unanswered for 60 s).
+    So the first request on each service goes through here; once one answer came back, both directions are
+    matched."""
     t_end = time.monotonic() + timeout_s
     while True:
         fut = send()
