@@ -464,12 +464,14 @@ def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
         assert rel_err(bits_f32(dev.down(out_b, (T, nq), np.uint16)), ref) < 2e-2, combine
 
 
-@pytest.mark.parametrize("hd,Hq,N,nctx,step,kps", [(128, 12, 1536, 4082, 5, 64), (64, 14, 896, 300, 3, 64),
-                                                    (128, 12, 1536, 4082, 8, 32), (128, 12, 1000, 50, 1, 64)])
-def test_attn_merge_oproj(dev, rng, hd, Hq, N, nctx, step, kps):
+@pytest.mark.parametrize("hd,Hq,N,nctx,step,kps,second", [
+    (128, 12, 1536, 4082, 5, 64, False), (64, 14, 896, 300, 3, 64, False), (128, 12, 1536, 4082, 8, 32, False),
+    (128, 12, 1000, 50, 1, 64, False), (128, 12, 1536, 4082, 5, 64, True), (64, 14, 896, 300, 3, 64, True)])
+def test_attn_merge_oproj(dev, rng, hd, Hq, N, nctx, step, kps, second):
     """The decode's split merge fused with o_proj: x += W_o merge(partials), every head's merge in the blocks of
     that head. Random partials (log2-domain maxima spread over +-12, positive sums);
-    (4082 + 8, 32): 128 splits, more than one round of the one-pass loads (96); N = 1000: a partial row block."""
+    (4082 + 8, 32): 128 splits, more than one round of the one-pass loads (96); N = 1000: a partial row block.
+    second: the _x2 kernel, the sum also added to a second residual copy (the fused decode MLP's input)."""
     from vla_edge_ros.engine.cuda_backend import merge_oproj_rows
     L = nctx + step
     ns = math.ceil(L / kps)
@@ -478,16 +480,19 @@ def test_attn_merge_oproj(dev, rng, hd, Hq, N, nctx, step, kps):
     lsum = rng.uniform(0.5, 3.0, (ns, Hq)).astype(np.float32)
     ml = np.stack([m, lsum], axis=-1).astype(np.float32)
     wo_b, wo = rand_bf16(rng, (N, Hq * hd), 0.05)
-    x0 = rng.standard_normal(N).astype(np.float32)
-    x = dev.up(x0)
+    x0, x2_0 = rng.standard_normal(N).astype(np.float32), rng.standard_normal(N).astype(np.float32)
+    x, x2 = dev.up(x0), dev.up(x2_0)
     meta = np.array([0, 0, 0, nctx], np.int32)
     rows = merge_oproj_rows(hd)
-    dev.fn(f"attn_merge_oproj_hd{hd}")(dev.up(po), dev.up(ml), I32(Hq), dev.up(meta), I32(step), I32(kps),
-                                         dev.up(wo_b), I32(N), x, block=(256, 1, 1), grid=(math.ceil(N / rows), Hq))
+    name = f"attn_merge_oproj_x2_hd{hd}" if second else f"attn_merge_oproj_hd{hd}"
+    dev.fn(name)(dev.up(po), dev.up(ml), I32(Hq), dev.up(meta), I32(step), I32(kps), dev.up(wo_b), I32(N), x,
+                 *((x2,) if second else ()), block=(256, 1, 1), grid=(math.ceil(N / rows), Hq))
     e = np.exp2(m.astype(np.float64) - m.max(axis=0, keepdims=True))  # (ns, Hq)
     o = (e[..., None] * po).sum(0) / (e * lsum).sum(0)[:, None]     # (Hq, hd)
-    ref = x0 + wo @ o.reshape(-1)
-    assert rel_err(dev.down(x, N, np.float32), ref) < 1e-5
+    y = wo @ o.reshape(-1)
+    assert rel_err(dev.down(x, N, np.float32), x0 + y) < 1e-5
+    if second:
+        assert rel_err(dev.down(x2, N, np.float32), x2_0 + y) < 1e-5
 
 
 @pytest.mark.parametrize("kernel", ["attn_decode_mma", "attn_decode", "attn_decode_pre"])

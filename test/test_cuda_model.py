@@ -248,7 +248,8 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel, e
     ("fifo", True, True, "layered", {"merge_oproj": True, "gemm_v4": "qkv,o,gateup,down", "combine_prefill_vec": 1}),
     ("semantic", True, True, "layered", {"gemm_v4": "", "combine_prefill_vec": 2, "combine_decode_vec": 4}),
     ("fifo", True, True, "layered", {"decode_mlp": 1}), ("semantic", False, True, "layered", {"decode_mlp": 4}),
-    ("sliding_window", True, False, "layered", {"decode_mlp": 2})])
+    ("sliding_window", True, False, "layered", {"decode_mlp": 2}),
+    ("fifo", True, True, "layered", {"decode_mlp": 2, "merge_oproj": True})])
 def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_graphs, pdl, decode_kernel, extra):
     """Tiny geometry, budget of 4 frames, 9 frames: eviction, slot reuse and a budget shrink, vs NumpyEngine.
     extra: tuning variants (the one-pass split merge, the K/V L2 prefetch, two-chunk splits, the merge fused with

@@ -216,8 +216,8 @@ DEFAULT_TUNING = {
                            # spread between runs, so off (docs/KERNEL_NOTES.md)
     "decode_mlp": 0,  # decode MLP: 0 = gemv_gateup + gemv_resid (down); R = 1, 2, 4: one gemv_mlp_r{R} kernel per
                       # layer (gate/up, SiLU and down, each block 8R intermediates, down's columns streamed with
-                      # gate/up, the residual in two copies; cuda/gemv.cu). Needs the two-kernel merge (merge_oproj
-                      # off), I % 8R == 0 and hidden <= 2048 (else the two kernels).
+                      # gate/up, the residual in two copies; cuda/gemv.cu). Needs I % 8R == 0 and hidden <= 2048
+                      # (else the two kernels).
     "kv_l2_prefetch": True,  # the QKV GEMV asks L2 for the layer's older K/V rows before its PDL wait (off: +0.07)
     # kernel families (LATE_TRIGGER_FAMILIES, comma-separated) that let their successor launch after their own PDL
     # wait instead of at their start: a kernel launches when its predecessor's predecessor is done, so at most two
@@ -573,6 +573,7 @@ class CudaEngine(Engine):
             "attn_combine": "PPiiiiPiiiPP", "attn_combine_1p": "PPiiiiPiiiPP", "attn_combine_1p_v2": "PPiiiiPiiiPP",
             "attn_combine_1p_v4": "PPiiiiPiiiPP",
             "attn_merge_oproj_hd128": "PPiPiiPiP", "attn_merge_oproj_hd64": "PPiPiiPiP",
+            "attn_merge_oproj_x2_hd128": "PPiPiiPiPP", "attn_merge_oproj_x2_hd64": "PPiPiiPiPP",
             "argmax_tokens": "PiiPi",
             "decode_layers_hd128": "PiPPPPPPPPiPiiiiffiPPP", "decode_layers_hd64": "PiPPPPPPPPiPiiiiffiPPP",
         }
@@ -700,9 +701,9 @@ class CudaEngine(Engine):
         r = int(self.tuning["decode_mlp"])
         if r not in (0, 1, 2, 4):
             raise EngineError(f"decode_mlp must be 0, 1, 2 or 4, got {self.tuning['decode_mlp']!r}")
-        if r and (self.merge_oproj or self.I % (8 * r) or self.H > 2048 or self.H % 8):
-            self.log(f"cuda engine: decode_mlp {r} needs merge_oproj off, intermediate % {8 * r} == 0 and hidden "
-                     f"<= 2048; using gemv_gateup + gemv_resid")
+        if r and (self.I % (8 * r) or self.H > 2048 or self.H % 8):
+            self.log(f"cuda engine: decode_mlp {r} needs intermediate % {8 * r} == 0 and hidden <= 2048 (a multiple "
+                     f"of 8); using gemv_gateup + gemv_resid")
             return 0
         return r
 
@@ -943,9 +944,10 @@ class CudaEngine(Engine):
                              self.key_slots, self.meta, st, self.rope, np.int32(self.G), np.int32(self.n_kvh),
                              np.int32(kps), qscale, self.part_o_dec, self.part_ml_dec)
                 if self.merge_oproj:
-                    self._launch("attn_merge_oproj_hd%d" % self.HD, (math.ceil(H / mo_rows), self.Hq), (256, 1, 1),
-                                 self.part_o_dec, self.part_ml_dec, np.int32(self.Hq), self.meta, st, np.int32(kps),
-                                 Lw["wo"], np.int32(H), self.x_dec)
+                    self._launch(("attn_merge_oproj_x2_hd%d" if mlp else "attn_merge_oproj_hd%d") % self.HD,
+                                 (math.ceil(H / mo_rows), self.Hq), (256, 1, 1), self.part_o_dec, self.part_ml_dec,
+                                 np.int32(self.Hq), self.meta, st, np.int32(kps), Lw["wo"], np.int32(H), self.x_dec,
+                                 *((self.x_mlp,) if mlp else ()))
                 else:
                     self._launch(combine, (self.Hq * self.HD // (32 * cvec), 1), (256, 1, 1), self.part_o_dec,
                                  self.part_ml_dec, np.int32(self.Hq), np.int32(self.HD), np.int32(1),
