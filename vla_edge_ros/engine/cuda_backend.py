@@ -370,7 +370,7 @@ class CudaEngine(Engine):
         n_dec = math.ceil(slots / self.tuning["attn_decode_kps"])
         scratch = (4 * T_CHUNK * (3 * H + self.nqkv) + 2 * T_CHUNK * (2 * H + I)
                    + 4 * (n_pf * self.Hq * T_CHUNK * (self.HD + 2)) + 4 * (n_dec * self.Hq * (self.HD + 2))
-                   + 4 * (3 * H + self.Hq * self.HD + I + self.decode_tokens * H)
+                   + 4 * (4 * H + self.Hq * self.HD + I + self.decode_tokens * H)  # (+ x_mlp)
                    + 4 * (self.decode_tokens + 1) * self.n_bins + 8 * (slots + 64) * self.HD // 2
                    + 4 * (slots + 8) + 64 + 2 * T_CHUNK * self.cfg.patch_dim + 4096)
         return {"model": int(model), "kv": int(kv), "scratch": int(scratch)}
