@@ -226,8 +226,9 @@ def run_timeline(cfg, weights_np, args, log) -> dict:
 def timeline_summary(rows: list, layers: int) -> list[tuple[str, float, float, float, int]]:
     """Per kernel name in the decode pass's middle (steps 2.., layers 1..L-2): mean time from its first block's
     release (PDL wait passed) to the next kernel's, mean lead (release - start of its first block), mean release
-    spread (last - first block), count. For the layered decode (kernels per layer: six, or five with the merge and
-    o_proj fused); gemv_resid is o_proj unless it is the layer's last kernel (down)."""
+    spread (last - first block), count. For the layered decode (kernels per layer: six; five with the merge and
+    o_proj fused or with the fused MLP, four with both); gemv_resid is o_proj unless it is the layer's last kernel
+    (down)."""
     dec0 = next(i for i, r in enumerate(rows) if r[0] == "embed_gather")
     per_step = (len(rows) - dec0) // max(1, sum(1 for r in rows if r[0] == "embed_gather"))
     kpl = (per_step - 3) // layers  # embed, then kpl per layer, then logits, argmax
