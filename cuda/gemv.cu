@@ -300,8 +300,16 @@ __device__ __forceinline__ void red_add4(float* p, float a, float b, float c, fl
 // Round r = intermediates ob + 8r + warp (one per warp, rows interleaved as for gemv_gateup) and their 8 down
 // columns; R > 1 accumulates R rounds before its reductions (R times fewer atomics), the next round's gate/up rows
 // requested as soon as the current round's dot products are done. grid.x = I / (8R), K % 4 == 0, K <= 1024 MLP_DR.
+// WDT: W_d given transposed ([I, K], a copy the engine builds once): a round's down columns are then 8 contiguous
+// rows (each thread 8 bytes of each, coalesced across the warp) instead of 16-byte pieces of K rows I apart.
 #define MLP_DR 2
-template <int R>
+__device__ __forceinline__ uint2 ldg_stream8(const void* p) {
+    uint2 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
+template <int R, bool WDT>
 __device__ __forceinline__ void gemv_mlp_impl(float* sx, const float* __restrict__ x_in,
         const bf16_t* __restrict__ normw, float eps, const bf16_t* __restrict__ Wgu, const bf16_t* __restrict__ Wd,
         int I, int K, float* __restrict__ x_out) {
@@ -309,14 +317,21 @@ __device__ __forceinline__ void gemv_mlp_impl(float* sx, const float* __restrict
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int ob = blockIdx.x * (GEMV_WARPS * R);
     const int ngrp = K >> 2;  // thread t owns rows 4g..4g+3 for g = t + 256 j
-    uint4 wd[MLP_DR][4];
+    uint4 wd[MLP_DR][4];      // !WDT: [j][q] = row 4g+q, the round's 8 columns
+    uint2 wt[MLP_DR][8];      // WDT: [j][c] = column c of the round, rows 4g..4g+3
     auto load_down = [&](int r) {
 #pragma unroll
         for (int j = 0; j < MLP_DR; ++j) {
             const int g = threadIdx.x + j * 256;
+            if constexpr (WDT) {
 #pragma unroll
-            for (int q = 0; q < 4; ++q)
-                if (g < ngrp) wd[j][q] = ldg_stream16(Wd + (size_t)(4 * g + q) * I + ob + 8 * r);
+                for (int c = 0; c < 8; ++c)
+                    if (g < ngrp) wt[j][c] = ldg_stream8(Wd + (size_t)(ob + 8 * r + c) * K + 4 * g);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    if (g < ngrp) wd[j][q] = ldg_stream16(Wd + (size_t)(4 * g + q) * I + ob + 8 * r);
+            }
         }
     };
     GemvRows<2> Rw;
@@ -345,10 +360,22 @@ __device__ __forceinline__ void gemv_mlp_impl(float* sx, const float* __restrict
         const float4 a0 = reinterpret_cast<const float4*>(sact)[2 * r];
         const float4 a1 = reinterpret_cast<const float4*>(sact)[2 * r + 1];
 #pragma unroll
-        for (int j = 0; j < MLP_DR; ++j)
+        for (int j = 0; j < MLP_DR; ++j) {
+            if (threadIdx.x + j * 256 >= ngrp) continue;
+            if constexpr (WDT) {
+                const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
-            for (int q = 0; q < 4; ++q)
-                if (threadIdx.x + j * 256 < ngrp) y[j][q] += dot8_bf16(wd[j][q], a0, a1);
+                for (int c = 0; c < 8; ++c) {
+                    y[j][0] = fmaf(bf16_lo(wt[j][c].x), a[c], y[j][0]);
+                    y[j][1] = fmaf(bf16_hi(wt[j][c].x), a[c], y[j][1]);
+                    y[j][2] = fmaf(bf16_lo(wt[j][c].y), a[c], y[j][2]);
+                    y[j][3] = fmaf(bf16_hi(wt[j][c].y), a[c], y[j][3]);
+                }
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; ++q) y[j][q] += dot8_bf16(wd[j][q], a0, a1);
+            }
+        }
         if (r + 1 < R) load_down(r + 1);
     }
 #pragma unroll
@@ -358,16 +385,18 @@ __device__ __forceinline__ void gemv_mlp_impl(float* sx, const float* __restrict
     }
 }
 
-#define GEMV_MLP(R)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(256, 2) gemv_mlp_r##R(const float* __restrict__ x_in,            \
+#define GEMV_MLP(NAME, R, WDT)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 2) NAME(const float* __restrict__ x_in,                     \
             const bf16_t* __restrict__ normw, float eps, const bf16_t* __restrict__ Wgu,                        \
             const bf16_t* __restrict__ Wd, int I, int K, float* __restrict__ x_out) {                           \
         extern __shared__ float sx[];                                                                           \
-        gemv_mlp_impl<R>(sx, x_in, normw, eps, Wgu, Wd, I, K, x_out);                                           \
+        gemv_mlp_impl<R, WDT>(sx, x_in, normw, eps, Wgu, Wd, I, K, x_out);                                      \
     }
-GEMV_MLP(1)
-GEMV_MLP(2)
-GEMV_MLP(4)
+GEMV_MLP(gemv_mlp_r1, 1, false)
+GEMV_MLP(gemv_mlp_r2, 2, false)
+GEMV_MLP(gemv_mlp_r4, 4, false)
+GEMV_MLP(gemv_mlp_t_r1, 1, true)
+GEMV_MLP(gemv_mlp_t_r2, 2, true)
 
 // logits[n] = W[n] . rmsnorm(x_row) for the action rows (W = embedding rows vocab-256 .. vocab-1).
 // x_row = x + row*K with row = (row_meta >= 0 ? meta[row_meta] - 1 : 0) (prefill: the last valid token).

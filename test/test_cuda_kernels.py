@@ -265,10 +265,12 @@ def test_gemv_resid(dev, rng, N, K, ks, second):
         np.testing.assert_array_equal(dev.down(x2, N, np.float32), x2_0)  # untouched
 
 
-@pytest.mark.parametrize("I,K,R", [(8960, 1536, 1), (8960, 1536, 2), (8960, 1536, 4), (4864, 896, 2),
-                                   (704, 256, 4)])
-def test_gemv_mlp(dev, rng, I, K, R):
-    """The fused decode MLP: x_out += down(silu(gate(h)) * up(h)), h = rmsnorm(x_in); x_in is only read."""
+@pytest.mark.parametrize("I,K,R,wdt", [(8960, 1536, 1, False), (8960, 1536, 2, False), (8960, 1536, 4, False),
+                                       (4864, 896, 2, False), (704, 256, 4, False), (8960, 1536, 1, True),
+                                       (8960, 1536, 2, True), (4864, 896, 2, True)])
+def test_gemv_mlp(dev, rng, I, K, R, wdt):
+    """The fused decode MLP: x_out += down(silu(gate(h)) * up(h)), h = rmsnorm(x_in); x_in is only read.
+    wdt: gemv_mlp_t_r*, W_d given transposed ([I, K])."""
     x = rng.standard_normal(K).astype(np.float32)
     x0 = rng.standard_normal(K).astype(np.float32)
     nw_b, nw = rand_bf16(rng, K)
@@ -276,8 +278,9 @@ def test_gemv_mlp(dev, rng, I, K, R):
     u_b, u = rand_bf16(rng, (I, K), 0.05)
     d_b, d = rand_bf16(rng, (K, I), 0.05)
     x_in, x_out = dev.up(x), dev.up(x0)
-    dev.fn(f"gemv_mlp_r{R}")(x_in, dev.up(nw_b), F32(1e-6), dev.up(interleave_gate_up(g_b, u_b)), dev.up(d_b),
-                             I32(I), I32(K), x_out, block=(256, 1, 1), grid=(I // (8 * R), 1), shared=4 * (K + 8 * R))
+    dev.fn(f"gemv_mlp_t_r{R}" if wdt else f"gemv_mlp_r{R}")(
+        x_in, dev.up(nw_b), F32(1e-6), dev.up(interleave_gate_up(g_b, u_b)), dev.up(d_b.T.copy() if wdt else d_b),
+        I32(I), I32(K), x_out, block=(256, 1, 1), grid=(I // (8 * R), 1), shared=4 * (K + 8 * R))
     xd = x.astype(np.float64)
     h = xd / np.sqrt(np.mean(xd * xd) + 1e-6) * nw
     gg, uu = g @ h, u @ h
@@ -299,6 +302,16 @@ def test_gemv_gateup(dev, rng):
     h = xd / np.sqrt(np.mean(xd * xd) + 1e-6) * nw
     gg, uu = g @ h, u @ h
     assert rel_err(dev.down(act, I, np.float32), gg / (1 + np.exp(-gg)) * uu) < 1e-5
+
+
+@pytest.mark.parametrize("rows,cols", [(1536, 8960), (896, 4864), (40, 70)])
+def test_transpose_bf16(dev, rng, rows, cols):
+    """(40, 70): partial tiles at both edges."""
+    a = rng.integers(0, 1 << 16, (rows, cols), dtype=np.uint16)
+    out = dev.poisoned(2 * rows * cols)
+    dev.fn("transpose_bf16")(dev.up(a), out, I32(rows), I32(cols), block=(32, 8, 1),
+                             grid=(math.ceil(cols / 32), math.ceil(rows / 32)))
+    np.testing.assert_array_equal(dev.down(out, (cols, rows), np.uint16), a.T)
 
 
 @pytest.mark.parametrize("use_norm", [True, False])

@@ -186,7 +186,8 @@ def make_engine(cfg_dict, ckpt, budget, policy="fifo", use_graphs=True, instruct
 @gpu
 @pytest.mark.parametrize("geometry,decode_kernel,extra", [
     ("1.5b", "layered", {}), ("0.5b", "layered", {}), ("1.5b", "persistent", {}), ("0.5b", "persistent", {}),
-    ("1.5b", "layered", {"decode_mlp": 2}), ("0.5b", "layered", {"decode_mlp": 4})])
+    ("1.5b", "layered", {"decode_mlp": 2}), ("0.5b", "layered", {"decode_mlp": 4}),
+    ("0.5b", "layered", {"decode_mlp": 2, "decode_mlp_wdt": True})])
 def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel, extra):
     """extra: tuning variants (the fused decode MLP, gemv_mlp)."""
     torch = torch_cuda
@@ -196,7 +197,7 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel, e
     budget = 288  # 21 prefix + 8 frames (+11 spare): no eviction, so HF's causal recompute is the exact reference
     cfg, kv, eng = make_engine(cfg_dict, tmp_path / geometry, budget, tuning={"decode_kernel": decode_kernel, **extra})
     assert eng.persistent == (decode_kernel == "persistent")
-    assert eng.mlp_rounds == extra.get("decode_mlp", 0)
+    assert eng.mlp_rounds == extra.get("decode_mlp", 0) and eng.mlp_wdt == extra.get("decode_mlp_wdt", False)
     try:
         rng = np.random.default_rng()
         frames = [(0.02 * rng.standard_normal((32, cfg.hidden_size))).astype(np.float32) for _ in range(n_frames)]
@@ -249,7 +250,8 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel, e
     ("semantic", True, True, "layered", {"gemm_v4": "", "combine_prefill_vec": 2, "combine_decode_vec": 4}),
     ("fifo", True, True, "layered", {"decode_mlp": 1}), ("semantic", False, True, "layered", {"decode_mlp": 4}),
     ("sliding_window", True, False, "layered", {"decode_mlp": 2}),
-    ("fifo", True, True, "layered", {"decode_mlp": 2, "merge_oproj": True})])
+    ("fifo", True, True, "layered", {"decode_mlp": 2, "merge_oproj": True}),
+    ("semantic", True, True, "layered", {"decode_mlp": 1, "decode_mlp_wdt": True})])
 def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_graphs, pdl, decode_kernel, extra):
     """Tiny geometry, budget of 4 frames, 9 frames: eviction, slot reuse and a budget shrink, vs NumpyEngine.
     extra: tuning variants (the one-pass split merge, the K/V L2 prefetch, two-chunk splits, the merge fused with
@@ -294,6 +296,38 @@ def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_g
               f"numpy: {worst:.6f}")
         mem = eng.memory()
         assert 0 < mem["current_bytes"] <= mem["peak_bytes"]
+    finally:
+        eng.close()
+
+
+@gpu
+def test_fused_mlp_transposed_down_copies_follow_the_tuning(torch_cuda, tmp_path):
+    """decode_mlp_wdt builds one transposed W_d per layer (tracked bytes), retune frees them when the fused MLP or
+    the option goes off and rebuilds them when it comes back; the chunk's logits do not change with the layout."""
+    torch = torch_cuda
+    cfg_dict = tiny_default_dict()
+    random_checkpoint(torch, cfg_dict, tmp_path / "tiny", seed=4)
+    cfg, kv, eng = make_engine(cfg_dict, tmp_path / "tiny", 21 + 11 + 32 * 4,
+                               tuning={"decode_mlp": 2, "decode_mlp_wdt": True})
+    copies = cfg.num_hidden_layers * 2 * cfg.hidden_size * cfg.intermediate_size
+    try:
+        assert eng.mlp_wdt
+        x = (0.05 * np.random.default_rng(5).standard_normal((32, cfg.hidden_size))).astype(np.float32)
+        with_t = eng.memory()["current_bytes"]
+        eng.run_chunk(x, 0)
+        logits_t = eng.last_logits.copy()
+        eng.retune(decode_mlp_wdt=False)
+        assert not eng.mlp_wdt and eng.memory()["current_bytes"] == with_t - copies
+        eng.retune(decode_mlp=4, decode_mlp_wdt=True)  # R = 4 has no transposed kernel: W_d as stored
+        assert eng.mlp_rounds == 4 and not eng.mlp_wdt and eng.memory()["current_bytes"] == with_t - copies
+        eng.reset()
+        eng.run_chunk(x, 0)  # the same chunk on an empty cache, W_d as stored
+        assert cosine(eng.last_logits.ravel(), logits_t.ravel()) >= 0.9999
+        eng.retune(decode_mlp=2)
+        assert eng.mlp_wdt and eng.memory()["current_bytes"] == with_t
+        eng.reset()
+        eng.run_chunk(x, 0)  # rebuilt copies
+        assert cosine(eng.last_logits.ravel(), logits_t.ravel()) >= 0.9999
     finally:
         eng.close()
 

@@ -151,6 +151,8 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("decode MLP fused r2", {"decode_mlp": 2}),
         ("decode MLP fused r4", {"decode_mlp": 4}),
         ("decode MLP fused r2 + merge/o_proj fused", {"decode_mlp": 2, "merge_oproj": True}),
+        ("decode MLP fused r1, W_d transposed", {"decode_mlp": 1, "decode_mlp_wdt": True}),
+        ("decode MLP fused r2, W_d transposed", {"decode_mlp": 2, "decode_mlp_wdt": True}),
         ("decode MLP fused r2, late trigger all", {"decode_mlp": 2,
                                                    "late_trigger": "qkv,attn,combine,resid,gateup,gemm,rmsnorm,attn_pf"}),
         ("late trigger all but combine", {"late_trigger": "qkv,attn,resid,gateup,gemm,rmsnorm,attn_pf"}),

@@ -218,6 +218,9 @@ DEFAULT_TUNING = {
                       # layer (gate/up, SiLU and down, each block 8R intermediates, down's columns streamed with
                       # gate/up, the residual in two copies; cuda/gemv.cu). Needs I % 8R == 0 and hidden <= 2048
                       # (else the two kernels).
+    "decode_mlp_wdt": False,  # with decode_mlp 1 or 2: gemv_mlp_t_r{R} reads a transposed copy of W_d (built once on the
+                              # device, + 2 * hidden * intermediate bytes per layer, counted in the VRAM plan): a
+                              # block's down columns become contiguous rows
     "kv_l2_prefetch": True,  # the QKV GEMV asks L2 for the layer's older K/V rows before its PDL wait (off: +0.07)
     # kernel families (LATE_TRIGGER_FAMILIES, comma-separated) that let their successor launch after their own PDL
     # wait instead of at their start: a kernel launches when its predecessor's predecessor is done, so at most two
@@ -364,6 +367,8 @@ class CudaEngine(Engine):
         model = L * per_layer + 2 * V * H + 2 * H + 2 * H * self.cfg.patch_dim + 4 * self.cfg.n_patches * H
         if not self.cfg.tie_word_embeddings:
             model += 2 * self.n_bins * H
+        if self._wants_wdt():
+            model += L * 2 * H * I  # the fused MLP's transposed W_d copies
         slots = capacity + self.decode_tokens
         kv = 2 * L * slots * self.nkv * 2
         n_pf = math.ceil(slots / self.tuning["attn_prefill_kps"])
@@ -565,6 +570,7 @@ class CudaEngine(Engine):
             "gemv_qkv": "PPfPPiiiPPPPPii", "gemv_resid": "PPiiiP", "gemv_gateup": "PPfPiiP",
             "gemv_qkv_xc": "PPfPPiiiPPPPPiiP", "gemv_resid_x2": "PPiiiPP",
             "gemv_mlp_r1": "PPfPPiiP", "gemv_mlp_r2": "PPfPPiiP", "gemv_mlp_r4": "PPfPPiiP",
+            "gemv_mlp_t_r1": "PPfPPiiP", "gemv_mlp_t_r2": "PPfPPiiP", "transpose_bf16": "PPii",
             "gemv_logits": "PPiPfPiiPP",
             "kv_store_prefill": "PiiiPPPP",
             "attn_prefill_hd128": "PiPPPPPiiifPP", "attn_prefill_hd64": "PiPPPPPiiifPP",
@@ -673,6 +679,8 @@ class CudaEngine(Engine):
             smem_need[name] = gsm
         for r in (1, 2, 4):
             smem_need[f"gemv_mlp_r{r}"] = 4 * (H + 8 * r)
+            if r < 4:
+                smem_need[f"gemv_mlp_t_r{r}"] = 4 * (H + 8 * r)
         max_optin = cuda.Device(0).get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         for name, need in smem_need.items():
             if need > max_optin:
@@ -689,6 +697,7 @@ class CudaEngine(Engine):
         # attn_merge_oproj merges a whole head per block (HD = 32 x dims per thread) with the one-pass loads
         self.merge_oproj = bool(t["merge_oproj"]) and t["combine"] == "one_pass" and self.HD in (64, 128)
         self.mlp_rounds = self._mlp_rounds()
+        self._sync_wdt()
         self._plan_persistent()
         attn, threads = self._attn_prefill()
         regs = self.k[attn].num_regs
@@ -706,6 +715,31 @@ class CudaEngine(Engine):
                      f"of 8); using gemv_gateup + gemv_resid")
             return 0
         return r
+
+    def _wants_wdt(self) -> bool:
+        return bool(self.tuning["decode_mlp"]) and bool(self.tuning["decode_mlp_wdt"])
+
+    def _sync_wdt(self) -> None:
+        """The transposed W_d copies of the fused MLP: built (device transpose, once) when decode_mlp_wdt is on and
+        the fused MLP runs, freed when it is not. Refused (EngineError) when the copies break the VRAM budget."""
+        self.mlp_wdt = self._wants_wdt() and self.mlp_rounds in (1, 2)
+        if self._wants_wdt() and not self.mlp_wdt:
+            self.log(f"cuda engine: decode_mlp_wdt needs decode_mlp 1 or 2 (not {self.mlp_rounds}); W_d as stored")
+        have = all("wdT" in Lw for Lw in self.layers)
+        if self.mlp_wdt and not have:
+            sizes = self._sizes(self.capacity)
+            check_budget(sizes["model"], sizes["kv"], sizes["scratch"], self.max_vram_gb)
+            H, I = self.H, self.I
+            for i, Lw in enumerate(self.layers):
+                Lw["wdT"] = self._alloc(f"L{i}.wdT", 2 * H * I)
+                self.k["transpose_bf16"].prepared_async_call((math.ceil(I / 32), math.ceil(H / 32)), (32, 8, 1),
+                                                             self.stream, np.intp(Lw["wd"]), np.intp(Lw["wdT"]),
+                                                             np.int32(H), np.int32(I))
+            self.stream.synchronize()
+        elif not self.mlp_wdt:
+            for i, Lw in enumerate(self.layers):
+                if Lw.pop("wdT", None) is not None:
+                    self.tracker.free(f"L{i}.wdT")
 
     def _write_late_trigger(self, mask: int) -> None:
         """cuda/common.cuh vla_late_trigger in every loaded module (PyCUDA's and the PDL launcher's)."""
@@ -957,8 +991,10 @@ class CudaEngine(Engine):
                                  Lw["wo"], np.int32(H), np.int32(nq), np.int32(ks), self.x_dec,
                                  *((self.x_mlp,) if mlp else ()), smem=4 * ks)
                 if mlp:
-                    self._launch(f"gemv_mlp_r{mlp}", (I // (8 * mlp), 1), (256, 1, 1), self.x_mlp, Lw["ln2"], eps,
-                                 Lw["wgu"], Lw["wd"], np.int32(I), np.int32(H), self.x_dec, smem=4 * (H + 8 * mlp))
+                    self._launch(f"gemv_mlp_t_r{mlp}" if self.mlp_wdt else f"gemv_mlp_r{mlp}", (I // (8 * mlp), 1),
+                                 (256, 1, 1), self.x_mlp, Lw["ln2"], eps, Lw["wgu"],
+                                 Lw["wdT"] if self.mlp_wdt else Lw["wd"], np.int32(I), np.int32(H), self.x_dec,
+                                 smem=4 * (H + 8 * mlp))
                     continue
                 self._launch("gemv_gateup", (math.ceil(I / GEMV_WARPS), 1), (256, 1, 1), self.x_dec, Lw["ln2"], eps,
                              Lw["wgu"], np.int32(I), np.int32(H), self.act_dec, smem=4 * H)
