@@ -218,8 +218,8 @@ DEFAULT_TUNING = {
                       # layer (gate/up, SiLU and down, each block 8R intermediates, down's columns streamed with
                       # gate/up, the residual in two copies; cuda/gemv.cu). Needs I % 8R == 0 and hidden <= 2048
                       # (else the two kernels).
-    "decode_mlp_wdt": False,  # with decode_mlp 1 or 2: gemv_mlp_t_r{R} reads a transposed copy of W_d (built once on the
-                              # device, + 2 * hidden * intermediate bytes per layer, counted in the VRAM plan): a
+    "decode_mlp_wdt": False,  # with decode_mlp 1 or 2: gemv_mlp_t_r{R} reads a transposed copy of W_d (built once on
+                              # the device, + 2 * hidden * intermediate bytes per layer, counted in the VRAM plan): a
                               # block's down columns become contiguous rows
     "kv_l2_prefetch": True,  # the QKV GEMV asks L2 for the layer's older K/V rows before its PDL wait (off: +0.07)
     # kernel families (LATE_TRIGGER_FAMILIES, comma-separated) that let their successor launch after their own PDL
@@ -705,25 +705,28 @@ class CudaEngine(Engine):
             raise EngineError(f"prefill attention needs {threads} threads x {regs} registers per block: "
                               f"{self.G} query heads per KV head is too many for head_dim {self.HD}")
 
-    def _mlp_rounds(self) -> int:
+    def _mlp_rounds(self, log: bool = True) -> int:
         """Rounds per block of the fused decode MLP (gemv_mlp_r{R}), 0 for the two kernels."""
         r = int(self.tuning["decode_mlp"])
         if r not in (0, 1, 2, 4):
             raise EngineError(f"decode_mlp must be 0, 1, 2 or 4, got {self.tuning['decode_mlp']!r}")
         if r and (self.I % (8 * r) or self.H > 2048 or self.H % 8):
-            self.log(f"cuda engine: decode_mlp {r} needs intermediate % {8 * r} == 0 and hidden <= 2048 (a multiple "
-                     f"of 8); using gemv_gateup + gemv_resid")
+            if log:
+                self.log(f"cuda engine: decode_mlp {r} needs intermediate % {8 * r} == 0 and hidden <= 2048 (a "
+                         f"multiple of 8); using gemv_gateup + gemv_resid")
             return 0
         return r
 
     def _wants_wdt(self) -> bool:
-        return bool(self.tuning["decode_mlp"]) and bool(self.tuning["decode_mlp_wdt"])
+        """The transposed W_d copies are needed: decode_mlp_wdt with a fused MLP of 1 or 2 rounds (the kernels
+        gemv_mlp_t_r1 / _r2) that this geometry can run."""
+        return bool(self.tuning["decode_mlp_wdt"]) and self._mlp_rounds(log=False) in (1, 2)
 
     def _sync_wdt(self) -> None:
-        """The transposed W_d copies of the fused MLP: built (device transpose, once) when decode_mlp_wdt is on and
-        the fused MLP runs, freed when it is not. Refused (EngineError) when the copies break the VRAM budget."""
-        self.mlp_wdt = self._wants_wdt() and self.mlp_rounds in (1, 2)
-        if self._wants_wdt() and not self.mlp_wdt:
+        """The transposed W_d copies of the fused MLP: built (device transpose, once) when _wants_wdt(), freed when
+        not. Refused (EngineError) when the copies break the VRAM budget."""
+        self.mlp_wdt = self._wants_wdt()
+        if self.tuning["decode_mlp_wdt"] and self.mlp_rounds and not self.mlp_wdt:
             self.log(f"cuda engine: decode_mlp_wdt needs decode_mlp 1 or 2 (not {self.mlp_rounds}); W_d as stored")
         have = all("wdT" in Lw for Lw in self.layers)
         if self.mlp_wdt and not have:
