@@ -213,10 +213,12 @@ def test_gemm32v4_silu(dev, rng, I, K, grid):
     assert rel_err(bits_f32(dev.down(act, (32, I), np.uint16)), gg / (1 + np.exp(-gg)) * uu) < 1e-2
 
 
-@pytest.mark.parametrize("H,G,nkv_heads,hd,kv_prefetch", [(1536, 6, 2, 128, 0), (896, 7, 2, 64, 0),
-                                                            (1536, 6, 2, 128, 1)])
-def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd, kv_prefetch):
-    """kv_prefetch: the L2 prefetch of the older keys' cache rows must not change a result (nor fault)."""
+@pytest.mark.parametrize("H,G,nkv_heads,hd,kv_prefetch,xc", [(1536, 6, 2, 128, 0, False), (896, 7, 2, 64, 0, False),
+                                                               (1536, 6, 2, 128, 1, False), (1536, 6, 2, 128, 1, True),
+                                                               (896, 7, 2, 64, 0, True)])
+def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd, kv_prefetch, xc):
+    """kv_prefetch: the L2 prefetch of the older keys' cache rows must not change a result (nor fault).
+    xc: gemv_qkv_xc, which also copies the residual (not normed) into the fused decode MLP's input."""
     nq, nkv = H, nkv_heads * hd
     N = nq + 2 * nkv
     x = rng.standard_normal(H).astype(np.float32)
@@ -230,11 +232,13 @@ def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd, kv_prefetch):
     slot = key_slots[meta[3] + step - 1]
     q = dev.poisoned(4 * nq)
     kc, vc = dev.poisoned(2 * slots_n * nkv), dev.poisoned(2 * slots_n * nkv)
-    x_copy = dev.poisoned(4 * H)  # gemv_mlp's input: the residual as it was, not normed
-    dev.fn("gemv_qkv")(dev.up(x), dev.up(nw_b), F32(1e-6), dev.up(w_b), dev.up(bias), I32(H), I32(nq), I32(nkv), q,
-                       kc, vc, dev.up(key_slots), dev.up(meta), I32(step), I32(kv_prefetch), x_copy,
-                       block=(256, 1, 1), grid=(math.ceil(N / 16), 1), shared=4 * H)
-    np.testing.assert_array_equal(dev.down(x_copy, H, np.float32), x)
+    x_copy = dev.poisoned(4 * H)
+    dev.fn("gemv_qkv_xc" if xc else "gemv_qkv")(
+        dev.up(x), dev.up(nw_b), F32(1e-6), dev.up(w_b), dev.up(bias), I32(H), I32(nq), I32(nkv), q, kc, vc,
+        dev.up(key_slots), dev.up(meta), I32(step), I32(kv_prefetch), *((x_copy,) if xc else ()), block=(256, 1, 1),
+        grid=(math.ceil(N / 16), 1), shared=4 * H)
+    if xc:
+        np.testing.assert_array_equal(dev.down(x_copy, H, np.float32), x)
     xd = x.astype(np.float64)
     h = xd / np.sqrt(np.mean(xd * xd) + 1e-6) * nw
     y = w @ h + bias
@@ -249,20 +253,20 @@ def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd, kv_prefetch):
                                             (896, 4864, 1024, False), (1536, 1536, 768, False),
                                             (1536, 1536, 1536, True), (1536, 1536, 768, True)])
 def test_gemv_resid(dev, rng, N, K, ks, second):
-    """second: the sum also added to a second residual copy (o_proj before the fused MLP), unsplit and split-K."""
+    """second: gemv_resid_x2, the sum also added to a second residual copy (o_proj before the fused MLP), unsplit
+    and split-K."""
     v = rng.standard_normal(K).astype(np.float32)
     w_b, w = rand_bf16(rng, (N, K), 0.05)
     x0 = rng.standard_normal(N).astype(np.float32)
     x2_0 = rng.standard_normal(N).astype(np.float32)
     x, x2 = dev.up(x0), dev.up(x2_0)
-    dev.fn("gemv_resid")(dev.up(v), dev.up(w_b), I32(N), I32(K), I32(ks), x, x2 if second else np.intp(0),
-                         block=(256, 1, 1), grid=(math.ceil(N / 16), math.ceil(K / ks)), shared=4 * ks)
+    dev.fn("gemv_resid_x2" if second else "gemv_resid")(
+        dev.up(v), dev.up(w_b), I32(N), I32(K), I32(ks), x, *((x2,) if second else ()), block=(256, 1, 1),
+        grid=(math.ceil(N / 16), math.ceil(K / ks)), shared=4 * ks)
     y = w @ v.astype(np.float64)
     assert rel_err(dev.down(x, N, np.float32), x0 + y) < 1e-5
     if second:
         assert rel_err(dev.down(x2, N, np.float32), x2_0 + y) < 1e-5
-    else:
-        np.testing.assert_array_equal(dev.down(x2, N, np.float32), x2_0)  # untouched
 
 
 @pytest.mark.parametrize("I,K,R,wdt", [(8960, 1536, 1, False), (8960, 1536, 2, False), (8960, 1536, 4, False),
