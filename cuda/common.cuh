@@ -86,6 +86,10 @@ __device__ __forceinline__ uint32_t u4_word(const uint4& v, int i) {
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
+// Row of intermediate o's gate in the interleaved gate/up matrix (engine interleave_gate_up: blocks of 8 gate rows
+// then their 8 up rows); its up row is 8 further.
+__device__ __forceinline__ int gateup_gate_row(int o) { return 16 * (o >> 3) + (o & 7); }
+
 // 16-byte global -> shared copy through L2 (sm_80 cp.async): no registers held while in flight.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);

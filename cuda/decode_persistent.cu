@@ -160,7 +160,7 @@ __device__ __forceinline__ void pd_issue(const PdGemv& g, int it, int nitems, in
         const bf16_t* r1;
         int klen;
         if (MODE == PD_GATEUP) {
-            const int gr = 16 * (it >> 3) + (it & 7);
+            const int gr = gateup_gate_row(it);
             r0 = g.W + (size_t)gr * g.K;
             r1 = r0 + 8 * (size_t)g.K;
             klen = g.K;

@@ -270,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_gateup(const float* __res
     const int o = blockIdx.x * GEMV_WARPS + warp;
     const bool valid = o < I;
     const int oc = min(o, I - 1);
-    const int gr = 16 * (oc >> 3) + (oc & 7);
+    const int gr = gateup_gate_row(oc);
     GemvRows<2> R;
     R.p[0] = W + (size_t)gr * K;
     R.p[1] = W + (size_t)(gr + 8) * K;
@@ -337,7 +337,7 @@ __device__ __forceinline__ void gemv_mlp_impl(float* sx, const float* __restrict
     GemvRows<2> Rw;
     auto set_rows = [&](int r) {
         const int o = ob + 8 * r + warp;
-        Rw.p[0] = Wgu + (size_t)(16 * (o >> 3) + (o & 7)) * K;
+        Rw.p[0] = Wgu + (size_t)gateup_gate_row(o) * K;
         Rw.p[1] = Rw.p[0] + 8 * (size_t)K;
     };
     set_rows(0);

@@ -120,6 +120,11 @@ def run_ours(cfg, weights_np, args, log) -> dict:
     out["main"] = measure(args.chunks)
     out["main"]["tuning"] = dict(eng.tuning)
     base = dict(eng.tuning)
+    from vla_edge_ros.engine.cuda_backend import LATE_TRIGGER_FAMILIES
+
+    def late_but(*skip: str) -> dict:  # every kernel family's PDL trigger late except `skip`
+        return {"late_trigger": ",".join(f for f in LATE_TRIGGER_FAMILIES if f not in skip)}
+
     variants = [  # each applied on top of the default tuning
         ("persistent decode (v5)", {"decode_kernel": "persistent"}),
         ("persistent, 1 block/SM", {"decode_kernel": "persistent", "pd_blocks_per_sm": 1}),
@@ -145,7 +150,7 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("gemm v4 all four", {"gemm_v4": "qkv,o,gateup,down"}),
         ("gemm v4 gateup only", {"gemm_v4": "gateup"}),
         ("gemm v4 down only", {"gemm_v4": "down"}),
-        ("late trigger all (v9)", {"late_trigger": "qkv,attn,combine,resid,gateup,gemm,rmsnorm,attn_pf"}),
+        ("late trigger all (v9)", late_but()),
         ("merge + o_proj fused", {"merge_oproj": True}),
         ("decode MLP fused r1", {"decode_mlp": 1}),
         ("decode MLP fused r2", {"decode_mlp": 2}),
@@ -153,14 +158,8 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("decode MLP fused r2 + merge/o_proj fused", {"decode_mlp": 2, "merge_oproj": True}),
         ("decode MLP fused r1, W_d transposed", {"decode_mlp": 1, "decode_mlp_wdt": True}),
         ("decode MLP fused r2, W_d transposed", {"decode_mlp": 2, "decode_mlp_wdt": True}),
-        ("decode MLP fused r2, late trigger all",
-         {"decode_mlp": 2, "late_trigger": "qkv,attn,combine,resid,gateup,gemm,rmsnorm,attn_pf"}),
-        ("late trigger all but combine", {"late_trigger": "qkv,attn,resid,gateup,gemm,rmsnorm,attn_pf"}),
-        ("late trigger all but attn", {"late_trigger": "qkv,combine,resid,gateup,gemm,rmsnorm,attn_pf"}),
-        ("late trigger all but qkv", {"late_trigger": "attn,combine,resid,gateup,gemm,rmsnorm,attn_pf"}),
-        ("late trigger all but rmsnorm", {"late_trigger": "qkv,attn,combine,resid,gateup,gemm,attn_pf"}),
-        ("late trigger all but attn_pf", {"late_trigger": "qkv,attn,combine,resid,gateup,gemm,rmsnorm"}),
-        ("late trigger all but gemm", {"late_trigger": "qkv,attn,combine,resid,gateup,rmsnorm,attn_pf"}),
+        ("decode MLP fused r2, late trigger all", {"decode_mlp": 2, **late_but()}),
+        *((f"late trigger all but {f}", late_but(f)) for f in ("combine", "attn", "qkv", "rmsnorm", "attn_pf", "gemm")),
         ("gemv min_ks 1024", {"gemv_min_ks": 1024}),
         ("gemv 1 split", {"gemv_target_blocks": 1}),
         ("gemm min_ks 512", {"gemm_min_ks": 512}),
