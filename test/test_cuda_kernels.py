@@ -220,7 +220,7 @@ def test_gemm32v4_silu(dev, rng, I, K, grid):
 def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd, kv_prefetch, kind):
     """kv_prefetch: the L2 prefetch of the older keys' cache rows must not change a result (nor fault).
     xc: gemv_qkv_xc, which also copies the residual (not normed) into the fused decode MLP's input.
-    l2: gemv_qkv_l2, which then asks L2 for two weight ranges (sizes not multiples of its 32 KB pieces, the
+    l2: gemv_qkv_l2, which then asks L2 for two weight ranges (sizes not multiples of its 16 KB pieces, the
     second shorter than a piece), with and without the evict-last policy: same results, weights unchanged."""
     xc = kind == "xc"
     nq, nkv = H, nkv_heads * hd
@@ -237,7 +237,7 @@ def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd, kv_prefetch, kind):
     q = dev.poisoned(4 * nq)
     kc, vc = dev.poisoned(2 * slots_n * nkv), dev.poisoned(2 * slots_n * nkv)
     x_copy = dev.poisoned(4 * H)
-    pf_a = rng.integers(0, 2**16, 3 * 32768 + 4096, dtype=np.uint16)  # 200704 bytes: 6 full pieces and a part
+    pf_a = rng.integers(0, 2**16, 3 * 32768 + 4096, dtype=np.uint16)  # 200704 bytes: 12 full pieces and a part
     pf_b = rng.integers(0, 2**16, 5000, dtype=np.uint16)  # 10000 bytes
     pf_a_d, pf_b_d = dev.up(pf_a), dev.up(pf_b)
     extra = {"": (), "xc": (x_copy,),
