@@ -90,34 +90,6 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); 
 // then their 8 up rows); its up row is 8 further.
 __device__ __forceinline__ int gateup_gate_row(int o) { return 16 * (o >> 3) + (o & 7); }
 
-// Ask L2 for the bytes [0, n) at p (16-byte aligned), spread over the grid: piece i (L2_PF_PIECE bytes) goes to
-// block i % blocks, so every SM's bulk-copy unit takes a share (pieces handed out by global thread index put an 8 MB
-// prefetch on block 0 alone: +33 us per decode layer on the H200, session 7 run 2). One sm_90 bulk prefetch per
-// piece (cp.async.bulk.prefetch.L2: no registers, nothing to wait for; the lines arrive while the issuing kernel
-// and its successors go on). evict_last: the lines get the evict-last L2
-// policy, so the traffic between the prefetch and the use does not push them out first.
-// Why: the decode's attention phase (QKV, attention, merge, o_proj) is latency-bound and leaves HBM mostly idle for
-// ~15 us per layer; the gate/up weights that follow are then partly read from L2 instead of HBM.
-#define L2_PF_PIECE 16384
-__device__ __forceinline__ void l2_prefetch_grid(const void* p, int n, int evict_last) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const int pieces = (n + L2_PF_PIECE - 1) / L2_PF_PIECE;
-    const int nb = gridDim.x * gridDim.y;
-    const int b = blockIdx.x + gridDim.x * blockIdx.y;
-    for (int i = b + nb * threadIdx.x; i < pieces; i += nb * blockDim.x) {
-        const char* a = reinterpret_cast<const char*>(p) + (size_t)i * L2_PF_PIECE;
-        const unsigned sz = (unsigned)min(L2_PF_PIECE, n - i * L2_PF_PIECE) & ~15u;
-        if (sz == 0) continue;
-        if (evict_last)
-            asm volatile(
-                "{\n\t.reg .b64 pol;\n\tcreatepolicy.fractional.L2::evict_last.b64 pol, 1.0;\n\t"
-                "cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, pol;\n\t}" ::"l"(a), "r"(sz) : "memory");
-        else
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(sz) : "memory");
-    }
-#endif
-}
-
 // 16-byte global -> shared copy through L2 (sm_80 cp.async): no registers held while in flight.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);

@@ -151,16 +151,12 @@ __device__ __forceinline__ void gemv_start(float* sx, GemvRows<RPW>& R, int K, b
 // kv_prefetch: before the wait, the grid asks L2 for this layer's K/V rows of the n_ctx keys older than the pass
 // (one 128-byte line per thread and round), so the decode attention that follows finds them there.
 // gemv_qkv_xc: the same, and the residual x copied to x_copy (gemv_mlp's input, see there).
-// gemv_qkv_l2: the same, and after its own work the grid asks L2 for pf_a bytes at wa and pf_b bytes at wb (this
-// layer's gate/up and down weights, l2_prefetch_grid): issued at the end, so that the QKV's own weight loads are
-// not queued behind them; they arrive while attention, merge and o_proj run.
-template <bool COPY, bool PF = false>
+template <bool COPY>
 __device__ __forceinline__ void gemv_qkv_impl(float* sx, const float* __restrict__ x,
         const bf16_t* __restrict__ normw, float eps, const bf16_t* __restrict__ W, const float* __restrict__ bias,
         int K, int nq, int nkv, float* __restrict__ q_out, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
         const int* __restrict__ key_slots, const int* __restrict__ meta, int step, int kv_prefetch,
-        float* __restrict__ x_copy, const void* wa = nullptr, int pf_a = 0, const void* wb = nullptr, int pf_b = 0,
-        int pf_evict_last = 0) {
+        float* __restrict__ x_copy) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int ntot = nq + 2 * nkv;
     const int n0 = (blockIdx.x * GEMV_WARPS + warp) * 2;
@@ -188,23 +184,18 @@ __device__ __forceinline__ void gemv_qkv_impl(float* sx, const float* __restrict
     // overwrite here: the previous reader (the last layer's gemv_mlp) is complete once the PDL wait passed.
     if (COPY)
         for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < K; i += gridDim.x * blockDim.x) x_copy[i] = x[i];
-    if (valid) {
-        float acc[2];
-        gemv_finish(sx, R, K, acc);
-        if (writer) {
-            const float y = (lane == 0 ? acc[0] : acc[1]) + b;
-            if (n < nq) {
-                q_out[n] = y;
-            } else {
-                const int e = n - nq;
-                if (e < nkv) kc[(size_t)slot * nkv + e] = f32_to_bf16(y);
-                else vc[(size_t)slot * nkv + (e - nkv)] = f32_to_bf16(y);
-            }
+    if (!valid) return;
+    float acc[2];
+    gemv_finish(sx, R, K, acc);
+    if (writer) {
+        const float y = (lane == 0 ? acc[0] : acc[1]) + b;
+        if (n < nq) {
+            q_out[n] = y;
+        } else {
+            const int e = n - nq;
+            if (e < nkv) kc[(size_t)slot * nkv + e] = f32_to_bf16(y);
+            else vc[(size_t)slot * nkv + (e - nkv)] = f32_to_bf16(y);
         }
-    }
-    if (PF) {
-        l2_prefetch_grid(wa, pf_a, pf_evict_last);
-        l2_prefetch_grid(wb, pf_b, pf_evict_last);
     }
 }
 
@@ -225,16 +216,6 @@ extern "C" __global__ void __launch_bounds__(256) gemv_qkv_xc(const float* __res
     extern __shared__ float sx[];
     gemv_qkv_impl<true>(sx, x, normw, eps, W, bias, K, nq, nkv, q_out, kc, vc, key_slots, meta, step, kv_prefetch,
                         x_copy);
-}
-
-extern "C" __global__ void __launch_bounds__(256) gemv_qkv_l2(const float* __restrict__ x,
-        const bf16_t* __restrict__ normw, float eps, const bf16_t* __restrict__ W, const float* __restrict__ bias,
-        int K, int nq, int nkv, float* __restrict__ q_out, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
-        const int* __restrict__ key_slots, const int* __restrict__ meta, int step, int kv_prefetch,
-        const bf16_t* __restrict__ wa, int pf_a, const bf16_t* __restrict__ wb, int pf_b, int pf_evict_last) {
-    extern __shared__ float sx[];
-    gemv_qkv_impl<false, true>(sx, x, normw, eps, W, bias, K, nq, nkv, q_out, kc, vc, key_slots, meta, step,
-                               kv_prefetch, nullptr, wa, pf_a, wb, pf_b, pf_evict_last);
 }
 
 // x[n] += W[n] . v   (o_proj and down_proj with the residual add fused). Two rows per warp:

@@ -58,14 +58,10 @@ __device__ __forceinline__ void stage_kv_fresh(bf16_t* sK, bf16_t* sVt, const in
 // head, against keys [split*kps, min(L, +kps)), causal by position (key j visible to token t iff j <= p0 + t).
 // 2G warps; warp w = m16 tile: head w/2, tokens (w&1)*16 .. +15. Tensor cores for QK^T and PV.
 // Partials: part_o [split][Hq*32][HD] (unnormalised), part_ml [split][Hq*32] (max, sum), row = qh*32 + token.
-// PF (attn_prefill_pre_l2_hd*): right after the PDL wait the grid asks L2 for pf_a bytes at wa and pf_b at wb
-// (l2_prefetch_grid: the layer's gate/up and down weights), which arrive while the attention computes from shared
-// memory and the merge, o_proj and RMSNorm follow: HBM is mostly idle in that stretch.
-template <int HD, bool FRESH, bool PF = false>
+template <int HD, bool FRESH>
 __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv, int ld, bf16_t* kc, bf16_t* vc, const int* __restrict__ key_slots, const int* __restrict__ meta,
         const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* __restrict__ part_o,
-        float2* __restrict__ part_ml, bf16_t* sK, bf16_t* sVt, int* sSlot, const void* wa = nullptr, int pf_a = 0,
-        const void* wb = nullptr, int pf_b = 0, int pf_evict_last = 0) {
+        float2* __restrict__ part_ml, bf16_t* sK, bf16_t* sVt, int* sSlot) {
     constexpr int KS = HD / 16;       // k16 steps over the head dim
     constexpr int HALF = HD / 2;
     constexpr int NT_O = HD / 8;      // n8 tiles of the output
@@ -84,10 +80,6 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     // in the cache: no separate K/V store kernel).
     if (FRESH) stage_kv_chunk<HD, false, true>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kbeg, min(kend, p0), kend);
     pdl_wait(FAM_ATTN_PF);
-    if (PF) {
-        l2_prefetch_grid(wa, pf_a, pf_evict_last);
-        l2_prefetch_grid(wb, pf_b, pf_evict_last);
-    }
     if (FRESH) {  // before the query fragments (registers: 168 at 384 threads) and in its own round trip
         __syncthreads();  // the pre-wait staging (zero rows from p0 on) is complete in every thread
         if (max(kbeg, p0) < kend)
@@ -200,19 +192,6 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
         attn_prefill_body<HD, FRESH>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, FRESH ? ATT_KC : kps,    \
                                      qscale, part_o, part_ml, sK, sVt, sSlot);                                     \
     }
-#define ATTN_PREFILL_L2_KERNEL(NAME, HD, THREADS)                                                                  \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME(const float* qkv, int ld, bf16_t* kc, bf16_t* vc,      \
-            const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps, float qscale,  \
-            float* part_o, float2* part_ml, const bf16_t* wa, int pf_a, const bf16_t* wb, int pf_b,                \
-            int pf_evict_last) {                                                                                   \
-        __shared__ __align__(16) bf16_t sK[ATT_KC * (HD + 8)];                                                     \
-        __shared__ __align__(16) bf16_t sVt[HD * (ATT_KC + 8)];                                                    \
-        __shared__ int sSlot[ATT_KC];                                                                              \
-        attn_prefill_body<HD, true, true>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, ATT_KC, qscale,    \
-                                          part_o, part_ml, sK, sVt, sSlot, wa, pf_a, wb, pf_b, pf_evict_last);     \
-    }
-ATTN_PREFILL_L2_KERNEL(attn_prefill_pre_l2_hd128, 128, 384)
-ATTN_PREFILL_L2_KERNEL(attn_prefill_pre_l2_hd64, 64, 512)
 ATTN_PREFILL_KERNEL(attn_prefill_hd128, 128, 384, false)
 ATTN_PREFILL_KERNEL(attn_prefill_pre_hd128, 128, 384, true)
 ATTN_PREFILL_KERNEL(attn_prefill_hd64, 64, 512, false)

@@ -213,16 +213,12 @@ def test_gemm32v4_silu(dev, rng, I, K, grid):
     assert rel_err(bits_f32(dev.down(act, (32, I), np.uint16)), gg / (1 + np.exp(-gg)) * uu) < 1e-2
 
 
-@pytest.mark.parametrize("H,G,nkv_heads,hd,kv_prefetch,kind", [(1536, 6, 2, 128, 0, ""), (896, 7, 2, 64, 0, ""),
-                                                                 (1536, 6, 2, 128, 1, ""), (1536, 6, 2, 128, 1, "xc"),
-                                                                 (896, 7, 2, 64, 0, "xc"), (1536, 6, 2, 128, 1, "l2"),
-                                                                 (896, 7, 2, 64, 0, "l2_evict_last")])
-def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd, kv_prefetch, kind):
+@pytest.mark.parametrize("H,G,nkv_heads,hd,kv_prefetch,xc", [(1536, 6, 2, 128, 0, False), (896, 7, 2, 64, 0, False),
+                                                               (1536, 6, 2, 128, 1, False), (1536, 6, 2, 128, 1, True),
+                                                               (896, 7, 2, 64, 0, True)])
+def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd, kv_prefetch, xc):
     """kv_prefetch: the L2 prefetch of the older keys' cache rows must not change a result (nor fault).
-    xc: gemv_qkv_xc, which also copies the residual (not normed) into the fused decode MLP's input.
-    l2: gemv_qkv_l2, which then asks L2 for two weight ranges (sizes not multiples of its 16 KB pieces, the
-    second shorter than a piece), with and without the evict-last policy: same results, weights unchanged."""
-    xc = kind == "xc"
+    xc: gemv_qkv_xc, which also copies the residual (not normed) into the fused decode MLP's input."""
     nq, nkv = H, nkv_heads * hd
     N = nq + 2 * nkv
     x = rng.standard_normal(H).astype(np.float32)
@@ -237,19 +233,10 @@ def test_gemv_qkv(dev, rng, H, G, nkv_heads, hd, kv_prefetch, kind):
     q = dev.poisoned(4 * nq)
     kc, vc = dev.poisoned(2 * slots_n * nkv), dev.poisoned(2 * slots_n * nkv)
     x_copy = dev.poisoned(4 * H)
-    pf_a = rng.integers(0, 2**16, 3 * 32768 + 4096, dtype=np.uint16)  # 200704 bytes: 12 full pieces and a part
-    pf_b = rng.integers(0, 2**16, 5000, dtype=np.uint16)  # 10000 bytes
-    pf_a_d, pf_b_d = dev.up(pf_a), dev.up(pf_b)
-    extra = {"": (), "xc": (x_copy,),
-             "l2": (pf_a_d, I32(pf_a.nbytes), pf_b_d, I32(pf_b.nbytes), I32(0)),
-             "l2_evict_last": (pf_a_d, I32(pf_a.nbytes), pf_b_d, I32(pf_b.nbytes), I32(1))}[kind]
-    dev.fn({"": "gemv_qkv", "xc": "gemv_qkv_xc"}.get(kind, "gemv_qkv_l2"))(
+    dev.fn("gemv_qkv_xc" if xc else "gemv_qkv")(
         dev.up(x), dev.up(nw_b), F32(1e-6), dev.up(w_b), dev.up(bias), I32(H), I32(nq), I32(nkv), q, kc, vc,
-        dev.up(key_slots), dev.up(meta), I32(step), I32(kv_prefetch), *extra, block=(256, 1, 1),
+        dev.up(key_slots), dev.up(meta), I32(step), I32(kv_prefetch), *((x_copy,) if xc else ()), block=(256, 1, 1),
         grid=(math.ceil(N / 16), 1), shared=4 * H)
-    if kind.startswith("l2"):
-        np.testing.assert_array_equal(dev.down(pf_a_d, pf_a.size, np.uint16), pf_a)
-        np.testing.assert_array_equal(dev.down(pf_b_d, pf_b.size, np.uint16), pf_b)
     if xc:
         np.testing.assert_array_equal(dev.down(x_copy, H, np.float32), x)
     xd = x.astype(np.float64)
@@ -449,13 +436,11 @@ def attention_ref(q, kc, vc, key_slots, n_keys, qpos, theta, G):
     ("attn_prefill", 128, 6, 2, 4082, 128), ("attn_prefill", 128, 6, 2, 178, 64), ("attn_prefill", 64, 7, 2, 1000, 256),
     ("attn_prefill", 64, 2, 2, 530, 128), ("attn_prefill_pre", 128, 6, 2, 4096, 64),
     ("attn_prefill_pre", 128, 6, 2, 178, 64), ("attn_prefill_pre", 64, 7, 2, 1000, 64),
-    ("attn_prefill_pre", 64, 2, 2, 32, 64), ("attn_prefill_pre_l2", 128, 6, 2, 4096, 64),
-    ("attn_prefill_pre_l2", 64, 7, 2, 1000, 64)])
+    ("attn_prefill_pre", 64, 2, 2, 32, 64)])
 def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
     """attn_prefill: every key from the cache. attn_prefill_pre: keys j < p0 from the cache (staged before the PDL
     wait), this chunk's keys j >= p0 from the QKV output, which it also stores in the cache (bf16, pre-RoPE); every
-    other cache row stays as it was. Both split merges. attn_prefill_pre_l2: the same, and it asks L2 for two weight
-    ranges after its wait (the gate/up and down prefetch): same results, the ranges unchanged."""
+    other cache row stays as it was. Both split merges."""
     T, theta = 32, 1e6
     Hq = G * n_kvh
     nq, nkv = Hq * hd, n_kvh * hd
@@ -467,7 +452,7 @@ def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
     qkv = rng.standard_normal((T, ld)).astype(np.float32)
     p0 = L - T
     kc_exp, vc_exp = kc_b.copy(), vc_b.copy()
-    if kernel.startswith("attn_prefill_pre"):
+    if kernel == "attn_prefill_pre":
         fresh = key_slots[p0:L]
         kc_exp[fresh], vc_exp[fresh] = bf16_bits(qkv[:, nq:nq + nkv]), bf16_bits(qkv[:, nq + nkv:])
     meta = np.array([L, p0, T, 0], np.int32)
@@ -477,17 +462,9 @@ def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
     part_o, part_ml = dev.poisoned(4 * nsplit * rows * hd), dev.poisoned(8 * nsplit * rows)
     meta_d = dev.up(meta)
     kc_d, vc_d = dev.up(kc_b), dev.up(vc_b)
-    pf_a = rng.integers(0, 2**16, 40000, dtype=np.uint16)
-    pf_b = rng.integers(0, 2**16, 300000, dtype=np.uint16)
-    pf_a_d, pf_b_d = dev.up(pf_a), dev.up(pf_b)
-    extra = ((pf_a_d, I32(pf_a.nbytes), pf_b_d, I32(pf_b.nbytes), I32(hd == 64))
-             if kernel == "attn_prefill_pre_l2" else ())
     dev.fn(f"{kernel}_hd{hd}")(dev.up(qkv), I32(ld), kc_d, vc_d, dev.up(key_slots), meta_d, dev.up(cs), I32(G),
-                               I32(n_kvh), I32(kps), F32(LOG2E / math.sqrt(hd)), part_o, part_ml, *extra,
+                               I32(n_kvh), I32(kps), F32(LOG2E / math.sqrt(hd)), part_o, part_ml,
                                block=(64 * G, 1, 1), grid=(nsplit + 2, n_kvh))  # extra blocks must exit
-    if extra:
-        np.testing.assert_array_equal(dev.down(pf_a_d, pf_a.size, np.uint16), pf_a)
-        np.testing.assert_array_equal(dev.down(pf_b_d, pf_b.size, np.uint16), pf_b)
     np.testing.assert_array_equal(dev.down(kc_d, (S, nkv), np.uint16), kc_exp)
     np.testing.assert_array_equal(dev.down(vc_d, (S, nkv), np.uint16), vc_exp)
     ref = attention_ref(qkv[:, :nq].astype(np.float64).reshape(T, Hq, hd), bits_f32(kc_exp), bits_f32(vc_exp),

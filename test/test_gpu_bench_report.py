@@ -102,22 +102,3 @@ def test_late_trigger_mask_matches_the_kernel_families():
     enum = re.search(r"enum VlaFamily \{([^}]*)\}", (CUDA_DIR / "common.cuh").read_text()).group(1)
     fams = [m.group(1).lower() for m in re.finditer(r"FAM_(\w+) = \d+", enum)]
     assert fams == list(LATE_TRIGGER_FAMILIES)
-
-
-def test_l2_prefetch_split_fills_gate_up_first_then_down():
-    from vla_edge_ros.engine.cuda_backend import l2_prefetch_split
-    from vla_edge_ros.engine.interface import EngineError
-    import pytest
-    gu, d = 2 * 2 * 8960 * 1536, 2 * 1536 * 8960  # Qwen2.5-1.5B: 55 MB and 27.5 MB
-    assert l2_prefetch_split(0, gu, d) == (0, 0)
-    assert l2_prefetch_split(24, gu, d) == (24 * 2**20, 0)
-    assert l2_prefetch_split(60, gu, d) == (gu, 60 * 2**20 - gu)
-    assert l2_prefetch_split(1000, gu, d) == (gu, d)  # capped at both sizes
-    # 1048 bytes wanted -> 1040 (16-byte unit); gate/up's 1000 bytes -> 992, the other 48 from down
-    assert l2_prefetch_split(0.001, 1000, 1000) == (992, 48)
-    a, b = l2_prefetch_split(1, 1000, 1000)  # odd sizes: every length a multiple of 16, none past its range
-    assert a == 992 and b == 992
-    with pytest.raises(EngineError, match="must be >= 0"):
-        l2_prefetch_split(-1, gu, d)
-    with pytest.raises(EngineError, match="number of MB"):
-        l2_prefetch_split("lots", gu, d)

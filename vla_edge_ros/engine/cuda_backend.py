@@ -221,13 +221,6 @@ DEFAULT_TUNING = {
     "decode_mlp_wdt": False,  # with decode_mlp 1 or 2: gemv_mlp_t_r{R} reads a transposed copy of W_d (built once on
                               # the device, + 2 * hidden * intermediate bytes per layer, counted in the VRAM plan): a
                               # block's down columns become contiguous rows
-    # MB of the layer's gate/up (then down) weights that the grid asks L2 for (cp.async.bulk.prefetch.L2) in the
-    # latency-bound stretch before the MLP: decode, at the end of the QKV GEMV (gemv_qkv_l2), while attention, merge
-    # and o_proj leave HBM mostly idle; prefill, right after the attention's PDL wait (attn_prefill_pre_l2_*).
-    # 0 = off. The MLP then reads that part from L2 (H200 L2: 50 MB, shared with the K/V rows and activations).
-    "decode_l2_prefetch_mb": 0,
-    "prefill_l2_prefetch_mb": 0,
-    "l2_prefetch_evict_last": False,  # the prefetched lines get the L2 evict-last policy
     "kv_l2_prefetch": True,  # the QKV GEMV asks L2 for the layer's older K/V rows before its PDL wait (off: +0.07)
     # kernel families (LATE_TRIGGER_FAMILIES, comma-separated) that let their successor launch after their own PDL
     # wait instead of at their start: a kernel launches when its predecessor's predecessor is done, so at most two
@@ -245,20 +238,6 @@ DEFAULT_TUNING = {
 }
 
 LATE_TRIGGER_FAMILIES = ("qkv", "attn", "combine", "resid", "gateup", "gemm", "rmsnorm", "attn_pf")  # common.cuh
-
-
-def l2_prefetch_split(mb: float, gateup_bytes: int, down_bytes: int, key: str = "l2_prefetch_mb") -> tuple[int, int]:
-    """Bytes of a layer's gate/up and down weights that the L2 weight prefetch asks for, mb MB in all: gate/up
-    first (read first), the rest from down, each capped at its size, multiples of 16 (the bulk prefetch's unit)."""
-    try:
-        mb = float(mb)
-    except (TypeError, ValueError):
-        raise EngineError(f"{key} must be a number of MB, got {mb!r}") from None
-    if not mb >= 0:
-        raise EngineError(f"{key} must be >= 0, got {mb}")
-    want = min(int(mb * 2**20), gateup_bytes + down_bytes) & ~15
-    a = min(want, gateup_bytes & ~15)
-    return a, min(want - a, down_bytes) & ~15
 
 
 def late_trigger_mask(spec: str) -> int:
@@ -589,14 +568,13 @@ class CudaEngine(Engine):
             "attn_decode_mma_hd128": "PPPPPiPiiifPP", "attn_decode_mma_hd64": "PPPPPiPiiifPP",
             "attn_decode_pre_hd128": "PPPPPiPiiifPP", "attn_decode_pre_hd64": "PPPPPiPiiifPP",
             "gemv_qkv": "PPfPPiiiPPPPPii", "gemv_resid": "PPiiiP", "gemv_gateup": "PPfPiiP",
-            "gemv_qkv_xc": "PPfPPiiiPPPPPiiP", "gemv_resid_x2": "PPiiiPP", "gemv_qkv_l2": "PPfPPiiiPPPPPiiPiPii",
+            "gemv_qkv_xc": "PPfPPiiiPPPPPiiP", "gemv_resid_x2": "PPiiiPP",
             "gemv_mlp_r1": "PPfPPiiP", "gemv_mlp_r2": "PPfPPiiP", "gemv_mlp_r4": "PPfPPiiP",
             "gemv_mlp_t_r1": "PPfPPiiP", "gemv_mlp_t_r2": "PPfPPiiP", "transpose_bf16": "PPii",
             "gemv_logits": "PPiPfPiiPP",
             "kv_store_prefill": "PiiiPPPP",
             "attn_prefill_hd128": "PiPPPPPiiifPP", "attn_prefill_hd64": "PiPPPPPiiifPP",
             "attn_prefill_pre_hd128": "PiPPPPPiiifPP", "attn_prefill_pre_hd64": "PiPPPPPiiifPP",
-            "attn_prefill_pre_l2_hd128": "PiPPPPPiiifPPPiPii", "attn_prefill_pre_l2_hd64": "PiPPPPPiiifPPPiPii",
             "attn_decode_hd128": "PPPPPiPiiifPP", "attn_decode_hd64": "PPPPPiPiiifPP",
             "attn_combine": "PPiiiiPiiiPP", "attn_combine_1p": "PPiiiiPiiiPP", "attn_combine_1p_v2": "PPiiiiPiiiPP",
             "attn_combine_1p_v4": "PPiiiiPiiiPP",
@@ -697,8 +675,7 @@ class CudaEngine(Engine):
         self.v_o = gemv(H, self.Hq * self.HD)
         self.v_d = gemv(H, I)
         gsm = 4 * max(H, self.v_o[2], self.v_d[2])
-        for name in ("gemv_qkv", "gemv_qkv_xc", "gemv_qkv_l2", "gemv_resid", "gemv_resid_x2", "gemv_gateup",
-                     "gemv_logits"):
+        for name in ("gemv_qkv", "gemv_qkv_xc", "gemv_resid", "gemv_resid_x2", "gemv_gateup", "gemv_logits"):
             smem_need[name] = gsm
         for r in (1, 2, 4):
             smem_need[f"gemv_mlp_r{r}"] = 4 * (H + 8 * r)
@@ -720,13 +697,6 @@ class CudaEngine(Engine):
         # attn_merge_oproj merges a whole head per block (HD = 32 x dims per thread) with the one-pass loads
         self.merge_oproj = bool(t["merge_oproj"]) and t["combine"] == "one_pass" and self.HD in (64, 128)
         self.mlp_rounds = self._mlp_rounds()
-        for key in ("decode_l2_prefetch_mb", "prefill_l2_prefetch_mb"):  # a bad value fails here, not at capture
-            l2_prefetch_split(t[key], 1, 1, key)
-        if t["decode_l2_prefetch_mb"] and self.mlp_rounds:
-            self.log("cuda engine: decode_l2_prefetch_mb is not combined with the fused decode MLP; no prefetch")
-        if t["prefill_l2_prefetch_mb"] and int(t["attn_prefill_kps"]) != 64:
-            self.log("cuda engine: prefill_l2_prefetch_mb needs attn_prefill_kps 64 (attn_prefill_pre_l2); "
-                     "no prefetch")
         self._sync_wdt()
         self._plan_persistent()
         attn, threads = self._attn_prefill()
@@ -857,17 +827,7 @@ class CudaEngine(Engine):
     def _attn_prefill(self) -> tuple[str, int]:
         """The prefill attention kernel and its threads per block (cuda/rope_attention.cu ATTN_PREFILL_KERNEL)."""
         pre = int(self.tuning["attn_prefill_kps"]) == 64  # cuda/rope_attention.cu ATT_KC
-        if pre and self._l2_prefetch_args("prefill_l2_prefetch_mb", self.layers[0] if self.layers else None):
-            return "attn_prefill_pre_l2_hd%d" % self.HD, 64 * self.G
         return ("attn_prefill_pre_hd%d" if pre else "attn_prefill_hd%d") % self.HD, 64 * self.G
-
-    def _l2_prefetch_args(self, key: str, Lw: dict | None) -> tuple:
-        """(wa, bytes_a, wb, bytes_b, evict_last) for a layer's L2 weight prefetch of tuning[key] MB: the gate/up
-        weights first, then the down weights; () when off."""
-        a, b = l2_prefetch_split(self.tuning[key], 2 * 2 * self.I * self.H, 2 * self.H * self.I, key)
-        if a + b == 0 or Lw is None:
-            return ()
-        return (Lw["wgu"], np.int32(a), Lw["wd"], np.int32(b), np.int32(bool(self.tuning["l2_prefetch_evict_last"])))
 
     def _combine_vec(self, key: str) -> tuple[str, int]:
         """A split merge kernel and its dims per thread (attn_combine_1p_v2 / _v4 for one_pass); key: the tuning
@@ -950,8 +910,7 @@ class CudaEngine(Engine):
                              np.int32(self.nkv), P(kc), P(vc), self.key_slots, self.meta)
             self._launch(attn, (self.nsplit_pf, self.n_kvh), (athreads, 1, 1), self.qkv, np.int32(self.nqkv),
                          P(kc), P(vc), self.key_slots, self.meta, self.rope, np.int32(self.G), np.int32(self.n_kvh),
-                         np.int32(kps), qscale, self.part_o_pf, self.part_ml_pf,
-                         *(self._l2_prefetch_args("prefill_l2_prefetch_mb", Lw) if "_l2_" in attn else ()))
+                         np.int32(kps), qscale, self.part_o_pf, self.part_ml_pf)
             self._launch(cname, (self.Hq * T * self.HD // (32 * cvec), 1), (256, 1, 1), self.part_o_pf,
                          self.part_ml_pf, np.int32(self.Hq * T), np.int32(self.HD), np.int32(T), np.int32(self.Hq),
                          self.meta, np.int32(0), np.int32(0), np.int32(kps), P(0), self.attn_bf)
@@ -1013,14 +972,11 @@ class CudaEngine(Engine):
                              self.pd_prof if self.tuning["pd_profile"] else 0, smem=self.pd_smem)
             for i, Lw in enumerate(self.layers if not self.persistent else ()):
                 kc, vc = self._layer_ptrs(i)
-                # with the fused MLP the QKV GEMV also copies the residual into gemv_mlp's input x_mlp; with the
-                # L2 weight prefetch (not combined with the fused MLP) it asks L2 for this layer's MLP weights
-                pf = () if mlp else self._l2_prefetch_args("decode_l2_prefetch_mb", Lw)
-                self._launch("gemv_qkv_xc" if mlp else ("gemv_qkv_l2" if pf else "gemv_qkv"),
-                             (math.ceil(self.nqkv / (2 * GEMV_WARPS)), 1),
+                # with the fused MLP the QKV GEMV also copies the residual into gemv_mlp's input x_mlp
+                self._launch("gemv_qkv_xc" if mlp else "gemv_qkv", (math.ceil(self.nqkv / (2 * GEMV_WARPS)), 1),
                              (256, 1, 1), self.x_dec, Lw["ln1"], eps, Lw["wqkv"], Lw["bqkv"], np.int32(H), np.int32(nq),
                              np.int32(self.nkv), self.q_dec, P(kc), P(vc), self.key_slots, self.meta, st, kv_pf,
-                             *((self.x_mlp,) if mlp else pf), smem=4 * H)
+                             *((self.x_mlp,) if mlp else ()), smem=4 * H)
                 self._launch(attn, (self.nsplit_dec, self.n_kvh), (128, 1, 1), self.q_dec, P(kc), P(vc),
                              self.key_slots, self.meta, st, self.rope, np.int32(self.G), np.int32(self.n_kvh),
                              np.int32(kps), qscale, self.part_o_dec, self.part_ml_dec)
