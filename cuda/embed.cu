@@ -29,21 +29,3 @@ extern "C" __global__ void kv_move(bf16_t* __restrict__ kc, bf16_t* __restrict__
         vc[base + (size_t)dst[m] * nkv + e] = vc[base + (size_t)src[m] * nkv + e];
     }
 }
-
-// dst[c][r] = src[r][c] for a rows x cols bf16 matrix, through a 32 x 32 tile in shared memory (the fused decode
-// MLP's transposed W_d, built once per layer when that option is switched on). grid (ceil(cols/32), ceil(rows/32)),
-// block (32, 8).
-extern "C" __global__ void transpose_bf16(const bf16_t* __restrict__ src, bf16_t* __restrict__ dst, int rows,
-                                          int cols) {
-    __shared__ bf16_t tile[32][33];
-    const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
-    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
-        const int r = r0 + i, c = c0 + threadIdx.x;
-        if (r < rows && c < cols) tile[i][threadIdx.x] = src[(size_t)r * cols + c];
-    }
-    __syncthreads();
-    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
-        const int c = c0 + i, r = r0 + threadIdx.x;
-        if (r < rows && c < cols) dst[(size_t)c * rows + r] = tile[threadIdx.x][i];
-    }
-}

@@ -150,13 +150,11 @@ __device__ __forceinline__ void gemv_start(float* sx, GemvRows<RPW>& R, int K, b
 // Two rows per warp: grid.x = ceil((nq + 2 nkv) / 16).
 // kv_prefetch: before the wait, the grid asks L2 for this layer's K/V rows of the n_ctx keys older than the pass
 // (one 128-byte line per thread and round), so the decode attention that follows finds them there.
-// gemv_qkv_xc: the same, and the residual x copied to x_copy (gemv_mlp's input, see there).
-template <bool COPY>
-__device__ __forceinline__ void gemv_qkv_impl(float* sx, const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(256) gemv_qkv(const float* __restrict__ x,
         const bf16_t* __restrict__ normw, float eps, const bf16_t* __restrict__ W, const float* __restrict__ bias,
         int K, int nq, int nkv, float* __restrict__ q_out, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
-        const int* __restrict__ key_slots, const int* __restrict__ meta, int step, int kv_prefetch,
-        float* __restrict__ x_copy) {
+        const int* __restrict__ key_slots, const int* __restrict__ meta, int step, int kv_prefetch) {
+    extern __shared__ float sx[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int ntot = nq + 2 * nkv;
     const int n0 = (blockIdx.x * GEMV_WARPS + warp) * 2;
@@ -180,10 +178,6 @@ __device__ __forceinline__ void gemv_qkv_impl(float* sx, const float* __restrict
             asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
         }
     });
-    // x_copy (gemv_mlp's input): this layer's residual, which o_proj then adds to in both copies. Safe to
-    // overwrite here: the previous reader (the last layer's gemv_mlp) is complete once the PDL wait passed.
-    if (COPY)
-        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < K; i += gridDim.x * blockDim.x) x_copy[i] = x[i];
     if (!valid) return;
     float acc[2];
     gemv_finish(sx, R, K, acc);
@@ -199,31 +193,11 @@ __device__ __forceinline__ void gemv_qkv_impl(float* sx, const float* __restrict
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) gemv_qkv(const float* __restrict__ x,
-        const bf16_t* __restrict__ normw, float eps, const bf16_t* __restrict__ W, const float* __restrict__ bias,
-        int K, int nq, int nkv, float* __restrict__ q_out, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
-        const int* __restrict__ key_slots, const int* __restrict__ meta, int step, int kv_prefetch) {
-    extern __shared__ float sx[];
-    gemv_qkv_impl<false>(sx, x, normw, eps, W, bias, K, nq, nkv, q_out, kc, vc, key_slots, meta, step, kv_prefetch,
-                         nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(256) gemv_qkv_xc(const float* __restrict__ x,
-        const bf16_t* __restrict__ normw, float eps, const bf16_t* __restrict__ W, const float* __restrict__ bias,
-        int K, int nq, int nkv, float* __restrict__ q_out, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
-        const int* __restrict__ key_slots, const int* __restrict__ meta, int step, int kv_prefetch,
-        float* __restrict__ x_copy) {
-    extern __shared__ float sx[];
-    gemv_qkv_impl<true>(sx, x, normw, eps, W, bias, K, nq, nkv, q_out, kc, vc, key_slots, meta, step, kv_prefetch,
-                        x_copy);
-}
-
 // x[n] += W[n] . v   (o_proj and down_proj with the residual add fused). Two rows per warp:
 // grid.x = ceil(N / 16). Split-K over grid.y (ks_len a multiple of 8): each split adds its share atomically.
-// gemv_resid_x2: the same sum also added to x2, a second copy of the residual (gemv_mlp's input, see there).
-template <bool X2>
-__device__ __forceinline__ void gemv_resid_impl(float* sx, const float* __restrict__ v, const bf16_t* __restrict__ W,
-        int N, int K, int ks_len, float* __restrict__ x, float* __restrict__ x2) {
+extern "C" __global__ void __launch_bounds__(256) gemv_resid(const float* __restrict__ v,
+        const bf16_t* __restrict__ W, int N, int K, int ks_len, float* __restrict__ x) {
+    extern __shared__ float sx[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kbeg = blockIdx.y * ks_len;
     const int klen = min(K - kbeg, ks_len);
@@ -238,26 +212,9 @@ __device__ __forceinline__ void gemv_resid_impl(float* sx, const float* __restri
     gemv_finish(sx, R, klen, acc);
     if (lane < 2 && n0 + lane < N) {
         const float y = lane == 0 ? acc[0] : acc[1];
-        if (gridDim.y == 1) {
-            x[n0 + lane] += y;
-            if (X2) x2[n0 + lane] += y;
-        } else {
-            atomicAdd(x + n0 + lane, y);
-            if (X2) atomicAdd(x2 + n0 + lane, y);
-        }
+        if (gridDim.y == 1) x[n0 + lane] += y;
+        else atomicAdd(x + n0 + lane, y);
     }
-}
-
-extern "C" __global__ void __launch_bounds__(256) gemv_resid(const float* __restrict__ v,
-        const bf16_t* __restrict__ W, int N, int K, int ks_len, float* __restrict__ x) {
-    extern __shared__ float sx[];
-    gemv_resid_impl<false>(sx, v, W, N, K, ks_len, x, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(256) gemv_resid_x2(const float* __restrict__ v,
-        const bf16_t* __restrict__ W, int N, int K, int ks_len, float* __restrict__ x, float* __restrict__ x2) {
-    extern __shared__ float sx[];
-    gemv_resid_impl<true>(sx, v, W, N, K, ks_len, x, x2);
 }
 
 // act[o] = silu(gate[o]) * up[o] with RMSNorm prologue; W holds gate/up rows interleaved in blocks of 8:
@@ -280,123 +237,6 @@ extern "C" __global__ void __launch_bounds__(256) gemv_gateup(const float* __res
     gemv_finish(sx, R, K, acc);
     if (lane == 0) act[o] = silu(acc[0]) * acc[1];
 }
-
-// x_out[n..n+3] += (a, b, c, d): one vector reduction on sm_90 (a quarter of the L2 atomic operations)
-__device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
-#else
-    atomicAdd(p, a); atomicAdd(p + 1, b); atomicAdd(p + 2, c); atomicAdd(p + 3, d);
-#endif
-}
-
-// The decode MLP in one kernel: gate/up (SiLU * up) of rmsnorm(x_in) for the block's 8R intermediates, then
-// x_out += Wd[:, those columns] . act. Why: the layered pair (gemv_gateup -> gemv_resid) pays a kernel boundary
-// and an act round trip, and down cannot stream before the last gate/up wave has started; here a block requests
-// its down columns (16 bytes of each of the K rows of Wd per 8 intermediates) with its gate/up rows, before its
-// PDL wait, so down streams with gate/up. The cost: K atomics per block (as K / 4 vector reductions), and the
-// residual in two copies: a block must not read x while others add to it, so it reads x_in (gemv_qkv copies the
-// residual into it, o_proj adds to both) and adds into x_out.
-// Round r = intermediates ob + 8r + warp (one per warp, rows interleaved as for gemv_gateup) and their 8 down
-// columns; R > 1 accumulates R rounds before its reductions (R times fewer atomics), the next round's gate/up rows
-// requested as soon as the current round's dot products are done. grid.x = I / (8R), K % 4 == 0, K <= 1024 MLP_DR.
-// WDT: W_d given transposed ([I, K], a copy the engine builds once): a round's down columns are then 8 contiguous
-// rows (each thread 8 bytes of each, coalesced across the warp) instead of 16-byte pieces of K rows I apart.
-#define MLP_DR 2
-__device__ __forceinline__ uint2 ldg_stream8(const void* p) {
-    uint2 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
-    return r;
-}
-
-template <int R, bool WDT>
-__device__ __forceinline__ void gemv_mlp_impl(float* sx, const float* __restrict__ x_in,
-        const bf16_t* __restrict__ normw, float eps, const bf16_t* __restrict__ Wgu, const bf16_t* __restrict__ Wd,
-        int I, int K, float* __restrict__ x_out) {
-    float* sact = sx + K;  // sx: K floats (the normed input), then the block's 8R activations
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int ob = blockIdx.x * (GEMV_WARPS * R);
-    const int ngrp = K >> 2;  // thread t owns rows 4g..4g+3 for g = t + 256 j
-    uint4 wd[MLP_DR][4];      // !WDT: [j][q] = row 4g+q, the round's 8 columns
-    uint2 wt[MLP_DR][8];      // WDT: [j][c] = column c of the round, rows 4g..4g+3
-    auto load_down = [&](int r) {
-#pragma unroll
-        for (int j = 0; j < MLP_DR; ++j) {
-            const int g = threadIdx.x + j * 256;
-            if constexpr (WDT) {
-#pragma unroll
-                for (int c = 0; c < 8; ++c)
-                    if (g < ngrp) wt[j][c] = ldg_stream8(Wd + (size_t)(ob + 8 * r + c) * K + 4 * g);
-            } else {
-#pragma unroll
-                for (int q = 0; q < 4; ++q)
-                    if (g < ngrp) wd[j][q] = ldg_stream16(Wd + (size_t)(4 * g + q) * I + ob + 8 * r);
-            }
-        }
-    };
-    GemvRows<2> Rw;
-    auto set_rows = [&](int r) {
-        const int o = ob + 8 * r + warp;
-        Rw.p[0] = Wgu + (size_t)gateup_gate_row(o) * K;
-        Rw.p[1] = Rw.p[0] + 8 * (size_t)K;
-    };
-    set_rows(0);
-    gemv_start<2, FAM_GATEUP>(sx, Rw, K, true, x_in, normw, eps, nullptr, [&]() { load_down(0); });
-    float y[MLP_DR][4];
-#pragma unroll
-    for (int j = 0; j < MLP_DR; ++j)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) y[j][q] = 0.f;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        float acc[2];
-        gemv_finish(sx, Rw, K, acc);
-        if (lane == 0) sact[8 * r + warp] = silu(acc[0]) * acc[1];
-        if (r + 1 < R) {
-            set_rows(r + 1);
-            gemv_prefetch(Rw, K, true);
-        }
-        __syncthreads();
-        const float4 a0 = reinterpret_cast<const float4*>(sact)[2 * r];
-        const float4 a1 = reinterpret_cast<const float4*>(sact)[2 * r + 1];
-#pragma unroll
-        for (int j = 0; j < MLP_DR; ++j) {
-            if (threadIdx.x + j * 256 >= ngrp) continue;
-            if constexpr (WDT) {
-                const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-#pragma unroll
-                for (int c = 0; c < 8; ++c) {
-                    y[j][0] = fmaf(bf16_lo(wt[j][c].x), a[c], y[j][0]);
-                    y[j][1] = fmaf(bf16_hi(wt[j][c].x), a[c], y[j][1]);
-                    y[j][2] = fmaf(bf16_lo(wt[j][c].y), a[c], y[j][2]);
-                    y[j][3] = fmaf(bf16_hi(wt[j][c].y), a[c], y[j][3]);
-                }
-            } else {
-#pragma unroll
-                for (int q = 0; q < 4; ++q) y[j][q] += dot8_bf16(wd[j][q], a0, a1);
-            }
-        }
-        if (r + 1 < R) load_down(r + 1);
-    }
-#pragma unroll
-    for (int j = 0; j < MLP_DR; ++j) {
-        const int g = threadIdx.x + j * 256;
-        if (g < ngrp) red_add4(x_out + 4 * g, y[j][0], y[j][1], y[j][2], y[j][3]);
-    }
-}
-
-#define GEMV_MLP(NAME, R, WDT)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256, 2) NAME(const float* __restrict__ x_in,                     \
-            const bf16_t* __restrict__ normw, float eps, const bf16_t* __restrict__ Wgu,                        \
-            const bf16_t* __restrict__ Wd, int I, int K, float* __restrict__ x_out) {                           \
-        extern __shared__ float sx[];                                                                           \
-        gemv_mlp_impl<R, WDT>(sx, x_in, normw, eps, Wgu, Wd, I, K, x_out);                                      \
-    }
-GEMV_MLP(gemv_mlp_r1, 1, false)
-GEMV_MLP(gemv_mlp_r2, 2, false)
-GEMV_MLP(gemv_mlp_r4, 4, false)
-GEMV_MLP(gemv_mlp_t_r1, 1, true)
-GEMV_MLP(gemv_mlp_t_r2, 2, true)
 
 // logits[n] = W[n] . rmsnorm(x_row) for the action rows (W = embedding rows vocab-256 .. vocab-1).
 // x_row = x + row*K with row = (row_meta >= 0 ? meta[row_meta] - 1 : 0) (prefill: the last valid token).

@@ -575,8 +575,7 @@ COMBINE_KERNEL(attn_combine_1p_v4, true, 4)
 // x[n] += W_o[n][h*HD .. h*HD + HD) . merge(h) for the block's rows (o_proj split over K by head: each block merges
 // only its own head's 64-odd partials, one L2 round trip with the one-pass loads, instead of a merge kernel whose
 // completion the o_proj GEMV waits for). Before the PDL wait: the block's W_o rows (MO_U 16-byte words per lane).
-// grid = (ceil(N / MO_ROWS(HD)), Hq), 256 threads. attn_merge_oproj_x2_*: the sum also added to x2, the second
-// residual copy that the fused decode MLP reads (cuda/gemv.cu gemv_mlp).
+// grid = (ceil(N / MO_ROWS(HD)), Hq), 256 threads.
 #define MO_WARPS 8
 #define MO_U 8
 template <int HD>
@@ -586,10 +585,10 @@ struct MergeOproj {
     static constexpr int ROWS = MO_WARPS * MO_U * RPS;     // rows per block
 };
 
-template <int HD, bool X2 = false>
+template <int HD>
 __device__ __forceinline__ void attn_merge_oproj_body(const float* __restrict__ part_o,
         const float2* __restrict__ part_ml, int Hq, const int* __restrict__ meta, int step, int kps,
-        const bf16_t* __restrict__ Wo, int N, float* __restrict__ x, float* __restrict__ x2 = nullptr) {
+        const bf16_t* __restrict__ Wo, int N, float* __restrict__ x) {
     typedef MergeOproj<HD> MO;
     __shared__ __align__(16) float s_o[HD];
     const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -614,10 +613,7 @@ __device__ __forceinline__ void attn_merge_oproj_body(const float* __restrict__ 
         float acc = n < N ? dot8_bf16(w[u], a, b) : 0.f;
 #pragma unroll
         for (int o = MO::LPR / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane % MO::LPR == 0 && n < N) {
-            atomicAdd(x + n, acc);
-            if (X2) atomicAdd(x2 + n, acc);
-        }
+        if (lane % MO::LPR == 0 && n < N) atomicAdd(x + n, acc);
     }
 }
 extern "C" __global__ void __launch_bounds__(256) attn_merge_oproj_hd128(const float* part_o, const float2* part_ml,
@@ -627,14 +623,4 @@ extern "C" __global__ void __launch_bounds__(256) attn_merge_oproj_hd128(const f
 extern "C" __global__ void __launch_bounds__(256) attn_merge_oproj_hd64(const float* part_o, const float2* part_ml,
         int Hq, const int* meta, int step, int kps, const bf16_t* Wo, int N, float* x) {
     attn_merge_oproj_body<64>(part_o, part_ml, Hq, meta, step, kps, Wo, N, x);
-}
-extern "C" __global__ void __launch_bounds__(256) attn_merge_oproj_x2_hd128(const float* part_o,
-        const float2* part_ml, int Hq, const int* meta, int step, int kps, const bf16_t* Wo, int N, float* x,
-        float* x2) {
-    attn_merge_oproj_body<128, true>(part_o, part_ml, Hq, meta, step, kps, Wo, N, x, x2);
-}
-extern "C" __global__ void __launch_bounds__(256) attn_merge_oproj_x2_hd64(const float* part_o,
-        const float2* part_ml, int Hq, const int* meta, int step, int kps, const bf16_t* Wo, int N, float* x,
-        float* x2) {
-    attn_merge_oproj_body<64, true>(part_o, part_ml, Hq, meta, step, kps, Wo, N, x, x2);
 }

@@ -75,17 +75,6 @@ def test_timeline_summary_with_the_merge_and_o_proj_fused():
                    "gemv_resid down": 6.5}
 
 
-def test_timeline_summary_with_the_fused_mlp():
-    """The fused decode MLP: five kernels per layer (gemv_mlp after o_proj), four with the merge and o_proj fused."""
-    from vla_edge_ros.bench.gpu_chunk_bench import timeline_summary
-    for names, gap in [(["gemv_qkv_xc", "attn_decode_pre_hd128", "attn_combine_1p", "gemv_resid_x2", "gemv_mlp_r2"],
-                        [2.0, 8.0, 3.0, 4.5, 21.0]),
-                       (["gemv_qkv_xc", "attn_decode_pre_hd128", "attn_merge_oproj_x2_hd128", "gemv_mlp_r2"],
-                        [2.0, 8.0, 5.0, 21.0])]:
-        got = {k: (crit, n) for k, crit, lead, spread, n in timeline_summary(_decode_rows(names, gap), 28)}
-        assert got == {k: (g, 7 * 26) for k, g in zip(names, gap)}
-
-
 def test_late_trigger_mask_matches_the_kernel_families():
     from vla_edge_ros.engine.cuda_backend import LATE_TRIGGER_FAMILIES, late_trigger_mask
     from vla_edge_ros.engine.interface import EngineError

@@ -152,13 +152,6 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("gemm v4 down only", {"gemm_v4": "down"}),
         ("late trigger all (v9)", late_but()),
         ("merge + o_proj fused", {"merge_oproj": True}),
-        ("decode MLP fused r1", {"decode_mlp": 1}),
-        ("decode MLP fused r2", {"decode_mlp": 2}),
-        ("decode MLP fused r4", {"decode_mlp": 4}),
-        ("decode MLP fused r2 + merge/o_proj fused", {"decode_mlp": 2, "merge_oproj": True}),
-        ("decode MLP fused r1, W_d transposed", {"decode_mlp": 1, "decode_mlp_wdt": True}),
-        ("decode MLP fused r2, W_d transposed", {"decode_mlp": 2, "decode_mlp_wdt": True}),
-        ("decode MLP fused r2, late trigger all", {"decode_mlp": 2, **late_but()}),
         *((f"late trigger all but {f}", late_but(f)) for f in ("combine", "attn", "qkv", "rmsnorm", "attn_pf", "gemm")),
         ("gemv min_ks 1024", {"gemv_min_ks": 1024}),
         ("gemv 1 split", {"gemv_target_blocks": 1}),
@@ -227,9 +220,8 @@ def run_timeline(cfg, weights_np, args, log) -> dict:
 def timeline_summary(rows: list, layers: int) -> list[tuple[str, float, float, float, int]]:
     """Per kernel name in the decode pass's middle (steps 2.., layers 1..L-2): mean time from its first block's
     release (PDL wait passed) to the next kernel's, mean lead (release - start of its first block), mean release
-    spread (last - first block), count. For the layered decode (kernels per layer: six; five with the merge and
-    o_proj fused or with the fused MLP, four with both); gemv_resid is o_proj unless it is the layer's last kernel
-    (down)."""
+    spread (last - first block), count. For the layered decode (kernels per layer: six, or five with the merge and
+    o_proj fused); gemv_resid is o_proj unless it is the layer's last kernel (down)."""
     dec0 = next(i for i, r in enumerate(rows) if r[0] == "embed_gather")
     per_step = (len(rows) - dec0) // max(1, sum(1 for r in rows if r[0] == "embed_gather"))
     kpl = (per_step - 3) // layers  # embed, then kpl per layer, then logits, argmax

@@ -214,13 +214,9 @@ DEFAULT_TUNING = {
                            # H200 (session 5): the pair's 8.4 us per layer -> 5.0, but gate/up +2.6 and down +0.8 us;
                            # +0.20 ms/chunk with every trigger late, -0.05 with the QKV's early (two runs): within the
                            # spread between runs, so off (docs/KERNEL_NOTES.md)
-    "decode_mlp": 0,  # decode MLP: 0 = gemv_gateup + gemv_resid (down); R = 1, 2, 4: one gemv_mlp_r{R} kernel per
-                      # layer (gate/up, SiLU and down, each block 8R intermediates, down's columns streamed with
-                      # gate/up, the residual in two copies; cuda/gemv.cu). Needs I % 8R == 0 and hidden <= 2048
-                      # (else the two kernels).
-    "decode_mlp_wdt": False,  # with decode_mlp 1 or 2: gemv_mlp_t_r{R} reads a transposed copy of W_d (built once on
-                              # the device, + 2 * hidden * intermediate bytes per layer, counted in the VRAM plan): a
-                              # block's down columns become contiguous rows
+    # tried on the H200 and removed (docs/KERNEL_NOTES.md session 7): the decode MLP as one kernel (gate/up, SiLU
+    # and down's columns, reductions into a residual copy: +2.0 to +6.8 ms/chunk) and an L2 bulk prefetch of the
+    # MLP weights during the attention stretch (+0.8 to +1.8 ms: gate/up no faster from L2)
     "kv_l2_prefetch": True,  # the QKV GEMV asks L2 for the layer's older K/V rows before its PDL wait (off: +0.07)
     # kernel families (LATE_TRIGGER_FAMILIES, comma-separated) that let their successor launch after their own PDL
     # wait instead of at their start: a kernel launches when its predecessor's predecessor is done, so at most two
@@ -367,15 +363,13 @@ class CudaEngine(Engine):
         model = L * per_layer + 2 * V * H + 2 * H + 2 * H * self.cfg.patch_dim + 4 * self.cfg.n_patches * H
         if not self.cfg.tie_word_embeddings:
             model += 2 * self.n_bins * H
-        if self._wants_wdt():
-            model += L * 2 * H * I  # the fused MLP's transposed W_d copies
         slots = capacity + self.decode_tokens
         kv = 2 * L * slots * self.nkv * 2
         n_pf = math.ceil(slots / self.tuning["attn_prefill_kps"])
         n_dec = math.ceil(slots / self.tuning["attn_decode_kps"])
         scratch = (4 * T_CHUNK * (3 * H + self.nqkv) + 2 * T_CHUNK * (2 * H + I)
                    + 4 * (n_pf * self.Hq * T_CHUNK * (self.HD + 2)) + 4 * (n_dec * self.Hq * (self.HD + 2))
-                   + 4 * (4 * H + self.Hq * self.HD + I + self.decode_tokens * H)  # (+ x_mlp)
+                   + 4 * (3 * H + self.Hq * self.HD + I + self.decode_tokens * H)
                    + 4 * (self.decode_tokens + 1) * self.n_bins + 8 * (slots + 64) * self.HD // 2
                    + 4 * (slots + 8) + 64 + 2 * T_CHUNK * self.cfg.patch_dim + 4096)
         return {"model": int(model), "kv": int(kv), "scratch": int(scratch)}
@@ -451,7 +445,6 @@ class CudaEngine(Engine):
         self.act_bf = self._alloc("act_bf", 2 * T * I)
         self.final_h = self._alloc("final_h", 4 * T * H)
         self.x_dec = self._alloc("x_dec", 4 * H)
-        self.x_mlp = self._alloc("x_mlp", 4 * H)  # gemv_mlp's input: a copy of the residual (see gemv_mlp)
         self.q_dec = self._alloc("q_dec", 4 * self.Hq * self.HD)
         self.attn_dec = self._alloc("attn_dec", 4 * self.Hq * self.HD)
         self.act_dec = self._alloc("act_dec", 4 * I)
@@ -568,9 +561,6 @@ class CudaEngine(Engine):
             "attn_decode_mma_hd128": "PPPPPiPiiifPP", "attn_decode_mma_hd64": "PPPPPiPiiifPP",
             "attn_decode_pre_hd128": "PPPPPiPiiifPP", "attn_decode_pre_hd64": "PPPPPiPiiifPP",
             "gemv_qkv": "PPfPPiiiPPPPPii", "gemv_resid": "PPiiiP", "gemv_gateup": "PPfPiiP",
-            "gemv_qkv_xc": "PPfPPiiiPPPPPiiP", "gemv_resid_x2": "PPiiiPP",
-            "gemv_mlp_r1": "PPfPPiiP", "gemv_mlp_r2": "PPfPPiiP", "gemv_mlp_r4": "PPfPPiiP",
-            "gemv_mlp_t_r1": "PPfPPiiP", "gemv_mlp_t_r2": "PPfPPiiP", "transpose_bf16": "PPii",
             "gemv_logits": "PPiPfPiiPP",
             "kv_store_prefill": "PiiiPPPP",
             "attn_prefill_hd128": "PiPPPPPiiifPP", "attn_prefill_hd64": "PiPPPPPiiifPP",
@@ -579,7 +569,6 @@ class CudaEngine(Engine):
             "attn_combine": "PPiiiiPiiiPP", "attn_combine_1p": "PPiiiiPiiiPP", "attn_combine_1p_v2": "PPiiiiPiiiPP",
             "attn_combine_1p_v4": "PPiiiiPiiiPP",
             "attn_merge_oproj_hd128": "PPiPiiPiP", "attn_merge_oproj_hd64": "PPiPiiPiP",
-            "attn_merge_oproj_x2_hd128": "PPiPiiPiPP", "attn_merge_oproj_x2_hd64": "PPiPiiPiPP",
             "argmax_tokens": "PiiPi",
             "decode_layers_hd128": "PiPPPPPPPPiPiiiiffiPPP", "decode_layers_hd64": "PiPPPPPPPPiPiiiiffiPPP",
         }
@@ -675,12 +664,8 @@ class CudaEngine(Engine):
         self.v_o = gemv(H, self.Hq * self.HD)
         self.v_d = gemv(H, I)
         gsm = 4 * max(H, self.v_o[2], self.v_d[2])
-        for name in ("gemv_qkv", "gemv_qkv_xc", "gemv_resid", "gemv_resid_x2", "gemv_gateup", "gemv_logits"):
+        for name in ("gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits"):
             smem_need[name] = gsm
-        for r in (1, 2, 4):
-            smem_need[f"gemv_mlp_r{r}"] = 4 * (H + 8 * r)
-            if r < 4:
-                smem_need[f"gemv_mlp_t_r{r}"] = 4 * (H + 8 * r)
         max_optin = cuda.Device(0).get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         for name, need in smem_need.items():
             if need > max_optin:
@@ -696,53 +681,12 @@ class CudaEngine(Engine):
         self._combine_vec("combine_decode_vec")
         # attn_merge_oproj merges a whole head per block (HD = 32 x dims per thread) with the one-pass loads
         self.merge_oproj = bool(t["merge_oproj"]) and t["combine"] == "one_pass" and self.HD in (64, 128)
-        self.mlp_rounds = self._mlp_rounds()
-        self._sync_wdt()
         self._plan_persistent()
         attn, threads = self._attn_prefill()
         regs = self.k[attn].num_regs
         if threads > 1024 or threads * regs > 65536:
             raise EngineError(f"prefill attention needs {threads} threads x {regs} registers per block: "
                               f"{self.G} query heads per KV head is too many for head_dim {self.HD}")
-
-    def _mlp_rounds(self, log: bool = True) -> int:
-        """Rounds per block of the fused decode MLP (gemv_mlp_r{R}), 0 for the two kernels."""
-        r = int(self.tuning["decode_mlp"])
-        if r not in (0, 1, 2, 4):
-            raise EngineError(f"decode_mlp must be 0, 1, 2 or 4, got {self.tuning['decode_mlp']!r}")
-        if r and (self.I % (8 * r) or self.H > 2048 or self.H % 8):
-            if log:
-                self.log(f"cuda engine: decode_mlp {r} needs intermediate % {8 * r} == 0 and hidden <= 2048 (a "
-                         f"multiple of 8); using gemv_gateup + gemv_resid")
-            return 0
-        return r
-
-    def _wants_wdt(self) -> bool:
-        """The transposed W_d copies are needed: decode_mlp_wdt with a fused MLP of 1 or 2 rounds (the kernels
-        gemv_mlp_t_r1 / _r2) that this geometry can run."""
-        return bool(self.tuning["decode_mlp_wdt"]) and self._mlp_rounds(log=False) in (1, 2)
-
-    def _sync_wdt(self) -> None:
-        """The transposed W_d copies of the fused MLP: built (device transpose, once) when _wants_wdt(), freed when
-        not. Refused (EngineError) when the copies break the VRAM budget."""
-        self.mlp_wdt = self._wants_wdt()
-        if self.tuning["decode_mlp_wdt"] and self.mlp_rounds and not self.mlp_wdt:
-            self.log(f"cuda engine: decode_mlp_wdt needs decode_mlp 1 or 2 (not {self.mlp_rounds}); W_d as stored")
-        have = all("wdT" in Lw for Lw in self.layers)
-        if self.mlp_wdt and not have:
-            sizes = self._sizes(self.capacity)
-            check_budget(sizes["model"], sizes["kv"], sizes["scratch"], self.max_vram_gb)
-            H, I = self.H, self.I
-            for i, Lw in enumerate(self.layers):
-                Lw["wdT"] = self._alloc(f"L{i}.wdT", 2 * H * I)
-                self.k["transpose_bf16"].prepared_async_call((math.ceil(I / 32), math.ceil(H / 32)), (32, 8, 1),
-                                                             self.stream, np.intp(Lw["wd"]), np.intp(Lw["wdT"]),
-                                                             np.int32(H), np.int32(I))
-            self.stream.synchronize()
-        elif not self.mlp_wdt:
-            for i, Lw in enumerate(self.layers):
-                if Lw.pop("wdT", None) is not None:
-                    self.tracker.free(f"L{i}.wdT")
 
     def _write_late_trigger(self, mask: int) -> None:
         """cuda/common.cuh vla_late_trigger in every loaded module (PyCUDA's and the PDL launcher's)."""
@@ -851,8 +795,7 @@ class CudaEngine(Engine):
     @staticmethod
     def _tag_of(name: str) -> str:
         for tag in ("attn_merge_oproj", "gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu",
-                    "gemm32v4_atomic", "gemm32v4_silu", "gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_mlp",
-                    "gemv_logits",
+                    "gemm32v4_atomic", "gemm32v4_silu", "gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits",
                     "decode_layers", "attn_prefill", "attn_decode", "attn_combine", "rmsnorm", "kv_store", "embed", "argmax"):
             if name.startswith(tag):
                 return tag
@@ -951,7 +894,6 @@ class CudaEngine(Engine):
         combine, cvec = self._combine_vec("combine_decode_vec")
         mo_rows = merge_oproj_rows(self.HD)
         kv_pf = np.int32(bool(self.tuning["kv_l2_prefetch"]))
-        mlp = self.mlp_rounds
         start = self._launches
         n_steps = steps or self.decode_tokens
         if self.persistent and (self._only is None or "decode_layers" in self._only):
@@ -972,33 +914,23 @@ class CudaEngine(Engine):
                              self.pd_prof if self.tuning["pd_profile"] else 0, smem=self.pd_smem)
             for i, Lw in enumerate(self.layers if not self.persistent else ()):
                 kc, vc = self._layer_ptrs(i)
-                # with the fused MLP the QKV GEMV also copies the residual into gemv_mlp's input x_mlp
-                self._launch("gemv_qkv_xc" if mlp else "gemv_qkv", (math.ceil(self.nqkv / (2 * GEMV_WARPS)), 1),
-                             (256, 1, 1), self.x_dec, Lw["ln1"], eps, Lw["wqkv"], Lw["bqkv"], np.int32(H), np.int32(nq),
-                             np.int32(self.nkv), self.q_dec, P(kc), P(vc), self.key_slots, self.meta, st, kv_pf,
-                             *((self.x_mlp,) if mlp else ()), smem=4 * H)
+                self._launch("gemv_qkv", (math.ceil(self.nqkv / (2 * GEMV_WARPS)), 1), (256, 1, 1), self.x_dec, Lw["ln1"],
+                             eps, Lw["wqkv"], Lw["bqkv"], np.int32(H), np.int32(nq), np.int32(self.nkv), self.q_dec,
+                             P(kc), P(vc), self.key_slots, self.meta, st, kv_pf, smem=4 * H)
                 self._launch(attn, (self.nsplit_dec, self.n_kvh), (128, 1, 1), self.q_dec, P(kc), P(vc),
                              self.key_slots, self.meta, st, self.rope, np.int32(self.G), np.int32(self.n_kvh),
                              np.int32(kps), qscale, self.part_o_dec, self.part_ml_dec)
                 if self.merge_oproj:
-                    self._launch(("attn_merge_oproj_x2_hd%d" if mlp else "attn_merge_oproj_hd%d") % self.HD,
-                                 (math.ceil(H / mo_rows), self.Hq), (256, 1, 1), self.part_o_dec, self.part_ml_dec,
-                                 np.int32(self.Hq), self.meta, st, np.int32(kps), Lw["wo"], np.int32(H), self.x_dec,
-                                 *((self.x_mlp,) if mlp else ()))
+                    self._launch("attn_merge_oproj_hd%d" % self.HD, (math.ceil(H / mo_rows), self.Hq), (256, 1, 1),
+                                 self.part_o_dec, self.part_ml_dec, np.int32(self.Hq), self.meta, st, np.int32(kps),
+                                 Lw["wo"], np.int32(H), self.x_dec)
                 else:
                     self._launch(combine, (self.Hq * self.HD // (32 * cvec), 1), (256, 1, 1), self.part_o_dec,
                                  self.part_ml_dec, np.int32(self.Hq), np.int32(self.HD), np.int32(1),
                                  np.int32(self.Hq), self.meta, np.int32(3), st, np.int32(kps), self.attn_dec, P(0))
                     rb, ns, ks = self.v_o
-                    self._launch("gemv_resid_x2" if mlp else "gemv_resid", (rb, ns), (256, 1, 1), self.attn_dec,
-                                 Lw["wo"], np.int32(H), np.int32(nq), np.int32(ks), self.x_dec,
-                                 *((self.x_mlp,) if mlp else ()), smem=4 * ks)
-                if mlp:
-                    self._launch(f"gemv_mlp_t_r{mlp}" if self.mlp_wdt else f"gemv_mlp_r{mlp}", (I // (8 * mlp), 1),
-                                 (256, 1, 1), self.x_mlp, Lw["ln2"], eps, Lw["wgu"],
-                                 Lw["wdT"] if self.mlp_wdt else Lw["wd"], np.int32(I), np.int32(H), self.x_dec,
-                                 smem=4 * (H + 8 * mlp))
-                    continue
+                    self._launch("gemv_resid", (rb, ns), (256, 1, 1), self.attn_dec, Lw["wo"], np.int32(H),
+                                 np.int32(nq), np.int32(ks), self.x_dec, smem=4 * ks)
                 self._launch("gemv_gateup", (math.ceil(I / GEMV_WARPS), 1), (256, 1, 1), self.x_dec, Lw["ln2"], eps,
                              Lw["wgu"], np.int32(I), np.int32(H), self.act_dec, smem=4 * H)
                 rb, ns, ks = self.v_d
@@ -1206,7 +1138,7 @@ class CudaEngine(Engine):
         from vla_edge_ros.engine.graphs import CudaGraph
         tags = ["rmsnorm", "gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu", "gemm32v4_atomic",
                 "gemm32v4_silu", "kv_store", "attn_prefill", "attn_combine", "attn_merge_oproj", "embed", "gemv_qkv",
-                "attn_decode", "gemv_resid", "gemv_gateup", "gemv_mlp", "decode_layers", "gemv_logits", "argmax"]
+                "attn_decode", "gemv_resid", "gemv_gateup", "decode_layers", "gemv_logits", "argmax"]
         out: dict[str, float] = {}
         with self._active():
             for tag in tags:
@@ -1252,7 +1184,7 @@ class CudaEngine(Engine):
 
         tags = ["gemm32_atomic", "gemm32_silu", "gemm32v4_atomic", "gemm32v4_silu", "rmsnorm", "kv_store",
                 "attn_prefill", "attn_combine", "attn_merge_oproj", "embed", "gemv_qkv", "attn_decode", "gemv_resid",
-                "gemv_gateup", "gemv_mlp", "gemv_logits", "argmax"]
+                "gemv_gateup", "gemv_logits", "argmax"]
         with self._active():
             full = timed(None)
             out = {"full": full}
