@@ -58,13 +58,9 @@ __device__ __forceinline__ void stage_kv_fresh(bf16_t* sK, bf16_t* sVt, const in
 // head, against keys [split*kps, min(L, +kps)), causal by position (key j visible to token t iff j <= p0 + t).
 // 2G warps; warp w = m16 tile: head w/2, tokens (w&1)*16 .. +15. Tensor cores for QK^T and PV.
 // Partials: part_o [split][Hq*32][HD] (unnormalised), part_ml [split][Hq*32] (max, sum), row = qh*32 + token.
-// BP (attn_prefill_pre_bp_*): part_o holds bf16 values normalised by their row's sum instead (0 for a row with no
-// key in the split), read by attn_combine_1p_bp*: half the bytes written here and read by the merge (12.8 MB of
-// fp32 per layer for the 1.5B geometry). The normalised value is a convex combination of bf16 values, so bf16
-// keeps its range; its rounding (2^-9 relative) is the same as that of the merged output's bf16 store.
-template <int HD, bool FRESH, bool BP = false>
+template <int HD, bool FRESH>
 __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv, int ld, bf16_t* kc, bf16_t* vc, const int* __restrict__ key_slots, const int* __restrict__ meta,
-        const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, void* __restrict__ part_o,
+        const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* __restrict__ part_o,
         float2* __restrict__ part_ml, bf16_t* sK, bf16_t* sVt, int* sSlot) {
     constexpr int KS = HD / 16;       // k16 steps over the head dim
     constexpr int HALF = HD / 2;
@@ -172,21 +168,10 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     const int nrows = n_kvh * G * 32;
     const size_t r0 = (size_t)blockIdx.x * nrows + qh * 32 + tok0;
     const size_t r1 = r0 + 8;
-    if (BP) {
-        bf16_t* pb = reinterpret_cast<bf16_t*>(part_o);
-        const float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
 #pragma unroll
-        for (int dn = 0; dn < NT_O; ++dn) {
-            *reinterpret_cast<uint32_t*>(pb + r0 * HD + dn * 8 + 2 * t) = pack_bf16x2(o[dn][0] * i0, o[dn][1] * i0);
-            *reinterpret_cast<uint32_t*>(pb + r1 * HD + dn * 8 + 2 * t) = pack_bf16x2(o[dn][2] * i1, o[dn][3] * i1);
-        }
-    } else {
-        float* pf = reinterpret_cast<float*>(part_o);
-#pragma unroll
-        for (int dn = 0; dn < NT_O; ++dn) {
-            *reinterpret_cast<float2*>(pf + r0 * HD + dn * 8 + 2 * t) = make_float2(o[dn][0], o[dn][1]);
-            *reinterpret_cast<float2*>(pf + r1 * HD + dn * 8 + 2 * t) = make_float2(o[dn][2], o[dn][3]);
-        }
+    for (int dn = 0; dn < NT_O; ++dn) {
+        *reinterpret_cast<float2*>(part_o + r0 * HD + dn * 8 + 2 * t) = make_float2(o[dn][0], o[dn][1]);
+        *reinterpret_cast<float2*>(part_o + r1 * HD + dn * 8 + 2 * t) = make_float2(o[dn][2], o[dn][3]);
     }
     if (t == 0) {
         part_ml[r0] = make_float2(m0, l0);
@@ -197,22 +182,20 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
 // The prefill kernels: attn_prefill_hd* (any multiple-of-64 split length, every key from the cache, after a
 // kv_store_prefill launch) and attn_prefill_pre_hd* (kps == ATT_KC only: old keys staged before the PDL wait, this
 // chunk's K/V from the QKV output and stored in the cache here). Two kernels: one holding both paths spills.
-#define ATTN_PREFILL_KERNEL(NAME, HD, THREADS, FRESH, BP)                                                         \
+#define ATTN_PREFILL_KERNEL(NAME, HD, THREADS, FRESH)                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(const float* qkv, int ld, bf16_t* kc, bf16_t* vc,      \
             const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps, float qscale,  \
-            void* part_o, float2* part_ml) {                                                                       \
+            float* part_o, float2* part_ml) {                                                                      \
         __shared__ __align__(16) bf16_t sK[ATT_KC * (HD + 8)];                                                     \
         __shared__ __align__(16) bf16_t sVt[HD * (ATT_KC + 8)];                                                    \
         __shared__ int sSlot[ATT_KC];                                                                              \
-        attn_prefill_body<HD, FRESH, BP>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, FRESH ? ATT_KC : kps, \
-                                         qscale, part_o, part_ml, sK, sVt, sSlot);                                 \
+        attn_prefill_body<HD, FRESH>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, FRESH ? ATT_KC : kps,    \
+                                     qscale, part_o, part_ml, sK, sVt, sSlot);                                     \
     }
-ATTN_PREFILL_KERNEL(attn_prefill_hd128, 128, 384, false, false)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_hd128, 128, 384, true, false)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_bp_hd128, 128, 384, true, true)
-ATTN_PREFILL_KERNEL(attn_prefill_hd64, 64, 512, false, false)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_hd64, 64, 512, true, false)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_bp_hd64, 64, 512, true, true)
+ATTN_PREFILL_KERNEL(attn_prefill_hd128, 128, 384, false)
+ATTN_PREFILL_KERNEL(attn_prefill_pre_hd128, 128, 384, true)
+ATTN_PREFILL_KERNEL(attn_prefill_hd64, 64, 512, false)
+ATTN_PREFILL_KERNEL(attn_prefill_pre_hd64, 64, 512, true)
 
 
 // Decode: one query token (G heads of KV head blockIdx.y) against keys [split*kps, min(L, +kps)).
@@ -470,31 +453,13 @@ template <int VEC>
 __device__ __forceinline__ float cmb_get(const typename CmbVec<VEC>::T& v, int i) {
     return reinterpret_cast<const float*>(&v)[i];
 }
-// A split's VEC partial values as loaded: fp32 (unnormalised) or, BP, bf16 normalised by the row's sum
-// (attn_prefill_pre_bp_*; their weight in the merge is then e * l instead of e).
-template <int VEC, bool BP> struct CmbPart {
-    typedef typename CmbVec<VEC>::T T;
-    static __device__ __forceinline__ float get(const T& v, int i) { return cmb_get<VEC>(v, i); }
-};
-template <int VEC> struct CmbBf16;
-template <> struct CmbBf16<1> { typedef bf16_t T; };
-template <> struct CmbBf16<2> { typedef uint32_t T; };
-template <> struct CmbBf16<4> { typedef uint2 T; };
-template <int VEC> struct CmbPart<VEC, true> {
-    typedef typename CmbBf16<VEC>::T T;
-    static __device__ __forceinline__ float get(const T& v, int i) {
-        return bf16_to_f32(reinterpret_cast<const bf16_t*>(&v)[i]);
-    }
-};
 
 // merge_row: row r, dims d = dblk * 32 * VEC + lane * VEC + k of every split (L keys: nsplit = ceil(L / kps));
 // store(d, value) runs in the threads of split group 0 only (every thread returns from here).
-template <bool ONE_PASS, int VEC, typename Store, bool BP = false>
-__device__ __forceinline__ void merge_row(const void* __restrict__ part_o, const float2* __restrict__ part_ml,
+template <bool ONE_PASS, int VEC, typename Store>
+__device__ __forceinline__ void merge_row(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
                                           int nrows, int HD, int r, int dblk, int L, int kps, Store store) {
-    static_assert(ONE_PASS || !BP, "normalised bf16 partials: one-pass merge only");
-    typedef CmbPart<VEC, BP> PT;
-    typedef typename PT::T VT;
+    typedef typename CmbVec<VEC>::T VT;
     __shared__ float s_m[CMB_GROUPS], s_num[CMB_GROUPS][32 * VEC], s_den[CMB_GROUPS];
     const int lane = threadIdx.x & 31;
     const int d = dblk * 32 * VEC + lane * VEC;
@@ -531,9 +496,8 @@ __device__ __forceinline__ void merge_row(const void* __restrict__ part_o, const
 #pragma unroll
             for (int i = 0; i < CMB_MAXS; ++i) {
                 const float e = m[i] == -INFINITY ? 0.f : exp2f(m[i] - M);
-                const float w = BP ? e * l[i] : e;  // BP: the value is o / l
 #pragma unroll
-                for (int k = 0; k < VEC; ++k) num[k] = fmaf(w, PT::get(o[i], k), num[k]);
+                for (int k = 0; k < VEC; ++k) num[k] = fmaf(e, cmb_get<VEC>(o[i], k), num[k]);
                 den = fmaf(e, l[i], den);
             }
             Mg = M;
@@ -557,7 +521,7 @@ __device__ __forceinline__ void merge_row(const void* __restrict__ part_o, const
             const float e = ml.x == -INFINITY ? 0.f : exp2f(ml.x - M);
             const VT ov = po[(((size_t)s * nrows + r) * HD + d) / VEC];
 #pragma unroll
-            for (int k = 0; k < VEC; ++k) num[k] = fmaf(e, PT::get(ov, k), num[k]);
+            for (int k = 0; k < VEC; ++k) num[k] = fmaf(e, cmb_get<VEC>(ov, k), num[k]);
             den = fmaf(e, ml.y, den);
         }
     }
@@ -576,8 +540,8 @@ __device__ __forceinline__ void merge_row(const void* __restrict__ part_o, const
     for (int k = 0; k < VEC; ++k) store(d + k, num[k] / den);
 }
 
-template <bool ONE_PASS, int VEC, bool BP = false>
-__device__ __forceinline__ void attn_combine_body(const void* __restrict__ part_o, const float2* __restrict__ part_ml,
+template <bool ONE_PASS, int VEC>
+__device__ __forceinline__ void attn_combine_body(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
         int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx, int add, int kps,
         float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
     pdl_trigger(FAM_COMBINE);
@@ -587,29 +551,25 @@ __device__ __forceinline__ void attn_combine_body(const void* __restrict__ part_
     const int r = blockIdx.x / per_row;
     const int qh = r / T, tok = r - qh * T;
     const size_t o = (size_t)tok * Hq * HD + (size_t)qh * HD;
-    auto store = [&](int d, float y) {
-        if (out_f32 != nullptr) out_f32[o + d] = y;
-        if (out_bf16 != nullptr) out_bf16[o + d] = f32_to_bf16(y);
-    };
-    merge_row<ONE_PASS, VEC, decltype(store), BP>(part_o, part_ml, nrows, HD, r, blockIdx.x - r * per_row, L, kps,
-                                                  store);
+    merge_row<ONE_PASS, VEC>(part_o, part_ml, nrows, HD, r, blockIdx.x - r * per_row, L, kps,
+                             [&](int d, float y) {
+                                 if (out_f32 != nullptr) out_f32[o + d] = y;
+                                 if (out_bf16 != nullptr) out_bf16[o + d] = f32_to_bf16(y);
+                             });
 }
 // attn_combine (two passes), attn_combine_1p (one pass, the decode's), _v2 / _v4 (one pass, VEC dims per thread, HD a
-// multiple of 32 * VEC: the prefill's); attn_combine_1p_bp* the same for the normalised bf16 partials
-#define COMBINE_KERNEL(NAME, ONE_PASS, VEC, BP)                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) NAME(const void* __restrict__ part_o,                        \
+// multiple of 32 * VEC: the prefill's)
+#define COMBINE_KERNEL(NAME, ONE_PASS, VEC)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const float* __restrict__ part_o,                       \
             const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta,     \
             int meta_idx, int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {          \
-        attn_combine_body<ONE_PASS, VEC, BP>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, \
-                                             out_bf16);                                                            \
+        attn_combine_body<ONE_PASS, VEC>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32,     \
+                                         out_bf16);                                                                \
     }
-COMBINE_KERNEL(attn_combine, false, 1, false)
-COMBINE_KERNEL(attn_combine_1p, true, 1, false)
-COMBINE_KERNEL(attn_combine_1p_v2, true, 2, false)
-COMBINE_KERNEL(attn_combine_1p_v4, true, 4, false)
-COMBINE_KERNEL(attn_combine_1p_bp, true, 1, true)
-COMBINE_KERNEL(attn_combine_1p_bp_v2, true, 2, true)
-COMBINE_KERNEL(attn_combine_1p_bp_v4, true, 4, true)
+COMBINE_KERNEL(attn_combine, false, 1)
+COMBINE_KERNEL(attn_combine_1p, true, 1)
+COMBINE_KERNEL(attn_combine_1p_v2, true, 2)
+COMBINE_KERNEL(attn_combine_1p_v4, true, 4)
 
 // Decode: the split merge of head h = blockIdx.y and its share of the o_proj GEMV in one kernel,
 // x[n] += W_o[n][h*HD .. h*HD + HD) . merge(h) for the block's rows (o_proj split over K by head: each block merges

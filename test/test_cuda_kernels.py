@@ -387,13 +387,11 @@ def attention_ref(q, kc, vc, key_slots, n_keys, qpos, theta, G):
     ("attn_prefill", 128, 6, 2, 4082, 128), ("attn_prefill", 128, 6, 2, 178, 64), ("attn_prefill", 64, 7, 2, 1000, 256),
     ("attn_prefill", 64, 2, 2, 530, 128), ("attn_prefill_pre", 128, 6, 2, 4096, 64),
     ("attn_prefill_pre", 128, 6, 2, 178, 64), ("attn_prefill_pre", 64, 7, 2, 1000, 64),
-    ("attn_prefill_pre", 64, 2, 2, 32, 64), ("attn_prefill_pre_bp", 128, 6, 2, 4096, 64),
-    ("attn_prefill_pre_bp", 128, 6, 2, 178, 64), ("attn_prefill_pre_bp", 64, 7, 2, 1000, 64)])
+    ("attn_prefill_pre", 64, 2, 2, 32, 64)])
 def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
     """attn_prefill: every key from the cache. attn_prefill_pre: keys j < p0 from the cache (staged before the PDL
     wait), this chunk's keys j >= p0 from the QKV output, which it also stores in the cache (bf16, pre-RoPE); every
-    other cache row stays as it was. Both split merges. attn_prefill_pre_bp: the same with bf16 partials normalised
-    by their row's sum, merged by attn_combine_1p_bp*."""
+    other cache row stays as it was. Both split merges."""
     T, theta = 32, 1e6
     Hq = G * n_kvh
     nq, nkv = Hq * hd, n_kvh * hd
@@ -405,7 +403,7 @@ def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
     qkv = rng.standard_normal((T, ld)).astype(np.float32)
     p0 = L - T
     kc_exp, vc_exp = kc_b.copy(), vc_b.copy()
-    if kernel.startswith("attn_prefill_pre"):
+    if kernel == "attn_prefill_pre":
         fresh = key_slots[p0:L]
         kc_exp[fresh], vc_exp[fresh] = bf16_bits(qkv[:, nq:nq + nkv]), bf16_bits(qkv[:, nq + nkv:])
     meta = np.array([L, p0, T, 0], np.int32)
@@ -422,11 +420,9 @@ def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
     np.testing.assert_array_equal(dev.down(vc_d, (S, nkv), np.uint16), vc_exp)
     ref = attention_ref(qkv[:, :nq].astype(np.float64).reshape(T, Hq, hd), bits_f32(kc_exp), bits_f32(vc_exp),
                         key_slots, L, p0 + np.arange(T), theta, G)
-    # every merge; _v2 / _v4: 2 / 4 dims per thread (HD a multiple of 64 / 128); _bp: of the bf16 partials
-    merges = ((("attn_combine", 1), ("attn_combine_1p", 1), ("attn_combine_1p_v2", 2), ("attn_combine_1p_v4", 4))
-              if not kernel.endswith("_bp") else
-              (("attn_combine_1p_bp", 1), ("attn_combine_1p_bp_v2", 2), ("attn_combine_1p_bp_v4", 4)))
-    for combine, vec in merges:
+    # every merge; _v2 / _v4: 2 / 4 dims per thread (HD a multiple of 64 / 128)
+    for combine, vec in (("attn_combine", 1), ("attn_combine_1p", 1), ("attn_combine_1p_v2", 2),
+                         ("attn_combine_1p_v4", 4)):
         if hd % (32 * vec):
             continue
         out_b, out_f = dev.poisoned(2 * T * nq), dev.poisoned(4 * T * nq)

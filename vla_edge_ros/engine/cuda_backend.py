@@ -208,10 +208,7 @@ DEFAULT_TUNING = {
     "attn_decode_kps": 64,  # 64: attn_decode_pre_* (old keys staged before the PDL wait, lean on registers)
     "combine_prefill_vec": 4,  # one_pass merges, dims per thread (1, 2, 4; capped so that HD % (32 vec) == 0): the
     "combine_decode_vec": 1,   # prefill's and the decode's
-    "combine": "one_pass",
-    "prefill_partials": "f32",  # the prefill attention's split partials: "f32" (unnormalised) or "bf16" (normalised
-                                # by the row's sum: half the bytes written and merged; attn_prefill_pre_bp_* +
-                                # attn_combine_1p_bp*; needs attn_prefill_kps 64 and the one-pass merge)  # split merge: "one_pass" (attn_combine_1p) or "two_pass" (attn_combine, +0.04 ms)
+    "combine": "one_pass",  # split merge: "one_pass" (attn_combine_1p) or "two_pass" (attn_combine, +0.04 ms)
     "merge_oproj": False,  # decode: the split merge and o_proj in one kernel (attn_merge_oproj_*: o_proj split over
                            # K by head, each block merges its head's partials) instead of attn_combine + gemv_resid.
                            # H200 (session 5): the pair's 8.4 us per layer -> 5.0, but gate/up +2.6 and down +0.8 us;
@@ -568,11 +565,9 @@ class CudaEngine(Engine):
             "kv_store_prefill": "PiiiPPPP",
             "attn_prefill_hd128": "PiPPPPPiiifPP", "attn_prefill_hd64": "PiPPPPPiiifPP",
             "attn_prefill_pre_hd128": "PiPPPPPiiifPP", "attn_prefill_pre_hd64": "PiPPPPPiiifPP",
-            "attn_prefill_pre_bp_hd128": "PiPPPPPiiifPP", "attn_prefill_pre_bp_hd64": "PiPPPPPiiifPP",
             "attn_decode_hd128": "PPPPPiPiiifPP", "attn_decode_hd64": "PPPPPiPiiifPP",
             "attn_combine": "PPiiiiPiiiPP", "attn_combine_1p": "PPiiiiPiiiPP", "attn_combine_1p_v2": "PPiiiiPiiiPP",
-            "attn_combine_1p_v4": "PPiiiiPiiiPP", "attn_combine_1p_bp": "PPiiiiPiiiPP",
-            "attn_combine_1p_bp_v2": "PPiiiiPiiiPP", "attn_combine_1p_bp_v4": "PPiiiiPiiiPP",
+            "attn_combine_1p_v4": "PPiiiiPiiiPP",
             "attn_merge_oproj_hd128": "PPiPiiPiP", "attn_merge_oproj_hd64": "PPiPiiPiP",
             "argmax_tokens": "PiiPi",
             "decode_layers_hd128": "PiPPPPPPPPiPiiiiffiPPP", "decode_layers_hd64": "PiPPPPPPPPiPiiiiffiPPP",
@@ -682,7 +677,6 @@ class CudaEngine(Engine):
                     self.kx[name].set_max_dynamic_shared(need)
         self.pdl = bool(t["pdl"]) and self.pdl_launcher is not None and len(self.kx) == len(self.k)
         self._write_late_trigger(late_trigger_mask(t["late_trigger"]))
-        self.prefill_bp = self._prefill_bp()
         self._combine_vec("combine_prefill_vec")  # a bad "combine" fails here, not at capture
         self._combine_vec("combine_decode_vec")
         # attn_merge_oproj merges a whole head per block (HD = 32 x dims per thread) with the one-pass loads
@@ -777,28 +771,11 @@ class CudaEngine(Engine):
     def _attn_prefill(self) -> tuple[str, int]:
         """The prefill attention kernel and its threads per block (cuda/rope_attention.cu ATTN_PREFILL_KERNEL)."""
         pre = int(self.tuning["attn_prefill_kps"]) == 64  # cuda/rope_attention.cu ATT_KC
-        if pre and self.prefill_bp:
-            return "attn_prefill_pre_bp_hd%d" % self.HD, 64 * self.G
         return ("attn_prefill_pre_hd%d" if pre else "attn_prefill_hd%d") % self.HD, 64 * self.G
 
-    prefill_bp = False
-
-    def _prefill_bp(self) -> bool:
-        """The prefill attention writes normalised bf16 partials (tuning prefill_partials "bf16")."""
-        p = self.tuning["prefill_partials"]
-        if p not in ("f32", "bf16"):
-            raise EngineError(f"prefill_partials must be 'f32' or 'bf16', got {p!r}")
-        if p == "f32":
-            return False
-        if int(self.tuning["attn_prefill_kps"]) != 64 or self._combine_name() != "attn_combine_1p":
-            self.log("cuda engine: prefill_partials 'bf16' needs attn_prefill_kps 64 and the one-pass merge; "
-                     "fp32 partials")
-            return False
-        return True
-
     def _combine_vec(self, key: str) -> tuple[str, int]:
-        """A split merge kernel and its dims per thread (attn_combine_1p_v2 / _v4 for one_pass; _bp for the
-        prefill's bf16 partials); key: the tuning entry, combine_prefill_vec or combine_decode_vec."""
+        """A split merge kernel and its dims per thread (attn_combine_1p_v2 / _v4 for one_pass); key: the tuning
+        entry, combine_prefill_vec or combine_decode_vec."""
         name = self._combine_name()
         vec = int(self.tuning[key])
         if vec not in (1, 2, 4):
@@ -807,8 +784,6 @@ class CudaEngine(Engine):
             return name, 1
         while self.HD % (32 * vec):
             vec //= 2
-        if key == "combine_prefill_vec" and self.prefill_bp:
-            name += "_bp"
         return (name if vec == 1 else f"{name}_v{vec}"), vec
 
     def _combine_name(self) -> str:
