@@ -123,8 +123,23 @@ __device__ __forceinline__ void vla_tl_stamp(int col) {
     if (col == 3) atomicMax(row + 3, t);
     else atomicMin(row + col, t);
 }
+// Per-block phase stamps of the prefill attention (the last layer's launch overwrites the earlier ones): lane 0 of
+// every warp raises vla_pf_phase[block][phase] to %globaltimer as it passes the phase's end, so a slot holds the
+// block's slowest warp. Tells which blocks and which phase set the kernel's completion (the block-0 / last-block
+// stamps above cannot).
+#define VLA_PF_BLOCKS 1024
+#define VLA_PF_PHASES 5
+__device__ unsigned long long vla_pf_phase[VLA_PF_BLOCKS][VLA_PF_PHASES];
+__device__ __forceinline__ void vla_pf_stamp(int phase) {
+    const unsigned b = blockIdx.x + gridDim.x * blockIdx.y;
+    if ((threadIdx.x & 31) != 0 || b >= VLA_PF_BLOCKS) return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    atomicMax(&vla_pf_phase[b][phase], t);
+}
 #else
 __device__ __forceinline__ void vla_tl_stamp(int) {}
+__device__ __forceinline__ void vla_pf_stamp(int) {}
 #endif
 //
 // When a kernel lets its successor launch: at its start (default), or after its own wait when its family's bit is

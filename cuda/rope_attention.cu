@@ -80,11 +80,13 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     // in the cache: no separate K/V store kernel).
     if (FRESH) stage_kv_chunk<HD, false, true>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kbeg, min(kend, p0), kend);
     pdl_wait(FAM_ATTN_PF);
+    vla_pf_stamp(0);  // (benchmark builds: phases wait, own-keys staging, query fragments, S/softmax/PV, stores)
     if (FRESH) {  // before the query fragments (registers: 168 at 384 threads) and in its own round trip
         __syncthreads();  // the pre-wait staging (zero rows from p0 on) is complete in every thread
         if (max(kbeg, p0) < kend)
             stage_kv_fresh<HD>(sK, sVt, sSlot, qkv, ld, kc, vc, rope_cs, kvh, n_kvh, G, max(kbeg, p0), kend, kbeg, p0);
     }
+    vla_pf_stamp(1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int h = warp >> 1;
@@ -99,6 +101,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
         q_frag_load<HD, false>(qkv + (size_t)tok0 * ld + qh * HD, true, qkv + (size_t)tok1 * ld + qh * HD, true, qv);
         q_frag_build<HD>(qv, rope_cs + (size_t)pos0 * HALF, rope_cs + (size_t)pos1 * HALF, qscale, qa);
     }
+    vla_pf_stamp(2);
 
     float o[NT_O][4];
 #pragma unroll
@@ -161,6 +164,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
             }
         }
     }
+    vla_pf_stamp(3);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -177,6 +181,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
         part_ml[r0] = make_float2(m0, l0);
         part_ml[r1] = make_float2(m1, l1);
     }
+    vla_pf_stamp(4);
 }
 
 // The prefill kernels: attn_prefill_hd* (any multiple-of-64 split length, every key from the cache, after a

@@ -91,3 +91,20 @@ def test_late_trigger_mask_matches_the_kernel_families():
     enum = re.search(r"enum VlaFamily \{([^}]*)\}", (CUDA_DIR / "common.cuh").read_text()).group(1)
     fams = [m.group(1).lower() for m in re.finditer(r"FAM_(\w+) = \d+", enum)]
     assert fams == list(LATE_TRIGGER_FAMILIES)
+
+
+def test_pf_phase_summary_names_the_slowest_blocks():
+    """Per-block phase ends of the prefill attention: medians / maxima relative to the release, and the slowest
+    blocks as (split, kv head), a block that never stored (NaN) last."""
+    import numpy as np
+    from vla_edge_ros.bench.gpu_chunk_bench import PF_PHASES, pf_phase_summary
+    nsplit, n_kvh, release = 4, 2, 100.0
+    ph = np.tile(release + np.arange(1.0, 6.0), (nsplit * n_kvh, 1))  # every block: phase i ends at release + i + 1
+    ph[3 + nsplit * 1, 1:] += 10.0  # split 3 of kv head 1: staging its own keys takes 10 us more
+    ph[5, 2:] = np.nan  # a block that returned early (no phases after the first two)
+    lines = pf_phase_summary(ph, release, n_kvh, slowest=2)
+    assert len(lines) == len(PF_PHASES) + 1
+    assert "median    1.00  max    1.00  (n=8)" in lines[0]
+    assert "median    2.00  max   12.00  (n=8)" in lines[1]
+    assert "median    5.00  max   15.00  (n=7)" in lines[4]
+    assert lines[-1].endswith("(3, 1: 15.00), (0, 0: 5.00)")

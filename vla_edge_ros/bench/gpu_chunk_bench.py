@@ -212,9 +212,32 @@ def run_timeline(cfg, weights_np, args, log) -> dict:
             chunk()
         for _ in range(20):
             chunk()
-        return {"rows": eng.timeline(chunk)}
+        rows = eng.timeline(chunk)
+        ph = eng.timeline_pf_phases
+        return {"rows": rows, "pf_phases": None if ph is None else ph.tolist(), "n_kvh": eng.n_kvh}
     finally:
         eng.close()
+
+
+PF_PHASES = ("wait", "own keys staged", "query fragments", "S / softmax / PV", "partials stored")
+
+
+def pf_phase_summary(phases, release_us: float, n_kvh: int, slowest: int = 4) -> list[str]:
+    """Lines describing the last prefill attention launch's per-block phase ends (engine.timeline_pf_phases:
+    (blocks, 5) us, NaN = not reached; block b = split + nsplit * kv head): per phase the median and the max over
+    blocks of (end - the grid's release), then the slowest blocks at the last phase as (split, kv head)."""
+    a = np.asarray(phases, dtype=np.float64) - release_us
+    nsplit = len(a) // max(1, n_kvh)
+    out = []
+    for i, name in enumerate(PF_PHASES):
+        col = a[:, i]
+        out.append(f"  {name:20s} median {np.nanmedian(col):7.2f}  max {np.nanmax(col):7.2f}  "
+                   f"(n={int(np.sum(~np.isnan(col)))})")
+    last = a[:, -1]
+    order = [int(b) for b in np.argsort(-np.where(np.isnan(last), -np.inf, last), kind="stable")[:slowest]]
+    out.append("  slowest blocks (split, kv head: stored at, us): " + ", ".join(
+        f"({b % nsplit}, {b // nsplit}: {last[b]:.2f})" for b in order))
+    return out
 
 
 def timeline_summary(rows: list, layers: int) -> list[tuple[str, float, float, float, int]]:
@@ -569,6 +592,12 @@ def print_report(res: dict) -> None:
             for k in range(i0, min(i0 + pf_layer, dec0 - 1)):
                 n, a, b, c = rows[k]
                 print(f"  {n:20s} {a:10.2f} {b:10.2f} {c:10.2f} {rows[k + 1][2] - b:8.2f}")
+            if tl.get("pf_phases"):
+                last_attn = max(k for k in range(dec0) if rows[k][0].startswith("attn_prefill"))
+                print("the last prefill attention's blocks, phase ends (us after its release; next kernel's release "
+                      f"at {rows[last_attn + 1][2] - rows[last_attn][2]:.2f}):")
+                for line in pf_phase_summary(tl["pf_phases"], rows[last_attn][2], tl["n_kvh"]):
+                    print(line)
         ab = o.get("ablation_ms") or {}
         if ab:
             print(f"\nin-chain cost per family (one graph per chunk {ab['full']:.3f} ms minus the graph without "

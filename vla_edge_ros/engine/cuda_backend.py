@@ -806,6 +806,7 @@ class CudaEngine(Engine):
     timeline_build = False  # benchmark builds: kernels stamp a timeline (cuda/common.cuh VLA_TIMELINE)
     _skip: set[str] | None = None
     _launches = 0
+    timeline_pf_phases = None  # (timeline) the last prefill attention's per-block phase ends, us
     host_profile_ms: dict[str, float] = {}  # the last chunk's host-time split (_device_chunk)
     pdl = False
     persistent = False
@@ -1195,7 +1196,9 @@ class CudaEngine(Engine):
     def timeline(self, run_chunk: Callable[[], Any]) -> list[tuple[str, float, float, float]]:
         """One chunk's kernels in launch order (benchmark builds: $VLA_CUDA_TIMELINE=1 when the engine was made,
         graphs and PDL on): (name, first block started, first block past its PDL wait, last block past it), in
-        us from the first kernel's start. Kernels are matched to launches by grid id order."""
+        us from the first kernel's start. Kernels are matched to launches by grid id order. Also sets
+        ``timeline_pf_phases``: the last prefill attention launch's per-block phase ends (cuda/common.cuh
+        vla_pf_stamp), (blocks, 5) in us on the same clock, NaN where a block did not reach a phase."""
         if not (self.timeline_build and self.pdl and self.use_graphs):
             raise EngineError("timeline needs an engine built with VLA_CUDA_TIMELINE=1, PDL and graphs")
         cuda = self._cuda
@@ -1211,6 +1214,14 @@ class CudaEngine(Engine):
                 init[:, 1:3] = np.iinfo(np.uint64).max
                 cuda.memcpy_htod(ptr, init)
                 rows_of[fname] = (ptr, init)
+            phases = []
+            for mod in self.xmods.values():
+                try:
+                    ptr, size = self.pdl_launcher.global_ptr(mod, "vla_pf_phase")
+                except EngineError:
+                    continue
+                cuda.memcpy_htod(ptr, np.zeros(size // 8, np.uint64))
+                phases.append((ptr, size))
         run_chunk()
         with self._active():
             self.stream.synchronize()
@@ -1225,6 +1236,15 @@ class CudaEngine(Engine):
             raise EngineError(f"timeline: {len(rows)} stamped grids for {len(self.launch_names)} launches")
         t0 = int(rows[:, 1].min())
         us = lambda v: (int(v) - t0) / 1e3
+        self.timeline_pf_phases = None
+        with self._active():
+            for ptr, size in phases:  # one module has the prefill attention's stamps
+                a = np.empty(size // 8, np.uint64)
+                cuda.memcpy_dtoh(a, ptr)
+                a = a.reshape(-1, 5)
+                a = a[:int(np.max(np.nonzero(a.any(axis=1))[0], initial=-1)) + 1]
+                if len(a):
+                    self.timeline_pf_phases = np.where(a == 0, np.nan, (a.astype(np.float64) - t0) / 1e3)
         return [(n, us(r[1]), us(r[2]), us(r[3])) for n, r in zip(self.launch_names, rows)]
 
     def decode_phase_profile(self, run_chunk: Callable[[], Any], chunks: int = 20) -> dict[str, float]:
