@@ -225,25 +225,9 @@ __device__ __forceinline__ void q_frag_load(const float* row0, bool ok0, const f
     }
 }
 
-// A RoPE (cos, sin) pair as two fp16 in one word, cos low (the prefill's staged RoPE rows: half the shared memory of
-// float2; the fp16 rounding, 2^-11, is a quarter of the bf16 rounding the rotated query gets right after)
-__device__ __forceinline__ uint32_t pack_cs_h2(float2 cs) {
-    uint32_t r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(cs.y), "f"(cs.x));
-    return r;
-}
-__device__ __forceinline__ float2 cs_at(const float2* p, int d) { return p[d]; }
-__device__ __forceinline__ float2 cs_at(const uint32_t* p, int d) {
-    float2 r;
-    asm("{\n\t.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi;\n\t}"
-        : "=f"(r.x), "=f"(r.y) : "r"(p[d]));
-    return r;
-}
-
-// RoPE (cs0 / cs1: the (cos, sin) rows of the two rows' positions, float2 or pack_cs_h2 words), scale, pack into
-// bf16 A fragments
-template <int HD, typename CsT>
-__device__ __forceinline__ void q_frag_build(const float (&qv)[2][HD / 16][4], const CsT* cs0, const CsT* cs1,
+// RoPE (cs0 / cs1: the (cos, sin) rows of the two rows' positions), scale, pack into bf16 A fragments
+template <int HD>
+__device__ __forceinline__ void q_frag_build(const float (&qv)[2][HD / 16][4], const float2* cs0, const float2* cs1,
                                              float qscale, uint32_t (&qa)[HD / 16][4]) {
     constexpr int KS = HD / 16;
     const int t = threadIdx.x & 3;
@@ -255,7 +239,7 @@ __device__ __forceinline__ void q_frag_build(const float (&qv)[2][HD / 16][4], c
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int d = ks * 16 + (j >> 1) * 8 + 2 * t + (j & 1);  // < HD / 2
-                const float2 cs = cs_at(r == 0 ? cs0 : cs1, d);
+                const float2 cs = (r == 0 ? cs0 : cs1)[d];
                 const float lo = qv[r][ks][j], hi = qv[r][ks + KS / 2][j];
                 qr[r][ks][j] = (lo * cs.x - hi * cs.y) * qscale;
                 qr[r][ks + KS / 2][j] = (hi * cs.x + lo * cs.y) * qscale;

@@ -58,11 +58,7 @@ __device__ __forceinline__ void stage_kv_fresh(bf16_t* sK, bf16_t* sVt, const in
 // head, against keys [split*kps, min(L, +kps)), causal by position (key j visible to token t iff j <= p0 + t).
 // 2G warps; warp w = m16 tile: head w/2, tokens (w&1)*16 .. +15. Tensor cores for QK^T and PV.
 // Partials: part_o [split][Hq*32][HD] (unnormalised), part_ml [split][Hq*32] (max, sum), row = qh*32 + token.
-// RS (attn_prefill_pre_rs_*, single-chunk splits only): the RoPE rows of the chunk's 32 query positions are staged
-// in shared memory (fp16 pairs) before the PDL wait; else every thread reads its 32 (cos, sin) pairs from the
-// global table after it. Why: all 128 blocks read the same 16 KB of the table at the same moment, 12.6 MB of L2
-// reads per layer on top of the queries' own (session 7 run 8: the query phase is 4.35 of the attention's 14 us).
-template <int HD, bool FRESH, bool RS = false>
+template <int HD, bool FRESH>
 __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv, int ld, bf16_t* kc, bf16_t* vc, const int* __restrict__ key_slots, const int* __restrict__ meta,
         const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* __restrict__ part_o,
         float2* __restrict__ part_ml, bf16_t* sK, bf16_t* sVt, int* sSlot) {
@@ -83,10 +79,6 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     // still runs; this chunk's own keys come from the QKV output after it (stage_kv_fresh, which also stores them
     // in the cache: no separate K/V store kernel).
     if (FRESH) stage_kv_chunk<HD, false, true>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kbeg, min(kend, p0), kend);
-    __shared__ uint32_t sQcs[RS ? 32 * HALF : 1];  // [token][HALF] (cos, sin) of position p0 + token
-    if (RS)  // visible after the barrier that follows the wait (FRESH)
-        for (int i = threadIdx.x; i < 32 * HALF; i += blockDim.x)
-            sQcs[i] = pack_cs_h2(rope_cs[(size_t)p0 * HALF + i]);
     pdl_wait(FAM_ATTN_PF);
     vla_pf_stamp(0);  // (benchmark builds: phases wait, own-keys staging, query fragments, S/softmax/PV, stores)
     if (FRESH) {  // before the query fragments (registers: 168 at 384 threads) and in its own round trip
@@ -107,8 +99,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     {
         float qv[2][KS][4];
         q_frag_load<HD, false>(qkv + (size_t)tok0 * ld + qh * HD, true, qkv + (size_t)tok1 * ld + qh * HD, true, qv);
-        if (RS) q_frag_build<HD>(qv, sQcs + tok0 * HALF, sQcs + tok1 * HALF, qscale, qa);
-        else q_frag_build<HD>(qv, rope_cs + (size_t)pos0 * HALF, rope_cs + (size_t)pos1 * HALF, qscale, qa);
+        q_frag_build<HD>(qv, rope_cs + (size_t)pos0 * HALF, rope_cs + (size_t)pos1 * HALF, qscale, qa);
     }
     vla_pf_stamp(2);
 
@@ -196,22 +187,20 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
 // The prefill kernels: attn_prefill_hd* (any multiple-of-64 split length, every key from the cache, after a
 // kv_store_prefill launch) and attn_prefill_pre_hd* (kps == ATT_KC only: old keys staged before the PDL wait, this
 // chunk's K/V from the QKV output and stored in the cache here). Two kernels: one holding both paths spills.
-#define ATTN_PREFILL_KERNEL(NAME, HD, THREADS, FRESH, RS)                                                         \
+#define ATTN_PREFILL_KERNEL(NAME, HD, THREADS, FRESH)                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(const float* qkv, int ld, bf16_t* kc, bf16_t* vc,      \
             const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps, float qscale,  \
             float* part_o, float2* part_ml) {                                                                      \
         __shared__ __align__(16) bf16_t sK[ATT_KC * (HD + 8)];                                                     \
         __shared__ __align__(16) bf16_t sVt[HD * (ATT_KC + 8)];                                                    \
         __shared__ int sSlot[ATT_KC];                                                                              \
-        attn_prefill_body<HD, FRESH, RS>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, FRESH ? ATT_KC : kps, \
-                                         qscale, part_o, part_ml, sK, sVt, sSlot);                                 \
+        attn_prefill_body<HD, FRESH>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, FRESH ? ATT_KC : kps,    \
+                                     qscale, part_o, part_ml, sK, sVt, sSlot);                                     \
     }
-ATTN_PREFILL_KERNEL(attn_prefill_hd128, 128, 384, false, false)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_hd128, 128, 384, true, false)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_rs_hd128, 128, 384, true, true)
-ATTN_PREFILL_KERNEL(attn_prefill_hd64, 64, 512, false, false)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_hd64, 64, 512, true, false)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_rs_hd64, 64, 512, true, true)
+ATTN_PREFILL_KERNEL(attn_prefill_hd128, 128, 384, false)
+ATTN_PREFILL_KERNEL(attn_prefill_pre_hd128, 128, 384, true)
+ATTN_PREFILL_KERNEL(attn_prefill_hd64, 64, 512, false)
+ATTN_PREFILL_KERNEL(attn_prefill_pre_hd64, 64, 512, true)
 
 
 // Decode: one query token (G heads of KV head blockIdx.y) against keys [split*kps, min(L, +kps)).

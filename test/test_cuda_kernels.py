@@ -387,13 +387,11 @@ def attention_ref(q, kc, vc, key_slots, n_keys, qpos, theta, G):
     ("attn_prefill", 128, 6, 2, 4082, 128), ("attn_prefill", 128, 6, 2, 178, 64), ("attn_prefill", 64, 7, 2, 1000, 256),
     ("attn_prefill", 64, 2, 2, 530, 128), ("attn_prefill_pre", 128, 6, 2, 4096, 64),
     ("attn_prefill_pre", 128, 6, 2, 178, 64), ("attn_prefill_pre", 64, 7, 2, 1000, 64),
-    ("attn_prefill_pre", 64, 2, 2, 32, 64), ("attn_prefill_pre_rs", 128, 6, 2, 4096, 64),
-    ("attn_prefill_pre_rs", 128, 6, 2, 178, 64), ("attn_prefill_pre_rs", 64, 7, 2, 1000, 64)])
+    ("attn_prefill_pre", 64, 2, 2, 32, 64)])
 def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
     """attn_prefill: every key from the cache. attn_prefill_pre: keys j < p0 from the cache (staged before the PDL
     wait), this chunk's keys j >= p0 from the QKV output, which it also stores in the cache (bf16, pre-RoPE); every
-    other cache row stays as it was. Both split merges. attn_prefill_pre_rs: the same with the queries' RoPE rows
-    staged in shared memory as fp16 pairs."""
+    other cache row stays as it was. Both split merges."""
     T, theta = 32, 1e6
     Hq = G * n_kvh
     nq, nkv = Hq * hd, n_kvh * hd
@@ -405,7 +403,7 @@ def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
     qkv = rng.standard_normal((T, ld)).astype(np.float32)
     p0 = L - T
     kc_exp, vc_exp = kc_b.copy(), vc_b.copy()
-    if kernel.startswith("attn_prefill_pre"):
+    if kernel == "attn_prefill_pre":
         fresh = key_slots[p0:L]
         kc_exp[fresh], vc_exp[fresh] = bf16_bits(qkv[:, nq:nq + nkv]), bf16_bits(qkv[:, nq + nkv:])
     meta = np.array([L, p0, T, 0], np.int32)

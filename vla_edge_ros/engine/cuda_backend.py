@@ -205,8 +205,6 @@ DEFAULT_TUNING = {
     "attn_prefill_kps": 64,  # keys per split, multiple of 64; 64 = one staged chunk per split: the old keys
                              # staged before the PDL wait, this chunk's K/V taken from the QKV output and stored
                              # by the attention (attn_prefill_pre_*, no kv_store_prefill launch)
-    "prefill_rope_smem": False,  # attn_prefill_pre_rs_*: the chunk's 32 RoPE rows staged in shared memory (fp16) before
-                                 # the PDL wait instead of read from the global table by every thread after it
     "attn_decode_kps": 64,  # 64: attn_decode_pre_* (old keys staged before the PDL wait, lean on registers)
     "combine_prefill_vec": 4,  # one_pass merges, dims per thread (1, 2, 4; capped so that HD % (32 vec) == 0): the
     "combine_decode_vec": 1,   # prefill's and the decode's
@@ -567,7 +565,6 @@ class CudaEngine(Engine):
             "kv_store_prefill": "PiiiPPPP",
             "attn_prefill_hd128": "PiPPPPPiiifPP", "attn_prefill_hd64": "PiPPPPPiiifPP",
             "attn_prefill_pre_hd128": "PiPPPPPiiifPP", "attn_prefill_pre_hd64": "PiPPPPPiiifPP",
-            "attn_prefill_pre_rs_hd128": "PiPPPPPiiifPP", "attn_prefill_pre_rs_hd64": "PiPPPPPiiifPP",
             "attn_decode_hd128": "PPPPPiPiiifPP", "attn_decode_hd64": "PPPPPiPiiifPP",
             "attn_combine": "PPiiiiPiiiPP", "attn_combine_1p": "PPiiiiPiiiPP", "attn_combine_1p_v2": "PPiiiiPiiiPP",
             "attn_combine_1p_v4": "PPiiiiPiiiPP",
@@ -774,8 +771,6 @@ class CudaEngine(Engine):
     def _attn_prefill(self) -> tuple[str, int]:
         """The prefill attention kernel and its threads per block (cuda/rope_attention.cu ATTN_PREFILL_KERNEL)."""
         pre = int(self.tuning["attn_prefill_kps"]) == 64  # cuda/rope_attention.cu ATT_KC
-        if pre and self.tuning["prefill_rope_smem"]:
-            return "attn_prefill_pre_rs_hd%d" % self.HD, 64 * self.G
         return ("attn_prefill_pre_hd%d" if pre else "attn_prefill_hd%d") % self.HD, 64 * self.G
 
     def _combine_vec(self, key: str) -> tuple[str, int]:
