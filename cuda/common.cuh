@@ -131,7 +131,7 @@ __device__ __forceinline__ void vla_tl_stamp(int col) {
 #define VLA_PF_PHASES 5
 __device__ unsigned long long vla_pf_phase[VLA_PF_BLOCKS][VLA_PF_PHASES];
 __device__ __forceinline__ void vla_pf_stamp(int phase) {
-    const unsigned b = blockIdx.x + gridDim.x * blockIdx.y;
+    const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     if ((threadIdx.x & 31) != 0 || b >= VLA_PF_BLOCKS) return;
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

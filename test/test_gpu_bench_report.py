@@ -102,9 +102,14 @@ def test_pf_phase_summary_names_the_slowest_blocks():
     ph = np.tile(release + np.arange(1.0, 6.0), (nsplit * n_kvh, 1))  # every block: phase i ends at release + i + 1
     ph[3 + nsplit * 1, 1:] += 10.0  # split 3 of kv head 1: staging its own keys takes 10 us more
     ph[5, 2:] = np.nan  # a block that returned early (no phases after the first two)
-    lines = pf_phase_summary(ph, release, n_kvh, slowest=2)
+    lines = pf_phase_summary(ph, release, nsplit, n_kvh, slowest=2)
     assert len(lines) == len(PF_PHASES) + 1
     assert "median    1.00  max    1.00  (n=8)" in lines[0]
     assert "median    2.00  max   12.00  (n=8)" in lines[1]
     assert "median    5.00  max   15.00  (n=7)" in lines[4]
     assert lines[-1].endswith("(3, 1: 15.00), (0, 0: 5.00)")
+
+    # the token-split grid (z = 2): twice the blocks, named with their token half
+    ph2 = np.concatenate([ph, ph + 0.5])
+    assert pf_phase_summary(ph2, release, nsplit, n_kvh, slowest=2)[-1].endswith(
+        "(split, kv head, z: stored at, us): (3, 1, 1: 15.50), (3, 1, 0: 15.00)")

@@ -139,6 +139,8 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("prefill kps 256", {"attn_prefill_kps": 256}),
         ("decode kps 128", {"attn_decode_kps": 128}),
         ("combine two pass", {"combine": "two_pass"}),
+        ("prefill attention token halves in two blocks", {"prefill_attn_token_split": True}),
+        ("prefill attention one block per split", {"prefill_attn_token_split": False}),
         ("prefill combine vec 1", {"combine_prefill_vec": 1}),
         ("prefill combine vec 2", {"combine_prefill_vec": 2}),
         ("decode combine vec 2", {"combine_decode_vec": 2}),
@@ -214,7 +216,8 @@ def run_timeline(cfg, weights_np, args, log) -> dict:
             chunk()
         rows = eng.timeline(chunk)
         ph = eng.timeline_pf_phases
-        return {"rows": rows, "pf_phases": None if ph is None else ph.tolist(), "n_kvh": eng.n_kvh}
+        return {"rows": rows, "pf_phases": None if ph is None else ph.tolist(), "n_kvh": eng.n_kvh,
+                "nsplit": eng.nsplit_pf}
     finally:
         eng.close()
 
@@ -222,12 +225,12 @@ def run_timeline(cfg, weights_np, args, log) -> dict:
 PF_PHASES = ("wait", "own keys staged", "query fragments", "S / softmax / PV", "partials stored")
 
 
-def pf_phase_summary(phases, release_us: float, n_kvh: int, slowest: int = 4) -> list[str]:
+def pf_phase_summary(phases, release_us: float, nsplit: int, n_kvh: int, slowest: int = 4) -> list[str]:
     """Lines describing the last prefill attention launch's per-block phase ends (engine.timeline_pf_phases:
-    (blocks, 5) us, NaN = not reached; block b = split + nsplit * kv head): per phase the median and the max over
-    blocks of (end - the grid's release), then the slowest blocks at the last phase as (split, kv head)."""
+    (blocks, 5) us, NaN = not reached; block b = split + nsplit * (kv head + n_kvh * z), z the token half of the
+    token-split kernel): per phase the median and the max over blocks of (end - the grid's release), then the
+    slowest blocks at the last phase as (split, kv head[, z])."""
     a = np.asarray(phases, dtype=np.float64) - release_us
-    nsplit = len(a) // max(1, n_kvh)
     out = []
     for i, name in enumerate(PF_PHASES):
         col = a[:, i]
@@ -235,8 +238,12 @@ def pf_phase_summary(phases, release_us: float, n_kvh: int, slowest: int = 4) ->
                    f"(n={int(np.sum(~np.isnan(col)))})")
     last = a[:, -1]
     order = [int(b) for b in np.argsort(-np.where(np.isnan(last), -np.inf, last), kind="stable")[:slowest]]
-    out.append("  slowest blocks (split, kv head: stored at, us): " + ", ".join(
-        f"({b % nsplit}, {b // nsplit}: {last[b]:.2f})" for b in order))
+    z = len(a) > nsplit * n_kvh
+
+    def where(b: int) -> str:
+        return f"{b % nsplit}, {b // nsplit % n_kvh}" + (f", {b // (nsplit * n_kvh)}" if z else "")
+    out.append(f"  slowest blocks (split, kv head{', z' if z else ''}: stored at, us): " + ", ".join(
+        f"({where(b)}: {last[b]:.2f})" for b in order))
     return out
 
 
@@ -596,7 +603,7 @@ def print_report(res: dict) -> None:
                 last_attn = max(k for k in range(dec0) if rows[k][0].startswith("attn_prefill"))
                 print("the last prefill attention's blocks, phase ends (us after its release; next kernel's release "
                       f"at {rows[last_attn + 1][2] - rows[last_attn][2]:.2f}):")
-                for line in pf_phase_summary(tl["pf_phases"], rows[last_attn][2], tl["n_kvh"]):
+                for line in pf_phase_summary(tl["pf_phases"], rows[last_attn][2], tl["nsplit"], tl["n_kvh"]):
                     print(line)
         ab = o.get("ablation_ms") or {}
         if ab:

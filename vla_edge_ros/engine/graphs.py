@@ -194,7 +194,8 @@ class PdlFunction:
                 for c, a in zip(self.sig, args)]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         cfg = _LaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = int(grid[0]), int(grid[1]) if len(grid) > 1 else 1, 1
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(grid[0]), int(grid[1]) if len(grid) > 1 else 1,
+                                                    int(grid[2]) if len(grid) > 2 else 1)
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = int(block[0]), int(block[1]), int(block[2])
         cfg.sharedMemBytes = int(smem)
         cfg.hStream = ctypes.c_void_p(int(stream_handle))
