@@ -34,7 +34,7 @@ extern "C" __global__ void kv_store_prefill(const float* __restrict__ qkv, int l
 template <int HD>
 __device__ __forceinline__ void stage_kv_fresh(bf16_t* sK, bf16_t* sVt, const int* sSlot, const float* qkv, int ld,
         bf16_t* kc, bf16_t* vc, const float2* __restrict__ rope_cs, int kvh, int n_kvh, int G, int j0, int j1,
-        int kc0, int p0, bool store = true) {
+        int kc0, int p0) {
     const int nkv = n_kvh * HD, nq = n_kvh * G * HD;
     stage_kv_items<HD, 2, float2>(j0, j1, rope_cs,
         [&](int j, const float2*& k, const float2*& v) {
@@ -45,13 +45,11 @@ __device__ __forceinline__ void stage_kv_fresh(bf16_t* sK, bf16_t* sVt, const in
         [&](int j, int d, float2 klo, float2 khi, float2 vlo, float2 vhi, float4 cs) {
             const uint32_t k0 = pack_bf16x2(klo.x, klo.y), k1 = pack_bf16x2(khi.x, khi.y);
             const uint32_t v0 = pack_bf16x2(vlo.x, vlo.y), v1 = pack_bf16x2(vhi.x, vhi.y);
-            if (store) {
-                const size_t row = (size_t)sSlot[j - kc0] * nkv + kvh * HD + d;
-                *reinterpret_cast<uint32_t*>(kc + row) = k0;
-                *reinterpret_cast<uint32_t*>(kc + row + HD / 2) = k1;
-                *reinterpret_cast<uint32_t*>(vc + row) = v0;
-                *reinterpret_cast<uint32_t*>(vc + row + HD / 2) = v1;
-            }
+            const size_t row = (size_t)sSlot[j - kc0] * nkv + kvh * HD + d;
+            *reinterpret_cast<uint32_t*>(kc + row) = k0;
+            *reinterpret_cast<uint32_t*>(kc + row + HD / 2) = k1;
+            *reinterpret_cast<uint32_t*>(vc + row) = v0;
+            *reinterpret_cast<uint32_t*>(vc + row + HD / 2) = v1;
             put_kv_pair<HD>(sK, sVt, j - kc0, d, k0, k1, v0, v1, cs);
         });
 }
@@ -60,12 +58,7 @@ __device__ __forceinline__ void stage_kv_fresh(bf16_t* sK, bf16_t* sVt, const in
 // head, against keys [split*kps, min(L, +kps)), causal by position (key j visible to token t iff j <= p0 + t).
 // 2G warps; warp w = m16 tile: head w/2, tokens (w&1)*16 .. +15. Tensor cores for QK^T and PV.
 // Partials: part_o [split][Hq*32][HD] (unnormalised), part_ml [split][Hq*32] (max, sum), row = qh*32 + token.
-// TS (attn_prefill_pre_ts_*, single-chunk splits): the two token halves in two blocks (blockIdx.z), G warps each,
-// warp w = head w; both stage the split's keys, block z = 0 stores the chunk's own K/V in the cache. Why: the
-// 2G-warp block (384 threads x 168 registers at G = 6) needs a whole SM, so most of the grid becomes resident only
-// as the QKV GEMM's blocks retire and stages its old keys after the release (session 7 run 8: the warps pass the
-// wait 1.4 us after it); a G-warp block fits beside a GEMM block.
-template <int HD, bool FRESH, bool TS = false>
+template <int HD, bool FRESH>
 __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv, int ld, bf16_t* kc, bf16_t* vc, const int* __restrict__ key_slots, const int* __restrict__ meta,
         const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* __restrict__ part_o,
         float2* __restrict__ part_ml, bf16_t* sK, bf16_t* sVt, int* sSlot) {
@@ -91,15 +84,14 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     if (FRESH) {  // before the query fragments (registers: 168 at 384 threads) and in its own round trip
         __syncthreads();  // the pre-wait staging (zero rows from p0 on) is complete in every thread
         if (max(kbeg, p0) < kend)
-            stage_kv_fresh<HD>(sK, sVt, sSlot, qkv, ld, kc, vc, rope_cs, kvh, n_kvh, G, max(kbeg, p0), kend, kbeg, p0,
-                               !TS || blockIdx.z == 0);
+            stage_kv_fresh<HD>(sK, sVt, sSlot, qkv, ld, kc, vc, rope_cs, kvh, n_kvh, G, max(kbeg, p0), kend, kbeg, p0);
     }
     vla_pf_stamp(1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int h = TS ? warp : warp >> 1;
+    const int h = warp >> 1;
     const int qh = kvh * G + h;
-    const int tok0 = (TS ? (int)blockIdx.z : (warp & 1)) * 16 + g, tok1 = tok0 + 8;
+    const int tok0 = (warp & 1) * 16 + g, tok1 = tok0 + 8;
     const int pos0 = p0 + tok0, pos1 = p0 + tok1;
 
     // ---- query fragments: RoPE at the token's position, scaled, bf16 (A operand, row-major 16x16 per k step)
@@ -195,24 +187,20 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
 // The prefill kernels: attn_prefill_hd* (any multiple-of-64 split length, every key from the cache, after a
 // kv_store_prefill launch) and attn_prefill_pre_hd* (kps == ATT_KC only: old keys staged before the PDL wait, this
 // chunk's K/V from the QKV output and stored in the cache here). Two kernels: one holding both paths spills.
-#define ATTN_PF_BOUNDS_1(THREADS) __launch_bounds__(THREADS)
-#define ATTN_PF_BOUNDS_2(THREADS) __launch_bounds__(THREADS, 2)  // two blocks per SM (TS: a block beside a GEMM's)
-#define ATTN_PREFILL_KERNEL(NAME, HD, THREADS, FRESH, TS, MINB)                                                   \
-    extern "C" __global__ void ATTN_PF_BOUNDS_##MINB(THREADS) NAME(const float* qkv, int ld, bf16_t* kc, bf16_t* vc,      \
+#define ATTN_PREFILL_KERNEL(NAME, HD, THREADS, FRESH)                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME(const float* qkv, int ld, bf16_t* kc, bf16_t* vc,      \
             const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps, float qscale,  \
             float* part_o, float2* part_ml) {                                                                      \
         __shared__ __align__(16) bf16_t sK[ATT_KC * (HD + 8)];                                                     \
         __shared__ __align__(16) bf16_t sVt[HD * (ATT_KC + 8)];                                                    \
         __shared__ int sSlot[ATT_KC];                                                                              \
-        attn_prefill_body<HD, FRESH, TS>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, FRESH ? ATT_KC : kps, \
-                                         qscale, part_o, part_ml, sK, sVt, sSlot);                                 \
+        attn_prefill_body<HD, FRESH>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, FRESH ? ATT_KC : kps,    \
+                                     qscale, part_o, part_ml, sK, sVt, sSlot);                                     \
     }
-ATTN_PREFILL_KERNEL(attn_prefill_hd128, 128, 384, false, false, 1)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_hd128, 128, 384, true, false, 1)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_ts_hd128, 128, 192, true, true, 2)
-ATTN_PREFILL_KERNEL(attn_prefill_hd64, 64, 512, false, false, 1)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_hd64, 64, 512, true, false, 1)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_ts_hd64, 64, 256, true, true, 2)
+ATTN_PREFILL_KERNEL(attn_prefill_hd128, 128, 384, false)
+ATTN_PREFILL_KERNEL(attn_prefill_pre_hd128, 128, 384, true)
+ATTN_PREFILL_KERNEL(attn_prefill_hd64, 64, 512, false)
+ATTN_PREFILL_KERNEL(attn_prefill_pre_hd64, 64, 512, true)
 
 
 // Decode: one query token (G heads of KV head blockIdx.y) against keys [split*kps, min(L, +kps)).

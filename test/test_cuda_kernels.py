@@ -387,16 +387,12 @@ def attention_ref(q, kc, vc, key_slots, n_keys, qpos, theta, G):
     ("attn_prefill", 128, 6, 2, 4082, 128), ("attn_prefill", 128, 6, 2, 178, 64), ("attn_prefill", 64, 7, 2, 1000, 256),
     ("attn_prefill", 64, 2, 2, 530, 128), ("attn_prefill_pre", 128, 6, 2, 4096, 64),
     ("attn_prefill_pre", 128, 6, 2, 178, 64), ("attn_prefill_pre", 64, 7, 2, 1000, 64),
-    ("attn_prefill_pre", 64, 2, 2, 32, 64), ("attn_prefill_pre_ts", 128, 6, 2, 4096, 64),
-    ("attn_prefill_pre_ts", 128, 6, 2, 178, 64), ("attn_prefill_pre_ts", 64, 7, 2, 1000, 64),
-    ("attn_prefill_pre_ts", 64, 2, 2, 32, 64)])
+    ("attn_prefill_pre", 64, 2, 2, 32, 64)])
 def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
     """attn_prefill: every key from the cache. attn_prefill_pre: keys j < p0 from the cache (staged before the PDL
     wait), this chunk's keys j >= p0 from the QKV output, which it also stores in the cache (bf16, pre-RoPE); every
-    other cache row stays as it was. Both split merges. attn_prefill_pre_ts: the same with the two token halves in
-    two G-warp blocks (grid z = 2; only z = 0 stores the chunk's K/V)."""
+    other cache row stays as it was. Both split merges."""
     T, theta = 32, 1e6
-    ts = kernel.endswith("_ts")
     Hq = G * n_kvh
     nq, nkv = Hq * hd, n_kvh * hd
     ld = nq + 2 * nkv
@@ -407,7 +403,7 @@ def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
     qkv = rng.standard_normal((T, ld)).astype(np.float32)
     p0 = L - T
     kc_exp, vc_exp = kc_b.copy(), vc_b.copy()
-    if kernel.startswith("attn_prefill_pre"):
+    if kernel == "attn_prefill_pre":
         fresh = key_slots[p0:L]
         kc_exp[fresh], vc_exp[fresh] = bf16_bits(qkv[:, nq:nq + nkv]), bf16_bits(qkv[:, nq + nkv:])
     meta = np.array([L, p0, T, 0], np.int32)
@@ -419,8 +415,7 @@ def test_attention_prefill(dev, rng, kernel, hd, G, n_kvh, L, kps):
     kc_d, vc_d = dev.up(kc_b), dev.up(vc_b)
     dev.fn(f"{kernel}_hd{hd}")(dev.up(qkv), I32(ld), kc_d, vc_d, dev.up(key_slots), meta_d, dev.up(cs), I32(G),
                                I32(n_kvh), I32(kps), F32(LOG2E / math.sqrt(hd)), part_o, part_ml,
-                               block=(32 * G, 1, 1) if ts else (64 * G, 1, 1),
-                               grid=(nsplit + 2, n_kvh, 2) if ts else (nsplit + 2, n_kvh))  # extra blocks must exit
+                               block=(64 * G, 1, 1), grid=(nsplit + 2, n_kvh))  # extra blocks must exit
     np.testing.assert_array_equal(dev.down(kc_d, (S, nkv), np.uint16), kc_exp)
     np.testing.assert_array_equal(dev.down(vc_d, (S, nkv), np.uint16), vc_exp)
     ref = attention_ref(qkv[:, :nq].astype(np.float64).reshape(T, Hq, hd), bits_f32(kc_exp), bits_f32(vc_exp),

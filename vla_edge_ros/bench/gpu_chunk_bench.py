@@ -139,8 +139,6 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("prefill kps 256", {"attn_prefill_kps": 256}),
         ("decode kps 128", {"attn_decode_kps": 128}),
         ("combine two pass", {"combine": "two_pass"}),
-        ("prefill attention token halves in two blocks", {"prefill_attn_token_split": True}),
-        ("prefill attention one block per split", {"prefill_attn_token_split": False}),
         ("prefill combine vec 1", {"combine_prefill_vec": 1}),
         ("prefill combine vec 2", {"combine_prefill_vec": 2}),
         ("decode combine vec 2", {"combine_decode_vec": 2}),

@@ -205,9 +205,6 @@ DEFAULT_TUNING = {
     "attn_prefill_kps": 64,  # keys per split, multiple of 64; 64 = one staged chunk per split: the old keys
                              # staged before the PDL wait, this chunk's K/V taken from the QKV output and stored
                              # by the attention (attn_prefill_pre_*, no kv_store_prefill launch)
-    "prefill_attn_token_split": False,  # attn_prefill_pre_ts_*: the prefill attention's two token halves in two
-                                        # G-warp blocks (a block then fits beside a QKV GEMM block and stages its
-                                        # old keys earlier); needs attn_prefill_kps 64 and G >= 2
     "attn_decode_kps": 64,  # 64: attn_decode_pre_* (old keys staged before the PDL wait, lean on registers)
     "combine_prefill_vec": 4,  # one_pass merges, dims per thread (1, 2, 4; capped so that HD % (32 vec) == 0): the
     "combine_decode_vec": 1,   # prefill's and the decode's
@@ -568,7 +565,6 @@ class CudaEngine(Engine):
             "kv_store_prefill": "PiiiPPPP",
             "attn_prefill_hd128": "PiPPPPPiiifPP", "attn_prefill_hd64": "PiPPPPPiiifPP",
             "attn_prefill_pre_hd128": "PiPPPPPiiifPP", "attn_prefill_pre_hd64": "PiPPPPPiiifPP",
-            "attn_prefill_pre_ts_hd128": "PiPPPPPiiifPP", "attn_prefill_pre_ts_hd64": "PiPPPPPiiifPP",
             "attn_decode_hd128": "PPPPPiPiiifPP", "attn_decode_hd64": "PPPPPiPiiifPP",
             "attn_combine": "PPiiiiPiiiPP", "attn_combine_1p": "PPiiiiPiiiPP", "attn_combine_1p_v2": "PPiiiiPiiiPP",
             "attn_combine_1p_v4": "PPiiiiPiiiPP",
@@ -686,7 +682,7 @@ class CudaEngine(Engine):
         # attn_merge_oproj merges a whole head per block (HD = 32 x dims per thread) with the one-pass loads
         self.merge_oproj = bool(t["merge_oproj"]) and t["combine"] == "one_pass" and self.HD in (64, 128)
         self._plan_persistent()
-        attn, threads, _ = self._attn_prefill()
+        attn, threads = self._attn_prefill()
         regs = self.k[attn].num_regs
         if threads > 1024 or threads * regs > 65536:
             raise EngineError(f"prefill attention needs {threads} threads x {regs} registers per block: "
@@ -772,13 +768,10 @@ class CudaEngine(Engine):
             self.k[name].prepared_async_call(grid, block, self.stream, *args, shared_size=smem)
         self._launches += 1
 
-    def _attn_prefill(self) -> tuple[str, int, int]:
-        """The prefill attention kernel, its threads per block and its grid's z (cuda/rope_attention.cu
-        ATTN_PREFILL_KERNEL; z = 2: the token halves in two blocks)."""
+    def _attn_prefill(self) -> tuple[str, int]:
+        """The prefill attention kernel and its threads per block (cuda/rope_attention.cu ATTN_PREFILL_KERNEL)."""
         pre = int(self.tuning["attn_prefill_kps"]) == 64  # cuda/rope_attention.cu ATT_KC
-        if pre and self.tuning["prefill_attn_token_split"] and self.G >= 2:  # (>= 64 threads: one per staged key)
-            return "attn_prefill_pre_ts_hd%d" % self.HD, 32 * self.G, 2
-        return ("attn_prefill_pre_hd%d" if pre else "attn_prefill_hd%d") % self.HD, 64 * self.G, 1
+        return ("attn_prefill_pre_hd%d" if pre else "attn_prefill_hd%d") % self.HD, 64 * self.G
 
     def _combine_vec(self, key: str) -> tuple[str, int]:
         """A split merge kernel and its dims per thread (attn_combine_1p_v2 / _v4 for one_pass); key: the tuning
@@ -845,7 +838,7 @@ class CudaEngine(Engine):
         sblk = (32 * self.gemm_silu_wpb, 1, 1)
         kps = int(self.tuning["attn_prefill_kps"])
         pre = kps == 64  # cuda/rope_attention.cu ATT_KC: the attention stores this chunk's K/V itself
-        attn, athreads, az = self._attn_prefill()
+        attn, athreads = self._attn_prefill()
         cname, cvec = self._combine_vec("combine_prefill_vec")
         start = self._launches
         for i, Lw in enumerate(self.layers):
@@ -859,7 +852,7 @@ class CudaEngine(Engine):
             if not pre:
                 self._launch("kv_store_prefill", (T, 1), (256, 1, 1), self.qkv, np.int32(self.nqkv), np.int32(nq),
                              np.int32(self.nkv), P(kc), P(vc), self.key_slots, self.meta)
-            self._launch(attn, (self.nsplit_pf, self.n_kvh, az), (athreads, 1, 1), self.qkv, np.int32(self.nqkv),
+            self._launch(attn, (self.nsplit_pf, self.n_kvh), (athreads, 1, 1), self.qkv, np.int32(self.nqkv),
                          P(kc), P(vc), self.key_slots, self.meta, self.rope, np.int32(self.G), np.int32(self.n_kvh),
                          np.int32(kps), qscale, self.part_o_pf, self.part_ml_pf)
             self._launch(cname, (self.Hq * T * self.HD // (32 * cvec), 1), (256, 1, 1), self.part_o_pf,
