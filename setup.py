@@ -60,6 +60,7 @@ setup(
             "vla_sweep = vla_edge_ros.bench.sweep:main",
             "vla_soak = vla_edge_ros.bench.soak:main",
             "vla_gpu_chunk_bench = vla_edge_ros.bench.gpu_chunk_bench:main",
+            "vla_pdl_hop_bench = vla_edge_ros.bench.pdl_hop_bench:main",
         ],
     },
 )

@@ -66,6 +66,7 @@ def _find_cuda_dir() -> Path:
 CUDA_DIR = _find_cuda_dir()
 KERNEL_FILES = ("embed.cu", "rmsnorm.cu", "gemm_skinny.cu", "gemv.cu", "rope_attention.cu", "lm_head_action.cu",
                 "decode_persistent.cu")
+BENCH_KERNEL_FILES = ("bench_hop.cu",)  # benchmark-only kernels (vla_edge_ros/bench), not loaded by the engine
 T_CHUNK = 32  # prefill rows per kernel pass (the GEMM's two m16 tiles)
 GEMV_WARPS = 8
 
