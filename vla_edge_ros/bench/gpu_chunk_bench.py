@@ -444,22 +444,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
 
-    from vla_edge_ros.engine.cuda_backend import cuda_status
-    ok, why = cuda_status()
-    if not ok:
-        print(f"gpu_chunk_bench: no usable GPU: {why}", file=sys.stderr)
-        return 2
-    import torch
-    import pycuda.driver as cuda
-    ctx = cuda.Device(0).retain_primary_context()
-    ctx.push()
-    try:
-        return _main(args, parts, ctx, torch, cuda)
-    finally:
-        ctx.pop()
+    from vla_edge_ros.bench.gpu_session import run_on_gpu
+
+    def body(cuda) -> int:
+        import torch
+        return _main(args, parts, torch, cuda)
+    return run_on_gpu("gpu_chunk_bench", body)
 
 
-def _main(args, parts, ctx, torch, cuda) -> int:
+def _main(args, parts, torch, cuda) -> int:
     cfg_dict = qwen2_5_1_5b_dict() if args.geometry == "1.5b" else qwen2_5_0_5b_dict()
     cfg = ModelConfig.from_json(cfg_dict)
     res: dict = {"device": cuda.Device(0).name(), "geometry": args.geometry, "budget": args.budget,

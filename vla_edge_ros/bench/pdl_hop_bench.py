@@ -55,17 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.hops < 2 or args.hops % 2:
         ap.error("--hops must be an even number >= 2 (the chain alternates two buffers)")
-    from vla_edge_ros.engine.cuda_backend import CUDA_DIR, cuda_status
-    ok, why = cuda_status()
-    if not ok:
-        print(f"pdl_hop_bench: no usable GPU: {why}", file=sys.stderr)
-        return 2
-    import pycuda.driver as cuda
+    from vla_edge_ros.bench.gpu_session import run_on_gpu
+    return run_on_gpu("pdl_hop_bench", lambda cuda: _run(args, cuda))
+
+
+def _run(args, cuda) -> int:
     from pycuda.compiler import compile as nvcc_compile
 
+    from vla_edge_ros.engine.cuda_backend import CUDA_DIR
     from vla_edge_ros.engine.graphs import CudaGraph, PdlLauncher
-    ctx = cuda.Device(0).retain_primary_context()
-    ctx.push()
     launcher = None
     try:
         cubin = nvcc_compile((CUDA_DIR / "bench_hop.cu").read_text(encoding="utf-8"), no_extern_c=True,
@@ -122,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if launcher is not None:
             launcher.unload()
-        ctx.pop()
 
 
 if __name__ == "__main__":
