@@ -9,6 +9,15 @@
 #define DEC_MAXG 8    // query heads per KV head supported by the decode kernel
 
 #define ATT_KC 64  // keys per shared-memory chunk
+// The attention code's threads and block barrier: the whole block by default; a kernel whose block is larger than
+// the attention's DEC_WARPS warps (decode_dataflow.cu) defines both before including this file, so that only its
+// first DEC_WARPS warps run the attention, synchronised by a named barrier.
+#ifndef ATT_SYNC
+#define ATT_SYNC() __syncthreads()
+#endif
+#ifndef ATT_NT
+#define ATT_NT blockDim.x
+#endif
 
 // Stage keys [kc0, kc0 + ATT_KC) (those >= kend as zeros) of KV head kvh: keys RoPE-rotated at their logical
 // position j into sK [key][HD + 8] (bf16), values transposed into sVt [dim][ATT_KC + 8] (bf16).
@@ -51,13 +60,13 @@ __device__ __forceinline__ void stage_kv_pass(bf16_t* sK, bf16_t* sVt, const int
     constexpr int KSTR = HD + 8;
     constexpr int VSTR = ATT_KC + 8;
     constexpr int NI = ATT_KC * (HD / 8);  // items of each kind: K (key, 4 dims of each half), V (key, 8 dims)
-    for (int base = threadIdx.x; base < NI; base += B * blockDim.x) {
+    for (int base = threadIdx.x; base < NI; base += B * ATT_NT) {
         uint2 lo[B], hi[B];
         float4 c01[B], c23[B];
         uint4 v[B];
 #pragma unroll
         for (int b = 0; b < B; ++b) {
-            const int it = base + b * blockDim.x;
+            const int it = base + b * ATT_NT;
             if (DO_K) {
                 const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
                 const int slot = it < NI && key < nrow ? sSlot[key] : -1;
@@ -80,7 +89,7 @@ __device__ __forceinline__ void stage_kv_pass(bf16_t* sK, bf16_t* sVt, const int
         }
 #pragma unroll
         for (int b = 0; b < B; ++b) {
-            const int it = base + b * blockDim.x;
+            const int it = base + b * ATT_NT;
             if (it >= NI) break;
             if (DO_K) {
                 const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
@@ -131,7 +140,7 @@ __device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSl
         int kvh, int nkv, int kc0, int kend, int kslot = -1) {
     if (threadIdx.x < ATT_KC)
         sSlot[threadIdx.x] = kc0 + (int)threadIdx.x < max(kend, kslot) ? key_slots[kc0 + threadIdx.x] : -1;
-    __syncthreads();
+    ATT_SYNC();
     stage_kv_rows<HD, CG, FUSE>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, kc0, kend - kc0);
 }
 
@@ -143,12 +152,12 @@ template <int HD, int NB, typename E, typename Src, typename Put>
 __device__ __forceinline__ void stage_kv_items(int j0, int j1, const float2* __restrict__ rope_cs, Src src, Put put) {
     constexpr int HALF = HD / 2, P = HALF / 2;
     const int n = (j1 - j0) * P;
-    for (int base = threadIdx.x; base < n; base += NB * blockDim.x) {
+    for (int base = threadIdx.x; base < n; base += NB * ATT_NT) {
         E klo[NB], khi[NB], vlo[NB], vhi[NB];
         float4 cs[NB];
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
-            const int it = base + b * blockDim.x;
+            const int it = base + b * ATT_NT;
             if (it < n) {
                 const int j = j0 + it / P, d = (it % P) * 2;
                 const E* k;
@@ -163,7 +172,7 @@ __device__ __forceinline__ void stage_kv_items(int j0, int j1, const float2* __r
         }
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
-            const int it = base + b * blockDim.x;
+            const int it = base + b * ATT_NT;
             if (it < n) put(j0 + it / P, (it % P) * 2, klo[b], khi[b], vlo[b], vhi[b], cs[b]);
         }
     }
@@ -351,7 +360,7 @@ __device__ __forceinline__ void dec_merge(float* merge, int G, DecState<HD>& st,
     st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, 2);
     st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, 1);
     st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, 2);
-    __syncthreads();  // every warp is past its last read of the staged chunk that `merge` overlays
+    ATT_SYNC();  // every warp is past its last read of the staged chunk that `merge` overlays
     float* s_o = merge;                       // [NW][DEC_MAXG][HD]
     float* s_m = s_o + NW * DEC_MAXG * HD;    // [NW][DEC_MAXG]
     float* s_l = s_m + NW * DEC_MAXG;
@@ -370,8 +379,8 @@ __device__ __forceinline__ void dec_merge(float* merge, int G, DecState<HD>& st,
             }
         }
     }
-    __syncthreads();
-    for (int it = threadIdx.x; it < G * HD; it += blockDim.x) {
+    ATT_SYNC();
+    for (int it = threadIdx.x; it < G * HD; it += ATT_NT) {
         const int h = it / HD, d = it - h * HD;
         float M = -INFINITY;
 #pragma unroll
@@ -429,13 +438,13 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q
             // the caller staged this chunk's keys below fresh_from (rows written before its producers ran); the
             // newer keys (written since) are added now, if any are ours
             const int j0 = max(kc0, fresh_from), j1 = min(kend, kc0 + ATT_KC);
-            __syncthreads();  // the caller's staging (zero rows from fresh_from on) is complete in every thread
+            ATT_SYNC();  // the caller's staging (zero rows from fresh_from on) is complete in every thread
             if (j0 < j1) stage_kv_keys<HD, 2>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, j0, j1, kc0);
-            __syncthreads();
+            ATT_SYNC();
         } else {
-            __syncthreads();
+            ATT_SYNC();
             stage_kv_chunk<HD, CG>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kc0, kend);
-            __syncthreads();
+            ATT_SYNC();
         }
         if (DEFER_Q && kc0 == kbeg) q_frag_build<HD>(qv, qcs, qcs, qscale, qa);
         dec_attend16<HD>(sK, sVt, warp * 16, kc0, kend, qa, st);

@@ -185,7 +185,8 @@ def make_engine(cfg_dict, ckpt, budget, policy="fifo", use_graphs=True, instruct
 
 @gpu
 @pytest.mark.parametrize("geometry,decode_kernel", [("1.5b", "layered"), ("0.5b", "layered"),
-                                                    ("1.5b", "persistent"), ("0.5b", "persistent")])
+                                                    ("1.5b", "persistent"), ("0.5b", "persistent"),
+                                                    ("1.5b", "dataflow"), ("0.5b", "dataflow")])
 def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel):
     torch = torch_cuda
     cfg_dict = qwen2_5_1_5b_dict() if geometry == "1.5b" else qwen2_5_0_5b_dict()
@@ -193,7 +194,7 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel):
     n_frames = 6
     budget = 288  # 21 prefix + 8 frames (+11 spare): no eviction, so HF's causal recompute is the exact reference
     cfg, kv, eng = make_engine(cfg_dict, tmp_path / geometry, budget, tuning={"decode_kernel": decode_kernel})
-    assert eng.persistent == (decode_kernel == "persistent")
+    assert eng.persistent == (decode_kernel != "layered") and eng.dataflow == (decode_kernel == "dataflow")
     try:
         rng = np.random.default_rng()
         frames = [(0.02 * rng.standard_normal((32, cfg.hidden_size))).astype(np.float32) for _ in range(n_frames)]
@@ -237,6 +238,8 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel):
 @pytest.mark.parametrize("policy,use_graphs,pdl,decode_kernel,extra", [
     ("semantic", True, True, "persistent", {}), ("fifo", False, True, "persistent", {}),
     ("sliding_window", True, False, "persistent", {}), ("semantic", True, True, "layered", {}),
+    ("semantic", True, True, "dataflow", {}), ("fifo", False, True, "dataflow", {}),
+    ("sliding_window", True, False, "dataflow", {"attn_decode_kps": 128}),
     ("sliding_window", False, False, "layered", {}), ("fifo", True, True, "layered", {}),
     ("fifo", True, True, "layered", {"combine": "one_pass", "kv_l2_prefetch": True, "attn_decode_kps": 128,
                                      "attn_prefill_kps": 128}),
@@ -257,7 +260,8 @@ def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_g
     budget = 21 + 11 + 32 * 4  # 160
     cfg, kv, eng = make_engine(cfg_dict, tmp_path / "tiny", budget, policy=policy, use_graphs=use_graphs,
                                tuning={"pdl": pdl, "decode_kernel": decode_kernel, **extra})
-    assert eng.pdl == pdl and eng.persistent == (decode_kernel == "persistent")
+    assert eng.pdl == pdl and eng.persistent == (decode_kernel != "layered")
+    assert eng.dataflow == (decode_kernel == "dataflow")
     weights = load_checkpoint(tmp_path / "tiny", cfg)
     kv_np = KVManager(budget, 32, 21, policy=policy, embed_dim=cfg.hidden_size)
     ref = NumpyEngine(cfg, weights, kv_np, instruction=INSTRUCTION, decode_tokens=8)
@@ -293,13 +297,15 @@ def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_g
 
 
 @gpu
-def test_persistent_decode_flags_a_grid_that_is_not_resident(torch_cuda, tmp_path):
-    """A persistent grid larger than what fits at once cannot pass its spin barriers: the kernel must give up
-    (~1 s), flag the chunk and leave the engine usable after a reset, never hang the GPU."""
+@pytest.mark.parametrize("decode_kernel", ["persistent", "dataflow"])
+def test_persistent_decode_flags_a_grid_that_is_not_resident(torch_cuda, tmp_path, decode_kernel):
+    """A persistent grid larger than what fits at once cannot pass its spin barriers (dataflow: its phase
+    counters): the kernel must give up (~1 s), flag the chunk and leave the engine usable after a reset, never
+    hang the GPU."""
     torch = torch_cuda
     cfg_dict = tiny_default_dict()
     random_checkpoint(torch, cfg_dict, tmp_path / "tiny", seed=4)
-    cfg, kv, eng = make_engine(cfg_dict, tmp_path / "tiny", 21 + 11 + 32 * 4, tuning={"decode_kernel": "persistent"})
+    cfg, kv, eng = make_engine(cfg_dict, tmp_path / "tiny", 21 + 11 + 32 * 4, tuning={"decode_kernel": decode_kernel})
     try:
         assert eng.persistent
         x = (0.05 * np.random.default_rng(0).standard_normal((32, cfg.hidden_size))).astype(np.float32)

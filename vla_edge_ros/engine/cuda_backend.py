@@ -65,7 +65,7 @@ def _find_cuda_dir() -> Path:
 
 CUDA_DIR = _find_cuda_dir()
 KERNEL_FILES = ("embed.cu", "rmsnorm.cu", "gemm_skinny.cu", "gemv.cu", "rope_attention.cu", "lm_head_action.cu",
-                "decode_persistent.cu")
+                "decode_persistent.cu", "decode_dataflow.cu")
 BENCH_KERNEL_FILES = ("bench_hop.cu",)  # benchmark-only kernels (vla_edge_ros/bench), not loaded by the engine
 T_CHUNK = 32  # prefill rows per kernel pass (the GEMM's two m16 tiles)
 GEMV_WARPS = 8
@@ -228,7 +228,10 @@ DEFAULT_TUNING = {
     "late_trigger": "attn,combine,resid,gateup,gemm,rmsnorm,attn_pf",
     "decode_kernel": "layered",  # "layered": six kernels per layer (gemv.cu + rope_attention.cu); "persistent":
                                  # one launch per decode token (cuda/decode_persistent.cu), measured slower
-                                 # on the H200 (16.3 vs 11.6 ms/chunk at ea7c250: docs/KERNEL_NOTES.md v5)
+                                 # on the H200 (16.3 vs 11.6 ms/chunk at ea7c250: docs/KERNEL_NOTES.md v5);
+                                 # "dataflow": one launch per decode token, one block per SM, one TMA weight
+                                 # ring per block running ahead across phases, counters instead of barriers
+                                 # (cuda/decode_dataflow.cu; docs/KERNEL_NOTES.md session 8)
     "pd_blocks_per_sm": 0,  # persistent grid: blocks per SM (0 = as many as fit, from the occupancy API)
     "pd_grid": 0,  # test hook only: force the persistent grid size (a grid that is not resident must be flagged)
     "pd_profile": False,  # benchmark only: the persistent kernel stamps clock64 at every phase boundary
@@ -253,6 +256,9 @@ def late_trigger_mask(spec: str) -> int:
 PD_THREADS = 128  # cuda/decode_persistent.cu: PD_THREADS
 PD_SEG = 1536  # cuda/decode_persistent.cu: PD_SEG (columns per GEMV item)
 PD_WSM_BYTES = 4 * 3 * 2 * PD_SEG * 2  # cuda/decode_persistent.cu: PD_WSM_BYTES (4 warps x 3 items x 2 rows)
+DF_KMAX = 1536  # cuda/decode_dataflow.cu: DF_KMAX
+DF_MAXL = 48  # cuda/decode_dataflow.cu: DF_MAXL
+DF_NCNT = 8  # cuda/decode_dataflow.cu: DF_NCNT
 PD_PHASES = ("qkv", "attention", "combine", "o_proj", "gate_up", "down")
 
 
@@ -458,6 +464,9 @@ class CudaEngine(Engine):
         self.pd_err = self.pd_sync + 4 * self.decode_tokens
         self.pd_layers = self._alloc("pd_layers", 8 * 9 * self.nlayers)
         self.pd_prof = self._alloc("pd_prof", 8 * (6 * self.nlayers + 2))
+        # dataflow decode: DF_NCNT phase counters per decode step (zeroed in the decode graph), its layer table
+        self.df_sync = self._alloc("df_sync", 4 * DF_NCNT * self.decode_tokens)
+        self.df_layers = self._alloc("df_layers", 8 * 9 * self.nlayers)
         self.h_pd_err = cuda.pagelocked_zeros(1, np.int32)
         self.move_buf = None
         # pinned host staging for the per-chunk copies
@@ -572,11 +581,15 @@ class CudaEngine(Engine):
             "attn_merge_oproj_hd128": "PPiPiiPiP", "attn_merge_oproj_hd64": "PPiPiiPiP",
             "argmax_tokens": "PiiPi",
             "decode_layers_hd128": "PiPPPPPPPPiPiiiiffiPPP", "decode_layers_hd64": "PiPPPPPPPPiPiiiiffiPPP",
+            "decode_df_hd128": "PiPPPPPPPiPiiiiffiPPP", "decode_df_hd64": "PiPPPPPPPiPiiiiffiPPP",
+            "df_wo_head_major": "PPiii",
         }
         self.sigs = sigs
         self.kx: dict[str, Any] = {}  # the same kernels, loaded for cuLaunchKernelEx (PDL)
         self.xmods: dict[str, Any] = {}
         self.timeline_build = os.environ.get("VLA_CUDA_TIMELINE") == "1"  # set at construction (benchmarks)
+        # benchmark experiments: compile-time constants of the kernels, e.g. VLA_CUDA_DEFINES="DF_NSLOT=4"
+        self.extra_defines = ["-D" + d for d in os.environ.get("VLA_CUDA_DEFINES", "").split() if d]
         self.pdl_launcher = None
         try:
             from vla_edge_ros.engine.graphs import PdlLauncher
@@ -588,7 +601,8 @@ class CudaEngine(Engine):
             try:
                 cubin = nvcc_compile(src, no_extern_c=True, include_dirs=[str(CUDA_DIR)],
                                      options=["-O3", "-std=c++17"]
-                                     + (["-DVLA_TIMELINE"] if self.timeline_build else []))
+                                     + (["-DVLA_TIMELINE"] if self.timeline_build else [])
+                                     + self.extra_defines)
             except Exception as exc:
                 raise EngineError(f"compiling {CUDA_DIR / fname} failed: {exc}") from exc
             mod = cuda.module_from_buffer(cubin)
@@ -706,9 +720,14 @@ class CudaEngine(Engine):
         from the occupancy API; dynamic shared memory = the warps' weight rings + the larger of the attention
         staging buffer and one GEMV input vector."""
         t = self.tuning
-        if t["decode_kernel"] not in ("persistent", "layered"):
-            raise EngineError(f"decode_kernel must be 'persistent' or 'layered', got {t['decode_kernel']!r}")
-        self.persistent = t["decode_kernel"] == "persistent"
+        if t["decode_kernel"] not in ("persistent", "layered", "dataflow"):
+            raise EngineError("decode_kernel must be 'layered', 'persistent' or 'dataflow', got "
+                              f"{t['decode_kernel']!r}")
+        self.persistent = t["decode_kernel"] in ("persistent", "dataflow")
+        self.dataflow = False
+        if t["decode_kernel"] == "dataflow":
+            self._plan_dataflow()
+            return
         if not self.persistent:
             return
         name = "decode_layers_hd%d" % self.HD
@@ -745,13 +764,87 @@ class CudaEngine(Engine):
         self.log(f"cuda engine: persistent decode {grid} blocks ({bps}/SM x {n_sm} SMs, occupancy {occ}), "
                  f"{smem} B shared")
 
+    def _plan_dataflow(self) -> None:
+        """The dataflow decode kernel (cuda/decode_dataflow.cu): one 128-thread block per SM, all resident (its
+        counter waits spin); dynamic shared memory = the TMA weight ring + one vector area (the larger of the
+        attention staging buffer and the act vector). Its W_o is a head-major copy (one head's rows are one
+        contiguous TMA tile), made on the GPU the first time the kernel is selected."""
+        cuda = self._cuda
+        HD, H, I = self.HD, self.H, self.I
+        name = "decode_df_hd%d" % HD
+        dev = cuda.Device(0)
+        n_sm = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+        attn_bytes = max((64 * (HD + 8) + HD * (64 + 8)) * 2, (4 * 8 * HD + 2 * 4 * 8) * 4)  # attn_core.cuh
+        ring_bytes, threads = self._df_config()
+        smem = ring_bytes + max(attn_bytes, 4 * I, 4 * H)
+        optin = dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        why = None
+        if self.pdl_launcher is None or name not in self.kx:
+            why = "needs the libcuda launcher (occupancy query)"
+        elif H % 8 or I % 8 or self.nqkv % 8 or H > DF_KMAX or HD not in (64, 128):
+            why = (f"hidden {H} must be a multiple of 8 and <= {DF_KMAX}, intermediate {I} and the QKV rows "
+                   f"{self.nqkv} multiples of 8, head_dim 64 or 128")
+        elif n_sm < self.Hq:
+            why = f"{n_sm} SMs < {self.Hq} query heads"
+        elif self.nlayers > DF_MAXL:
+            why = f"{self.nlayers} layers > {DF_MAXL}"
+        elif smem + 4096 > optin:
+            why = f"{smem} B of shared memory per block > {optin - 4096}"
+        if why:
+            raise EngineError(f"dataflow decode unavailable: {why}")
+        fx = self.kx[name]
+        self.k[name].set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        fx.set_max_dynamic_shared(smem)
+        occ = fx.max_active_blocks(threads, smem)
+        if occ < 1:
+            raise EngineError(f"dataflow decode: a {threads}-thread block with {smem} B shared does not fit an SM")
+        grid = int(self.tuning["pd_grid"]) or n_sm
+        if grid < self.Hq:
+            raise EngineError(f"dataflow decode: a grid of {grid} blocks is smaller than the {self.Hq} query heads")
+        if "L0.wo_hm" not in self.tracker.names():
+            n = H * self.Hq * HD
+            for i, Lw in enumerate(self.layers):
+                Lw["wo_hm"] = self._alloc(f"L{i}.wo_hm", 2 * n)
+                self.k["df_wo_head_major"].prepared_call((min(1024, math.ceil(n / 256)), 1), (256, 1, 1),
+                                                         np.intp(Lw["wo"]), np.intp(Lw["wo_hm"]), np.int32(H),
+                                                         np.int32(self.Hq), np.int32(HD))
+            cuda.Context.synchronize()
+        self.dataflow = True
+        self.pd_grid, self.pd_smem, self.df_threads = grid, smem, threads
+        self.log(f"cuda engine: dataflow decode {grid} blocks (1/SM, {n_sm} SMs), {smem} B shared")
+
+    def dataflow_tile_trace(self) -> np.ndarray | None:
+        """Benchmark builds with VLA_CUDA_DEFINES="DF_TRACE": the last dataflow decode step's tile stamps of its last
+        layer, us relative to the first issue: [first / last block][issued, ready][tile]; None otherwise."""
+        if "DF_TRACE" not in " ".join(self.extra_defines):
+            return None
+        xmod = self.xmods.get("decode_dataflow.cu")
+        if self.pdl and xmod is not None:  # the kernel ran from the launcher's copy of the module
+            ptr, _ = self.pdl_launcher.global_ptr(xmod, "df_trace")
+        else:
+            ptr, _ = self.modules["decode_dataflow.cu"].get_global("df_trace")
+        tr = np.zeros((2, 2, 64), np.uint64)
+        self._cuda.memcpy_dtoh(tr, ptr)
+        t = tr.astype(np.float64)
+        base = t[t > 0].min() if (t > 0).any() else 0.0
+        return np.where(t > 0, (t - base) / 1e3, np.nan)
+
+    def _df_config(self) -> tuple[int, int]:
+        """(ring bytes, threads per block) of the compiled dataflow kernel (cuda/decode_dataflow.cu df_config)."""
+        ptr, _ = self.modules["decode_dataflow.cu"].get_global("df_config")
+        cfg = np.zeros(2, np.int32)
+        self._cuda.memcpy_dtoh(cfg, ptr)
+        return int(cfg[0]), int(cfg[1])
+
     def _write_layer_table(self) -> None:
-        """Per-layer pointers of the persistent decode kernel: ln1, wqkv, bqkv, wo, ln2, wgu, wd, kc, vc."""
+        """Per-layer pointers of the persistent / dataflow decode kernel: ln1, wqkv, bqkv, wo, ln2, wgu, wd, kc, vc
+        (the dataflow kernel's wo is the head-major copy)."""
         rows = []
         for i, Lw in enumerate(self.layers):
             kc, vc = self._layer_ptrs(i)
-            rows.append([Lw["ln1"], Lw["wqkv"], Lw["bqkv"], Lw["wo"], Lw["ln2"], Lw["wgu"], Lw["wd"], kc, vc])
-        self._cuda.memcpy_htod(self.pd_layers, np.asarray(rows, dtype=np.uint64))
+            wo = Lw["wo_hm"] if self.dataflow else Lw["wo"]
+            rows.append([Lw["ln1"], Lw["wqkv"], Lw["bqkv"], wo, Lw["ln2"], Lw["wgu"], Lw["wd"], kc, vc])
+        self._cuda.memcpy_htod(self.df_layers if self.dataflow else self.pd_layers, np.asarray(rows, dtype=np.uint64))
 
     # ---- enqueue (the same code runs eagerly and under graph capture) ------------------------------------
     def _launch(self, name: str, grid, block, *args, smem: int = 0, serial: bool = False) -> None:
@@ -797,7 +890,7 @@ class CudaEngine(Engine):
     def _tag_of(name: str) -> str:
         for tag in ("attn_merge_oproj", "gemm32_atomic", "gemm32_silu", "gemm32s_atomic", "gemm32s_silu",
                     "gemm32v4_atomic", "gemm32v4_silu", "gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits",
-                    "decode_layers", "attn_prefill", "attn_decode", "attn_combine", "rmsnorm", "kv_store", "embed", "argmax"):
+                    "decode_layers", "decode_df", "attn_prefill", "attn_decode", "attn_combine", "rmsnorm", "kv_store", "embed", "argmax"):
             if name.startswith(tag):
                 return tag
         return name
@@ -811,6 +904,7 @@ class CudaEngine(Engine):
     host_profile_ms: dict[str, float] = {}  # the last chunk's host-time split (_device_chunk)
     pdl = False
     persistent = False
+    dataflow = False
 
     def _layer_ptrs(self, i: int) -> tuple[int, int]:
         off = i * self.slots_alloc * self.nkv * 2
@@ -898,7 +992,9 @@ class CudaEngine(Engine):
         kv_pf = np.int32(bool(self.tuning["kv_l2_prefetch"]))
         start = self._launches
         n_steps = steps or self.decode_tokens
-        if self.persistent and (self._only is None or "decode_layers" in self._only):
+        if self.dataflow and (self._only is None or "decode_df" in self._only):
+            self._cuda.memset_d32_async(self.df_sync, 0, DF_NCNT * n_steps, self.stream)  # the phase counters
+        elif self.persistent and (self._only is None or "decode_layers" in self._only):
             self._cuda.memset_d32_async(self.pd_sync, 0, n_steps, self.stream)  # the grid-barrier counters
         for s in range(1, n_steps + 1):
             st = np.int32(s)
@@ -907,7 +1003,14 @@ class CudaEngine(Engine):
             # this covers eager launches)
             self._launch("embed_gather", (math.ceil(H / 256), 1), (256, 1, 1), self.embed, self.tok_buf,
                          np.int32(s - 1), self.x_dec, np.int32(H), serial=s == 1)
-            if self.persistent:
+            if self.dataflow:
+                self._launch("decode_df_hd%d" % self.HD, (self.pd_grid, 1), (self.df_threads, 1, 1), self.df_layers,
+                             np.int32(self.nlayers), self.x_dec, self.q_dec, self.part_o_dec, self.part_ml_dec,
+                             self.act_dec, self.key_slots, self.meta, st, self.rope, np.int32(H),
+                             np.int32(I), np.int32(self.Hq), np.int32(self.n_kvh), eps, qscale, np.int32(kps),
+                             self.df_sync + 4 * DF_NCNT * (s - 1), self.pd_err,
+                             self.pd_prof if self.tuning["pd_profile"] else 0, smem=self.pd_smem)
+            elif self.persistent:
                 self._launch("decode_layers_hd%d" % self.HD, (self.pd_grid, 1), (PD_THREADS, 1, 1), self.pd_layers,
                              np.int32(self.nlayers), self.x_dec, self.q_dec, self.part_o_dec, self.part_ml_dec,
                              self.attn_dec, self.act_dec, self.key_slots, self.meta, st, self.rope, np.int32(H),
@@ -1116,8 +1219,9 @@ class CudaEngine(Engine):
                 cuda.memset_d32(self.pd_err, 0, 1)
                 self.h_pd_err[0] = 0
                 self.needs_reset = True
-                raise EngineError(f"chunk {frame_id}: a grid barrier of the persistent decode kernel timed out "
-                                  "(grid not resident); the chunk's tokens are invalid")
+                kind = self.tuning["decode_kernel"]
+                raise EngineError(f"chunk {frame_id}: a grid barrier / phase counter of the {kind} decode kernel "
+                                  "timed out (grid not resident); the chunk's tokens are invalid")
             prefill_ms = self.ev[1].time_since(self.ev[0])
             decode_ms = self.ev[2].time_since(self.ev[1])
         return adm, self.h_tok.astype(np.int64), prefill_ms, decode_ms
@@ -1268,6 +1372,32 @@ class CudaEngine(Engine):
         finally:
             self.retune(decode_kernel=prev, pd_profile=False)
         return {name: float(v / acc.sum()) for name, v in zip(PD_PHASES, acc)}
+
+    def dataflow_phase_profile(self, run_chunk: Callable[[], Any], chunks: int = 10) -> dict[str, float]:
+        """Microseconds per layer of each phase of the dataflow decode kernel as block 0 sees it (%globaltimer
+        after each counter wait: "qkv" runs from x ready to q/K/V ready in every block, i.e. block 0's QKV tiles,
+        its attention staging and the slowest block's QKV), averaged over the layers of the last decode step of
+        ``chunks`` chunks run by ``run_chunk()``. "start": kernel start to x ready. Benchmark only: switches to
+        the dataflow kernel for the measurement and back."""
+        prev = self.tuning["decode_kernel"]
+        self.retune(decode_kernel="dataflow", pd_profile=True)
+        names = ("qkv", "attn", "o_proj", "gate_up", "down")
+        try:
+            acc = np.zeros(len(names))
+            start = 0.0
+            for _ in range(chunks):
+                run_chunk()
+                st = np.empty(5 * self.nlayers + 2, np.uint64)
+                with self._active():
+                    self._cuda.memcpy_dtoh(st, self.pd_prof)
+                d = np.diff(st.astype(np.int64)).astype(np.float64) / 1e3
+                start += d[0]
+                acc += d[1:].reshape(self.nlayers, 5).mean(axis=0)
+        finally:
+            self.retune(decode_kernel=prev, pd_profile=False)
+        out = {"start": float(start / chunks)}
+        out.update({n: float(v / chunks) for n, v in zip(names, acc)})
+        return out
 
     def reset(self) -> None:
         """Drop every retained frame; the pinned prefix (its K/V and slots) stays."""

@@ -1,0 +1,530 @@
+// Dataflow decode step (issue 4, docs/KERNEL_NOTES.md "Session 8"): every layer of one decode token in ONE
+// launch of exactly one block per SM, the layers' weights streamed through ONE ring per block that runs ahead
+// across phase and layer boundaries, the phases ordered by counters instead of kernel boundaries or grid barriers.
+//
+// Why (session 7's hop measurements): a kernel boundary that needs its predecessor's whole vector costs ~2.2 us
+// with no work at all, six per decode layer >= 13 us per layer next to ~22 us of weight streaming, and in the
+// layered form the weight stream stops at each of them. v5 (decode_persistent.cu) kept per-phase rings and grid
+// barriers and lost. Here:
+//   * the weight stream of a block is one fixed sequence of tiles (QKV rows, W_o rows of one head, gate/up rows,
+//     down row segments, layer after layer) fetched with TMA bulk copies (cp.async.bulk, completion on an
+//     mbarrier per ring slot) into DF_NSLOT slots of DF_SLOT bytes; a slot is refilled with the next tile of the
+//     sequence as soon as it is consumed, whatever phase that tile belongs to. While a block waits for a
+//     dependency, its ring keeps DF_NSLOT x DF_SLOT bytes (168 KB) of later weights on their way, i.e. ~5 us of
+//     the SM's share of the HBM bandwidth;
+//   * a phase waits only for the counter it needs (red.release / ld.acquire at gpu scope): qkv_done -> attention,
+//     attn_done -> merge + o_proj, o_done -> gate/up, gu_done -> down, down_done -> next layer's QKV. Each block
+//     adds 1 to each counter once per layer (also when it had no work in that phase), so layer l's target is
+//     (l + 1) x gridDim.x. The host zeroes the counters before each decode step.
+//
+// Phases of layer l in block b (NB = gridDim.x blocks, one per SM, all resident):
+//   QKV    tiles of 8 rows: rmsnorm(x) . Wqkv + b -> q (fp32, pre-RoPE), this token's K/V -> cache slot (bf16)
+//   attn   split (b % nsplit) of KV head (b / nsplit): attn_core.cuh's tensor-core body, keys older than this
+//          token staged BEFORE waiting for qkv_done; partials per (split, head)
+//   o      head h = b / R, rows [r0, r1) (R = NB / Hq row ranges per head): merge head h's split partials, then
+//          x[r] += Wo[r, h*HD : (h+1)*HD] . attn_h (atomics; W_o re-laid head-major by df_wo_head_major)
+//   gate/up tiles of 4 outputs (4 gate rows + 4 up rows): act = silu(g) * u of rmsnorm(x)
+//   down   tiles of 8 rows x one 1536-column segment: x[r] += Wd[r, seg] . act[seg] (atomics)
+// Data written by other blocks in this launch (x, q, K/V, partials, act) is read with ld.global.cg (L2).
+// A counter wait longer than ~1 s (a grid that is not resident) sets *err and goes on: a flagged chunk, no hang.
+#include "common.cuh"
+// The attention body (attn_core.cuh) is written for DEC_WARPS = 4 warps: here warps 0-3 run it, synchronised by
+// named barrier 1; warps 4-7 go on to the counter arrival and wait there.
+#define ATT_SYNC() asm volatile("bar.sync 1, 128;" ::: "memory")
+#define ATT_NT 128
+#include "attn_core.cuh"
+
+#define DF_THREADS 256  // 8 warps: a GEMV tile of 8 rows is one row per warp
+#define DF_WARPS 8
+#define DF_ATT_THREADS 128
+#define DF_PTRS 9        // per-layer pointer row: ln1, wqkv, bqkv, wo (head-major), ln2, wgu, wd, kc, vc
+#define DF_MAXL 48       // layers: the pointer table is copied to shared memory (the tile issue must not wait
+                         // for an L2 round trip: measured ~1.2 us per tile with the table in global memory)
+#define DF_SLOT 24576    // bytes per ring slot: 8 rows x 1536 bf16
+#ifndef DF_NSLOT         // (benchmark experiments may set it: VLA_CUDA_DEFINES)
+#define DF_NSLOT 7
+#endif
+#define DF_RING_BYTES (DF_NSLOT * DF_SLOT)
+#define DF_KMAX 1536     // hidden size and down column segment limit (8 rows x DF_KMAX bf16 = one slot)
+#define DF_NCNT 8        // counters per decode step (5 used)
+#define DF_MSPLIT 16     // split partials per thread in flight in the head merge
+
+// What the host sizes the launch by: dynamic shared memory of the ring, threads per block.
+__constant__ int df_config[2] = {DF_RING_BYTES, DF_THREADS};
+
+// ---- mbarrier + TMA bulk copy (sm_90) ----
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, unsigned parity) {
+    unsigned ok;
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n}" : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    return ok != 0;
+}
+// Wait for the phase of `parity`; a wait of ~1 s (a tile that never lands: a bug) sets *err and gives up.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity, int* err) {
+    if (mbar_try_wait(bar, parity)) return;
+    const long long t0 = clock64();
+    while (!mbar_try_wait(bar, parity)) {
+        if (clock64() - t0 > 2000000000LL) { atomicExch(err, 2); return; }
+    }
+}
+// global -> shared bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned), completing on bar
+__device__ __forceinline__ void tma_load(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ unsigned df_ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// This block's share of every phase: fixed for the launch, the same in every layer.
+struct DfPlan {
+    int b, NB;
+    int H, I, Hq, HD, n_kvh, nqkv;
+    int nQ, nO, nG, nD, per_layer;  // tiles per layer of each phase
+    int o_head, o_r0, o_r1, o_rows_per_tile;
+    int nseg;                       // down column segments
+};
+
+__device__ __forceinline__ int df_share(int ntiles, int b, int NB) { return b < ntiles ? (ntiles - b + NB - 1) / NB : 0; }
+
+__device__ __forceinline__ DfPlan df_plan(int H, int I, int Hq, int HD, int n_kvh) {
+    DfPlan p;
+    p.b = blockIdx.x; p.NB = gridDim.x;
+    p.H = H; p.I = I; p.Hq = Hq; p.HD = HD; p.n_kvh = n_kvh;
+    p.nqkv = (Hq + 2 * n_kvh) * HD;
+    p.nQ = df_share(p.nqkv / 8, p.b, p.NB);
+    const int R = p.NB / Hq;  // row ranges per head (host: NB >= Hq)
+    p.nO = 0; p.o_head = 0; p.o_r0 = 0; p.o_r1 = 0; p.o_rows_per_tile = 1;
+    if (p.b < R * Hq) {
+        const int rpr = (H + R - 1) / R;
+        p.o_head = p.b / R;
+        p.o_r0 = min(H, (p.b % R) * rpr);
+        p.o_r1 = min(H, p.o_r0 + rpr);
+        const int n = p.o_r1 - p.o_r0, cap = DF_SLOT / (2 * HD);
+        p.nO = n > 0 ? (n + cap - 1) / cap : 0;
+        p.o_rows_per_tile = p.nO > 0 ? (n + p.nO - 1) / p.nO : 1;
+    }
+    p.nG = df_share(I / 4, p.b, p.NB);
+    p.nseg = (I + DF_KMAX - 1) / DF_KMAX;
+    p.nD = df_share((H / 8) * p.nseg, p.b, p.NB);
+    p.per_layer = p.nQ + p.nO + p.nG + p.nD;
+    return p;
+}
+
+// Issue tile k of this block's weight sequence into slot k % DF_NSLOT (one thread).
+__device__ __forceinline__ void df_issue(const DfPlan& p, const unsigned long long* lp, int k,
+                                         unsigned char* ring, uint64_t* full) {
+    const int layer = k / p.per_layer;
+    int r = k - layer * p.per_layer;
+    const unsigned long long* P = lp + (size_t)layer * DF_PTRS;
+    const int s = k % DF_NSLOT;
+    unsigned char* dst = ring + (size_t)s * DF_SLOT;
+    uint64_t* bar = full + s;
+    if (r < p.nQ) {
+        const int t = p.b + r * p.NB;
+        const unsigned bytes = 8u * p.H * 2u;
+        mbar_expect_tx(bar, bytes);
+        tma_load(dst, reinterpret_cast<const bf16_t*>(P[1]) + (size_t)t * 8 * p.H, bytes, bar);
+        return;
+    }
+    r -= p.nQ;
+    if (r < p.nO) {
+        const int r0 = p.o_r0 + r * p.o_rows_per_tile, n = min(p.o_rows_per_tile, p.o_r1 - r0);
+        const unsigned bytes = (unsigned)n * p.HD * 2u;
+        mbar_expect_tx(bar, bytes);
+        tma_load(dst, reinterpret_cast<const bf16_t*>(P[3]) + ((size_t)p.o_head * p.H + r0) * p.HD, bytes, bar);
+        return;
+    }
+    r -= p.nO;
+    if (r < p.nG) {
+        const int o0 = 4 * (p.b + r * p.NB);  // outputs o0 .. o0 + 3: gate rows g .. g + 3, up rows g + 8 .. g + 11
+        const bf16_t* W = reinterpret_cast<const bf16_t*>(P[5]) + (size_t)gateup_gate_row(o0) * p.H;
+        const unsigned half = 4u * p.H * 2u;
+        mbar_expect_tx(bar, 2 * half);
+        tma_load(dst, W, half, bar);
+        tma_load(dst + half, W + (size_t)8 * p.H, half, bar);
+        return;
+    }
+    r -= p.nG;
+    {
+        const int t = p.b + r * p.NB, rg = t / p.nseg, seg = t - rg * p.nseg;
+        const int c0 = seg * DF_KMAX, klen = min(DF_KMAX, p.I - c0);
+        const bf16_t* W = reinterpret_cast<const bf16_t*>(P[6]) + (size_t)rg * 8 * p.I + c0;
+        const unsigned rb = (unsigned)klen * 2u;
+        mbar_expect_tx(bar, 8 * rb);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) tma_load(dst + j * rb, W + (size_t)j * p.I, rb, bar);
+    }
+}
+
+#ifdef DF_TRACE
+// Benchmark builds (VLA_CUDA_DEFINES="DF_TRACE"): %globaltimer when each tile of the LAST layer was issued and when
+// its wait ended, in the first and the last block: [block 0 / last][issued, ready][tile of the layer].
+__device__ unsigned long long df_trace[2][2][64];
+__device__ __forceinline__ void df_trace_stamp(int kind, int k, int total, int per_layer) {
+    const int i = k - (total - per_layer);
+    const int row = blockIdx.x == 0 ? 0 : (blockIdx.x == gridDim.x - 1 ? 1 : -1);
+    if (row >= 0 && i >= 0 && i < 64) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        df_trace[row][kind][i] = t;
+    }
+}
+#else
+__device__ __forceinline__ void df_trace_stamp(int, int, int, int) {}
+#endif
+
+// The ring as seen by the consumers: wait for tile k, and after its use give the slot to tile k + DF_NSLOT.
+struct DfRing {
+    unsigned char* ring;
+    uint64_t* full;
+    int next;   // next tile to consume
+    int total;  // tiles in this launch
+    int* err;
+    int nl;
+    __device__ __forceinline__ const unsigned char* acquire() {
+        mbar_wait(full + next % DF_NSLOT, (unsigned)(next / DF_NSLOT) & 1u, err);
+        if (threadIdx.x == 0) df_trace_stamp(1, next, total, total / nl);
+        return ring + (size_t)(next % DF_NSLOT) * DF_SLOT;
+    }
+    __device__ __forceinline__ void release(const DfPlan& p, const unsigned long long* lp) {
+        __syncthreads();  // every thread is done reading the slot
+        if (threadIdx.x == 0 && next + DF_NSLOT < total) {
+#ifndef DF_NO_PROXY_FENCE  // (run 8: the same time without it)
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before the async write
+#endif
+            df_issue(p, lp, next + DF_NSLOT, ring, full);
+            df_trace_stamp(0, next + DF_NSLOT, total, total / nl);
+        }
+        ++next;
+    }
+};
+
+__device__ __forceinline__ void df_arrive(unsigned* c) {
+    __syncthreads();  // this block's writes of the phase are done (cumulative with the release below)
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(c), "r"(1u) : "memory");
+}
+
+__device__ __forceinline__ void df_wait(const unsigned* c, unsigned target, int* err) {
+    if (threadIdx.x == 0) {
+        const long long t0 = clock64();
+        while (df_ld_acquire(c) < target) {
+            if (*reinterpret_cast<volatile int*>(err) != 0) break;
+            if (clock64() - t0 > 2000000000LL) { atomicExch(err, 1); break; }
+        }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void df_stamp(unsigned long long* prof, int& n) {
+    if (prof != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        prof[n] = t;
+    }
+    ++n;
+}
+
+// sx[0..K) = v[0..K) (L2 loads, all in flight), times rsqrt(mean(v^2) + eps) * normw when normw != nullptr.
+// K <= DF_KMAX with a norm; any multiple of 4 without.
+__device__ __forceinline__ void df_load_vec(float* sx, const float* v, int K, const bf16_t* __restrict__ normw,
+                                            float eps, float* red) {
+    constexpr int NV = (DF_KMAX + 4 * DF_THREADS - 1) / (4 * DF_THREADS);
+    if (normw == nullptr) {
+        for (int base = 0; base < K; base += 6 * 4 * DF_THREADS) {
+            float4 a[6];
+#pragma unroll
+            for (int j = 0; j < 6; ++j) {
+                const int i = base + (threadIdx.x + j * DF_THREADS) * 4;
+                if (i < K) a[j] = __ldcg(reinterpret_cast<const float4*>(v + i));
+            }
+#pragma unroll
+            for (int j = 0; j < 6; ++j) {
+                const int i = base + (threadIdx.x + j * DF_THREADS) * 4;
+                if (i < K) *reinterpret_cast<float4*>(sx + i) = a[j];
+            }
+        }
+        __syncthreads();
+        return;
+    }
+    float4 a[NV];
+    uint2 w[NV];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int i = (threadIdx.x + j * DF_THREADS) * 4;
+        a[j] = i < K ? __ldcg(reinterpret_cast<const float4*>(v + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        w[j] = i < K ? *reinterpret_cast<const uint2*>(normw + i) : make_uint2(0u, 0u);
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+        ss = fmaf(a[j].x, a[j].x, fmaf(a[j].y, a[j].y, fmaf(a[j].z, a[j].z, fmaf(a[j].w, a[j].w, ss))));
+    const float r = rsqrtf(block_sum(ss, red) / (float)K + eps);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int i = (threadIdx.x + j * DF_THREADS) * 4;
+        if (i < K)
+            *reinterpret_cast<float4*>(sx + i) = make_float4(bf16_lo(w[j].x) * (a[j].x * r), bf16_hi(w[j].x) * (a[j].y * r),
+                                                             bf16_lo(w[j].y) * (a[j].z * r), bf16_hi(w[j].y) * (a[j].w * r));
+    }
+    __syncthreads();
+}
+
+// One row of klen <= DF_KMAX columns (in shared memory) against sx: the warp's sum, in every lane.
+__device__ __forceinline__ float df_dot1(const bf16_t* w, const float* sx, int klen) {
+    const int lane = threadIdx.x & 31;
+    float acc0 = 0.f, acc1 = 0.f;  // two chains: half the dependent FMA latency
+#pragma unroll
+    for (int u = 0; u < DF_KMAX / 256; u += 2) {
+        const int c = lane * 8 + 256 * u;
+        if (c < klen) {
+            const uint4 w0 = *reinterpret_cast<const uint4*>(w + c);
+            acc0 += dot8_bf16(w0, *reinterpret_cast<const float4*>(sx + c), *reinterpret_cast<const float4*>(sx + c + 4));
+        }
+        if (c + 256 < klen) {
+            const uint4 w1 = *reinterpret_cast<const uint4*>(w + c + 256);
+            acc1 += dot8_bf16(w1, *reinterpret_cast<const float4*>(sx + c + 256),
+                              *reinterpret_cast<const float4*>(sx + c + 260));
+        }
+    }
+    return warp_sum(acc0 + acc1);
+}
+
+// Merge head h's split partials (numerator, (max, denominator) per split, log2 domain) into so[0..HD).
+template <int HD>
+__device__ __forceinline__ void df_merge_head(const float* part_o, const float2* part_ml, int Hq, int h, int nsplit,
+                                              float* so, float* s_m, float* s_den, float* s_num) {
+    constexpr int TPH = HD / 4;               // threads per head row (4 dims each)
+    constexpr int NG = DF_THREADS / TPH;      // split groups
+    const int d = (threadIdx.x % TPH) * 4, g = threadIdx.x / TPH;
+    float M = -INFINITY, den = 0.f;
+    float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = g; s0 < nsplit; s0 += NG * DF_MSPLIT) {
+        float2 ml[DF_MSPLIT];
+        float4 o[DF_MSPLIT];
+#pragma unroll
+        for (int j = 0; j < DF_MSPLIT; ++j) {
+            const int s = s0 + j * NG;
+            ml[j] = s < nsplit ? __ldcg(part_ml + (size_t)s * Hq + h) : make_float2(-INFINITY, 0.f);
+            o[j] = s < nsplit ? __ldcg(reinterpret_cast<const float4*>(part_o + ((size_t)s * Hq + h) * HD + d))
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < DF_MSPLIT; ++j) {
+            if (ml[j].x == -INFINITY) continue;
+            const float nm = fmaxf(M, ml[j].x);
+            const float a = M == -INFINITY ? 0.f : exp2f(M - nm), e = exp2f(ml[j].x - nm);
+            num.x = fmaf(num.x, a, e * o[j].x);
+            num.y = fmaf(num.y, a, e * o[j].y);
+            num.z = fmaf(num.z, a, e * o[j].z);
+            num.w = fmaf(num.w, a, e * o[j].w);
+            den = fmaf(den, a, e * ml[j].y);
+            M = nm;
+        }
+    }
+    *reinterpret_cast<float4*>(s_num + g * HD + d) = num;
+    if (d == 0) { s_m[g] = M; s_den[g] = den; }
+    __syncthreads();
+    if (threadIdx.x < HD) {
+        const int dd = threadIdx.x;
+        float MM = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < NG; ++i) MM = fmaxf(MM, s_m[i]);
+        float tn = 0.f, td = 0.f;
+#pragma unroll
+        for (int i = 0; i < NG; ++i) {
+            const float e = s_m[i] == -INFINITY ? 0.f : exp2f(s_m[i] - MM);
+            tn = fmaf(e, s_num[i * HD + dd], tn);
+            td = fmaf(e, s_den[i], td);
+        }
+        so[dd] = tn / td;
+    }
+    __syncthreads();
+}
+
+template <int HD>
+__device__ __forceinline__ void decode_df_body(const unsigned long long* __restrict__ lp_g, int nl, float* x,
+        float* qv, float* part_o, float2* part_ml, float* act, const int* __restrict__ key_slots,
+        const int* __restrict__ meta, int step, const float2* __restrict__ rope_cs, int H, int I, int Hq,
+        int n_kvh, float eps, float qscale, int kps, unsigned* cnt, int* err, unsigned long long* prof) {
+    // dynamic shared memory: the weight ring, then one vector area (GEMV input, attention staging or act;
+    // never live at once)
+    extern __shared__ __align__(128) unsigned char dsm[];
+    __shared__ __align__(8) uint64_t full[DF_NSLOT];
+    __shared__ int sSlot[ATT_KC];
+    __shared__ float2 q_cs[HD / 2];
+    __shared__ __align__(16) float so[HD];
+    __shared__ __align__(16) float s_num[DF_THREADS * 4];
+    __shared__ float s_m[DF_THREADS / (HD / 4)], s_den[DF_THREADS / (HD / 4)];
+    __shared__ float red[33];
+    __shared__ float sres[2][DF_WARPS];  // the rows of the last two tiles, for their epilogue (warp 1)
+    if (blockDim.x != DF_THREADS || nl > DF_MAXL) {  // a launch this kernel cannot run: flag, do nothing
+        if (threadIdx.x == 0) atomicExch(err, 3);
+        return;
+    }
+    unsigned char* vec = dsm + DF_RING_BYTES;
+    float* sx = reinterpret_cast<float*>(vec);
+    const DfPlan p = df_plan(H, I, Hq, HD, n_kvh);
+    DfRing ring{dsm, full, 0, nl * p.per_layer, err, nl};
+    __shared__ unsigned long long sP[DF_MAXL * DF_PTRS];  // the layer pointer table (read by every tile issue)
+    for (int i = threadIdx.x; i < nl * DF_PTRS; i += DF_THREADS) sP[i] = lp_g[i];
+    int nprof = 0;
+    df_stamp(prof, nprof);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < DF_NSLOT; ++s) mbar_init(full + s, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)  // weights never depend on activations: the first tiles fly before anything else
+        for (int k = 0; k < DF_NSLOT && k < ring.total; ++k) {
+            df_issue(p, sP, k, dsm, full);
+            df_trace_stamp(0, k, ring.total, p.per_layer);
+        }
+    const int L = meta[3] + step;  // keys seen by this token, itself included
+    const int nsplit = (L + kps - 1) / kps;
+    const int new_slot = key_slots[L - 1];
+    const int nq = Hq * HD, nkv = n_kvh * HD, G = Hq / n_kvh;
+    for (int d = threadIdx.x; d < HD / 2; d += DF_THREADS) q_cs[d] = rope_cs[(size_t)(L - 1) * (HD / 2) + d];
+    const bool prestage = kps == ATT_KC && nsplit * n_kvh <= p.NB;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // The tiles' epilogues (bias, stores, atomics) run in warp 1, so that thread 0, which issues the tile copies
+    // after a proxy fence, has no global memory operation of its own in flight (trace, session 8: ~1 us per tile
+    // with the epilogue in thread 0)
+    const int ep = (int)threadIdx.x - 32;
+    const unsigned NB = (unsigned)p.NB;
+#pragma unroll 1
+    for (int l = 0; l < nl; ++l) {
+        const unsigned long long* P = sP + (size_t)l * DF_PTRS;
+        const bf16_t* kc = reinterpret_cast<const bf16_t*>(P[7]);
+        const bf16_t* vc = reinterpret_cast<const bf16_t*>(P[8]);
+        // ---- QKV ----
+        if (l == 0) pdl_wait();  // the token's x comes from the embedding kernel
+        else df_wait(cnt + 4, NB * l, err);
+        df_stamp(prof, nprof);
+        df_load_vec(sx, x, H, reinterpret_cast<const bf16_t*>(P[0]), eps, red);
+        {
+            const float* bias = reinterpret_cast<const float*>(P[2]);
+            bf16_t* kw = reinterpret_cast<bf16_t*>(P[7]);
+            bf16_t* vw = reinterpret_cast<bf16_t*>(P[8]);
+#pragma unroll 1
+            for (int i = 0; i < p.nQ; ++i) {
+                const int n = (p.b + i * p.NB) * 8 + ep;  // epilogue threads ep < 8: the tile's rows
+                const float bv = ep >= 0 && ep < 8 ? bias[n] : 0.f;
+                const float a = df_dot1(reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)warp * H, sx, H);
+                if (lane == 0) sres[i & 1][warp] = a;
+                ring.release(p, sP);
+                if (ep >= 0 && ep < 8) {
+                    const float y = sres[i & 1][ep] + bv;
+                    if (n < nq) qv[n] = y;
+                    else if (n < nq + nkv) kw[(size_t)new_slot * nkv + (n - nq)] = f32_to_bf16(y);
+                    else vw[(size_t)new_slot * nkv + (n - nq - nkv)] = f32_to_bf16(y);
+                }
+            }
+        }
+        df_arrive(cnt + 0);
+        // ---- attention partials (staging of the old keys before the wait) ----
+        if (prestage && p.b < nsplit * n_kvh && threadIdx.x < DF_ATT_THREADS) {
+            const int bx = p.b % nsplit, kvh = p.b / nsplit;
+            stage_kv_chunk<HD, true>(reinterpret_cast<bf16_t*>(vec), reinterpret_cast<bf16_t*>(vec) + ATT_KC * (HD + 8),
+                                     sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, bx * kps, min(L - 1, bx * kps + kps),
+                                     min(L, bx * kps + kps));
+        }
+        df_wait(cnt + 0, NB * (l + 1), err);
+        df_stamp(prof, nprof);
+#pragma unroll 1
+        for (int vb = p.b; vb < nsplit * n_kvh && threadIdx.x < DF_ATT_THREADS; vb += p.NB) {
+            if (!prestage) ATT_SYNC();  // the staging buffer of the previous virtual block is consumed
+            attn_decode_mma_body<HD, false, true>(qv, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale,
+                                                  part_o, part_ml, vec, sSlot, vb % nsplit, vb / nsplit, q_cs,
+                                                  prestage ? L - 1 : -1);
+        }
+        df_arrive(cnt + 1);
+        // ---- merge head o_head + o_proj rows [o_r0, o_r1) of that head ----
+        if (p.nO > 0) {
+            df_wait(cnt + 1, NB * (l + 1), err);
+            df_stamp(prof, nprof);
+            df_merge_head<HD>(part_o, part_ml, Hq, p.o_head, nsplit, so, s_m, s_den, s_num);
+            constexpr int LPR = HD / 8, RPW = 32 / LPR;  // lanes per row (8 dims each), rows per warp step
+            const int c = (lane % LPR) * 8;
+            const float4 a = *reinterpret_cast<const float4*>(so + c);
+            const float4 bb = *reinterpret_cast<const float4*>(so + c + 4);
+#pragma unroll 1
+            for (int i = 0; i < p.nO; ++i) {
+                const int r0 = p.o_r0 + i * p.o_rows_per_tile, n = min(p.o_rows_per_tile, p.o_r1 - r0);
+                const bf16_t* w = reinterpret_cast<const bf16_t*>(ring.acquire());
+                for (int rr = warp * RPW; rr < n; rr += DF_WARPS * RPW) {
+                    const int r = rr + lane / LPR;
+                    float v = r < n ? dot8_bf16(*reinterpret_cast<const uint4*>(w + (size_t)r * HD + c), a, bb) : 0.f;
+#pragma unroll
+                    for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                    if (r < n && lane % LPR == 0) atomicAdd(x + r0 + r, v);
+                }
+                ring.release(p, sP);
+            }
+        } else {
+            df_stamp(prof, nprof);
+        }
+        df_arrive(cnt + 2);
+        // ---- gate/up + SiLU * up ----
+        df_wait(cnt + 2, NB * (l + 1), err);
+        df_stamp(prof, nprof);
+        df_load_vec(sx, x, H, reinterpret_cast<const bf16_t*>(P[4]), eps, red);
+#pragma unroll 1
+        for (int i = 0; i < p.nG; ++i) {  // tile rows: gate of outputs o0 .. o0 + 3, then their up rows
+            const float a = df_dot1(reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)warp * H, sx, H);
+            if (lane == 0) sres[i & 1][warp] = a;
+            ring.release(p, sP);
+            if (ep >= 0 && ep < 4) act[4 * (p.b + i * p.NB) + ep] = silu(sres[i & 1][ep]) * sres[i & 1][ep + 4];
+        }
+        df_arrive(cnt + 3);
+        // ---- down + residual ----
+        df_wait(cnt + 3, NB * (l + 1), err);
+        df_stamp(prof, nprof);
+        df_load_vec(sx, act, I, nullptr, eps, red);
+#pragma unroll 1
+        for (int i = 0; i < p.nD; ++i) {
+            const int t = p.b + i * p.NB, rg = t / p.nseg, seg = t - rg * p.nseg;
+            const int c0 = seg * DF_KMAX, klen = min(DF_KMAX, I - c0);
+            const float a = df_dot1(reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)warp * klen, sx + c0, klen);
+            if (lane == 0) sres[i & 1][warp] = a;
+            ring.release(p, sP);
+            if (ep >= 0 && ep < 8) atomicAdd(x + rg * 8 + ep, sres[i & 1][ep]);
+        }
+        df_arrive(cnt + 4);
+    }
+    df_stamp(prof, nprof);
+}
+
+#define DF_PARAMS const unsigned long long* __restrict__ lp, int nl, float* x, float* qv, float* part_o, \
+    float2* part_ml, float* act, const int* __restrict__ key_slots, const int* __restrict__ meta, int step, \
+    const float2* __restrict__ rope_cs, int H, int I, int Hq, int n_kvh, float eps, float qscale, int kps, \
+    unsigned* cnt, int* err, unsigned long long* prof
+#define DF_ARGS lp, nl, x, qv, part_o, part_ml, act, key_slots, meta, step, rope_cs, H, I, Hq, n_kvh, eps, qscale, \
+    kps, cnt, err, prof
+
+extern "C" __global__ void __launch_bounds__(DF_THREADS, 1) decode_df_hd128(DF_PARAMS) { decode_df_body<128>(DF_ARGS); }
+extern "C" __global__ void __launch_bounds__(DF_THREADS, 1) decode_df_hd64(DF_PARAMS) { decode_df_body<64>(DF_ARGS); }
+
+// W_o [H rows][Hq * HD] -> head-major [Hq][H][HD], so that one head's rows are one contiguous TMA tile.
+extern "C" __global__ void df_wo_head_major(const bf16_t* __restrict__ wo, bf16_t* __restrict__ out, int H, int Hq,
+                                            int HD) {
+    const size_t n = (size_t)H * Hq * HD;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const int d = (int)(i % HD);
+        const size_t hr = i / HD;
+        const int r = (int)(hr % H), h = (int)(hr / H);
+        out[i] = wo[(size_t)r * Hq * HD + (size_t)h * HD + d];
+    }
+}
