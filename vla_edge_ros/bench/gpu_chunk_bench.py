@@ -126,6 +126,7 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         return {"late_trigger": ",".join(f for f in LATE_TRIGGER_FAMILIES if f not in skip)}
 
     variants = [  # each applied on top of the default tuning
+        ("dataflow decode", {"decode_kernel": "dataflow"}),
         ("persistent decode (v5)", {"decode_kernel": "persistent"}),
         ("persistent, 1 block/SM", {"decode_kernel": "persistent", "pd_blocks_per_sm": 1}),
         ("PDL off", {"pdl": False}),
@@ -176,6 +177,17 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         eng.retune(**{**base, "use_graphs": True})
         out["main_repeat"] = measure(args.chunks)  # same version twice: the spread is the noise
     out["decode_phase_share"] = eng.decode_phase_profile(chunks=10, run_chunk=chunk)
+    try:
+        out["dataflow_phase_us"] = eng.dataflow_phase_profile(chunks=10, run_chunk=chunk)
+        eng.retune(decode_kernel="dataflow")
+        chunk()
+        trace = eng.dataflow_tile_trace()
+        eng.retune(**{**base, "use_graphs": True})
+        if trace is not None:
+            out["dataflow_tile_trace_us"] = [[[None if np.isnan(v) else round(float(v), 3) for v in r] for r in b]
+                                             for b in trace]
+    except Exception as exc:  # a failing dataflow kernel must not lose the rest of the figures
+        out["dataflow_phase_us"] = {"error": f"{type(exc).__name__}: {exc}"}
     out["kernel_ms"] = eng.time_kernels(reps=10)
     if args.ablate:
         out["ablation_ms"] = eng.time_ablations(reps=10)
@@ -610,6 +622,24 @@ def print_report(res: dict) -> None:
                   f"included; us per layer at its {step_ms:.3f} ms/step):")
             for k, v in share.items():
                 print(f"  {k:10s} {v:6.1%}  {v * step_ms * 1e3 / res['geometry_layers']:7.2f} us")
+        tr = o.get("dataflow_tile_trace_us")
+        if tr:
+            for b, who in enumerate(("block 0", "last block")):
+                rows = [(i, a, r) for i, (a, r) in enumerate(zip(tr[b][0], tr[b][1])) if a is not None or r is not None]
+                print(f"\ndataflow tile trace, {who}, last layer (us: issued, ready, ready - issued):")
+                print("  " + "  ".join(f"{i}:{a if a is not None else float('nan'):.1f}/{r if r is not None else float('nan'):.1f}"
+                                       for i, a, r in rows))
+        dfp = o.get("dataflow_phase_us") or {}
+        if dfp:
+            if "error" in dfp:
+                print(f"\ndataflow decode phase profile: ERROR {dfp['error']}")
+            else:
+                print("\ndataflow decode, us per layer by phase (block 0's %globaltimer after each counter wait; "
+                      f"start to x ready {dfp['start']:.2f} us):")
+                for k, v in dfp.items():
+                    if k != "start":
+                        print(f"  {k:10s} {v:7.2f} us")
+                print(f"  {'layer':10s} {sum(v for k, v in dfp.items() if k != 'start'):7.2f} us")
         if o["variants"]:
             print("\nvariants (gpu median / p99 ms, wall median):")
             for k, v in o["variants"].items():
