@@ -179,10 +179,12 @@ def run_ours(cfg, weights_np, args, log) -> dict:
     out["decode_phase_share"] = eng.decode_phase_profile(chunks=10, run_chunk=chunk)
     try:
         out["dataflow_phase_us"] = eng.dataflow_phase_profile(chunks=10, run_chunk=chunk)
-        eng.retune(decode_kernel="dataflow")
-        chunk()
-        trace = eng.dataflow_tile_trace()
-        eng.retune(**{**base, "use_graphs": True})
+        try:
+            eng.retune(decode_kernel="dataflow")
+            chunk()
+            trace = eng.dataflow_tile_trace()
+        finally:
+            eng.retune(**{**base, "use_graphs": True})
         if trace is not None:
             out["dataflow_tile_trace_us"] = [[[None if np.isnan(v) else round(float(v), 3) for v in r] for r in b]
                                              for b in trace]
