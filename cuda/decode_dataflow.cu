@@ -7,20 +7,22 @@
 // layered form the weight stream stops at each of them. v5 (decode_persistent.cu) kept per-phase rings and grid
 // barriers and lost. Here:
 //   * the weight stream of a block is one fixed sequence of tiles (QKV rows, W_o rows of one head, gate/up rows,
-//     down row segments, layer after layer) fetched with TMA bulk copies (cp.async.bulk, completion on an
-//     mbarrier per ring slot) into DF_NSLOT slots of DF_SLOT bytes; a slot is refilled with the next tile of the
-//     sequence as soon as it is consumed, whatever phase that tile belongs to. While a block waits for a
-//     dependency, its ring keeps DF_NSLOT x DF_SLOT bytes (168 KB) of later weights on their way, i.e. ~5 us of
-//     the SM's share of the HBM bandwidth;
+//     down row segments, layer after layer) fetched with TMA bulk copies (cp.async.bulk, completion on a "full"
+//     mbarrier per ring slot) into DF_NSLOT slots of DF_SLOT bytes by a producer warp, which refills a slot with
+//     the next tile of the sequence as soon as the 4 consumer warps have arrived on its "empty" mbarrier, whatever
+//     phase that tile belongs to. No block barrier per tile: each consumer warp runs at its own pace. While a
+//     block waits for a dependency, its ring keeps DF_NSLOT x DF_SLOT bytes (144 KB) of later weights on their
+//     way, ~4.5 us of the SM's share of the HBM bandwidth;
 //   * a phase waits only for the counter it needs (red.release / ld.acquire at gpu scope): qkv_done -> attention,
 //     attn_done -> merge + o_proj, o_done -> gate/up, gu_done -> down, down_done -> next layer's QKV. Each block
 //     adds 1 to each counter once per layer (also when it had no work in that phase), so layer l's target is
 //     (l + 1) x gridDim.x. The host zeroes the counters before each decode step.
 //
-// Phases of layer l in block b (NB = gridDim.x blocks, one per SM, all resident):
-//   QKV    tiles of 8 rows: rmsnorm(x) . Wqkv + b -> q (fp32, pre-RoPE), this token's K/V -> cache slot (bf16)
-//   attn   split (b % nsplit) of KV head (b / nsplit): attn_core.cuh's tensor-core body, keys older than this
-//          token staged BEFORE waiting for qkv_done; partials per (split, head)
+// Phases of layer l in block b (NB = gridDim.x blocks, one per SM, all resident; 4 consumer warps + 1 producer):
+//   QKV    tiles of 8 rows (2 per warp): rmsnorm(x) . Wqkv + b -> q (fp32, pre-RoPE), this token's K/V -> cache
+//   attn   split (b % nsplit) of KV head (b / nsplit): attn_core.cuh's tensor-core body on keys older than this
+//          token staged into their own buffer during the previous layer (after its attention; layer 0: at the
+//          start), only this token's keys after qkv_done; partials per (split, head)
 //   o      head h = b / R, rows [r0, r1) (R = NB / Hq row ranges per head): merge head h's split partials, then
 //          x[r] += Wo[r, h*HD : (h+1)*HD] . attn_h (atomics; W_o re-laid head-major by df_wo_head_major)
 //   gate/up tiles of 4 outputs (4 gate rows + 4 up rows): act = silu(g) * u of rmsnorm(x)
@@ -28,29 +30,34 @@
 // Data written by other blocks in this launch (x, q, K/V, partials, act) is read with ld.global.cg (L2).
 // A counter wait longer than ~1 s (a grid that is not resident) sets *err and goes on: a flagged chunk, no hang.
 #include "common.cuh"
-// The attention body (attn_core.cuh) is written for DEC_WARPS = 4 warps: here warps 0-3 run it, synchronised by
-// named barrier 1; warps 4-7 go on to the counter arrival and wait there.
+// The attention body (attn_core.cuh) is written for DEC_WARPS = 4 warps: the 4 consumer warps run it, synchronised
+// by named barrier 1 (the producer warp never joins a barrier after the start).
 #define ATT_SYNC() asm volatile("bar.sync 1, 128;" ::: "memory")
 #define ATT_NT 128
 #include "attn_core.cuh"
 
-#define DF_THREADS 256  // 8 warps: a GEMV tile of 8 rows is one row per warp
-#define DF_WARPS 8
-#define DF_ATT_THREADS 128
+#define DF_THREADS 128  // 4 consumer warps (the attention's 4): a GEMV tile of 8 rows is two rows per warp
+#define DF_WARPS 4
+#define DF_BLOCK (DF_THREADS + 32)  // + one producer warp that issues the tile copies (a 5th consumer warp set
+                                    // would cap the attention body at 168 registers and spill)
+static_assert(DF_THREADS == 32 * DEC_WARPS, "the consumer warps are the attention body's warps");
 #define DF_PTRS 9        // per-layer pointer row: ln1, wqkv, bqkv, wo (head-major), ln2, wgu, wd, kc, vc
 #define DF_MAXL 48       // layers: the pointer table is copied to shared memory (the tile issue must not wait
                          // for an L2 round trip: measured ~1.2 us per tile with the table in global memory)
 #define DF_SLOT 24576    // bytes per ring slot: 8 rows x 1536 bf16
 #ifndef DF_NSLOT         // (benchmark experiments may set it: VLA_CUDA_DEFINES)
-#define DF_NSLOT 7
+#define DF_NSLOT 6  // (run 4: 4 slots as fast as 7; the 7th slot's 24 KB now hold the attention staging)
 #endif
 #define DF_RING_BYTES (DF_NSLOT * DF_SLOT)
 #define DF_KMAX 1536     // hidden size and down column segment limit (8 rows x DF_KMAX bf16 = one slot)
 #define DF_NCNT 8        // counters per decode step (5 used)
 #define DF_MSPLIT 16     // split partials per thread in flight in the head merge
+#ifndef DF_STAGE_AT      // where a layer's old keys are staged during the previous layer: 0 after its attention,
+#define DF_STAGE_AT 0    // 1 after its gate/up tiles (benchmark experiments: VLA_CUDA_DEFINES)
+#endif
 
 // What the host sizes the launch by: dynamic shared memory of the ring, threads per block.
-__constant__ int df_config[2] = {DF_RING_BYTES, DF_THREADS};
+__constant__ int df_config[2] = {DF_RING_BYTES, DF_BLOCK};
 
 // ---- mbarrier + TMA bulk copy (sm_90) ----
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
@@ -76,6 +83,11 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity, int* e
         if (clock64() - t0 > 2000000000LL) { atomicExch(err, 2); return; }
     }
 }
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar, unsigned count) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// The consumer warps' barrier (named barrier 2): the producer warp never joins a block-wide barrier after the start.
+__device__ __forceinline__ void csync() { asm volatile("bar.sync 2, %0;" ::"n"(DF_THREADS) : "memory"); }
 // global -> shared bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned), completing on bar
 __device__ __forceinline__ void tma_load(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
@@ -171,8 +183,9 @@ __device__ __forceinline__ void df_issue(const DfPlan& p, const unsigned long lo
 
 #ifdef DF_TRACE
 // Benchmark builds (VLA_CUDA_DEFINES="DF_TRACE"): %globaltimer when each tile of the LAST layer was issued and when
-// its wait ended, in the first and the last block: [block 0 / last][issued, ready][tile of the layer].
-__device__ unsigned long long df_trace[2][2][64];
+// its wait ended, when thread 0's dot product of it was done and when the block left its release barrier, in the
+// first and the last block: [block 0 / last][issued, ready, dot done, released][tile of the layer].
+__device__ unsigned long long df_trace[2][4][64];
 __device__ __forceinline__ void df_trace_stamp(int kind, int k, int total, int per_layer) {
     const int i = k - (total - per_layer);
     const int row = blockIdx.x == 0 ? 0 : (blockIdx.x == gridDim.x - 1 ? 1 : -1);
@@ -186,11 +199,14 @@ __device__ __forceinline__ void df_trace_stamp(int kind, int k, int total, int p
 __device__ __forceinline__ void df_trace_stamp(int, int, int, int) {}
 #endif
 
-// The ring as seen by the consumers: wait for tile k, and after its use give the slot to tile k + DF_NSLOT.
+// The ring as seen by a consumer warp: wait for tile k; after its last read, the warp's lanes are done with the
+// slot and lane 0 arrives on its "empty" barrier (DF_WARPS arrivals per use), which the producer
+// warp waits for before it copies tile k + DF_NSLOT there. No block barrier per tile: each warp runs at its pace.
 struct DfRing {
     unsigned char* ring;
     uint64_t* full;
-    int next;   // next tile to consume
+    uint64_t* empty;
+    int next;   // next tile of the sequence
     int total;  // tiles in this launch
     int* err;
     int nl;
@@ -199,21 +215,32 @@ struct DfRing {
         if (threadIdx.x == 0) df_trace_stamp(1, next, total, total / nl);
         return ring + (size_t)(next % DF_NSLOT) * DF_SLOT;
     }
-    __device__ __forceinline__ void release(const DfPlan& p, const unsigned long long* lp) {
-        __syncthreads();  // every thread is done reading the slot
-        if (threadIdx.x == 0 && next + DF_NSLOT < total) {
-#ifndef DF_NO_PROXY_FENCE  // (run 8: the same time without it)
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before the async write
-#endif
-            df_issue(p, lp, next + DF_NSLOT, ring, full);
-            df_trace_stamp(0, next + DF_NSLOT, total, total / nl);
-        }
+    __device__ __forceinline__ void release() {
+        if (threadIdx.x == 0) df_trace_stamp(2, next, total, total / nl);
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) mbar_arrive(empty + next % DF_NSLOT, 1u);
         ++next;
     }
 };
 
+// The producer warp's loop (lane 0): every tile of the launch in sequence order, each as soon as its slot is free.
+__device__ __forceinline__ void df_produce(const DfPlan& p, const unsigned long long* sP, unsigned char* ring,
+                                           uint64_t* full, uint64_t* empty, int total, int nl, int* err) {
+    for (int k = 0; k < total; ++k) {
+        const int s = k % DF_NSLOT;
+        if (k >= DF_NSLOT) {
+            mbar_wait(empty + s, (unsigned)(k / DF_NSLOT - 1) & 1u, err);
+#ifndef DF_NO_PROXY_FENCE
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before the async write
+#endif
+        }
+        df_issue(p, sP, k, ring, full);
+        df_trace_stamp(0, k, total, total / nl);
+    }
+}
+
 __device__ __forceinline__ void df_arrive(unsigned* c) {
-    __syncthreads();  // this block's writes of the phase are done (cumulative with the release below)
+    csync();  // this block's writes of the phase are done (cumulative with the release below)
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(c), "r"(1u) : "memory");
 }
 
@@ -225,7 +252,7 @@ __device__ __forceinline__ void df_wait(const unsigned* c, unsigned target, int*
             if (clock64() - t0 > 2000000000LL) { atomicExch(err, 1); break; }
         }
     }
-    __syncthreads();
+    csync();
 }
 
 __device__ __forceinline__ void df_stamp(unsigned long long* prof, int& n) {
@@ -237,26 +264,32 @@ __device__ __forceinline__ void df_stamp(unsigned long long* prof, int& n) {
     ++n;
 }
 
+// Sum over the consumer warps; every consumer thread gets the result.
+__device__ __forceinline__ float df_block_sum(float v, float* scratch /* >= 33 floats */) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    csync();
+    if (lane == 0) scratch[warp] = v;
+    csync();
+    if (warp == 0) {
+        float t = lane < DF_WARPS ? scratch[lane] : 0.f;
+        t = warp_sum(t);
+        if (lane == 0) scratch[32] = t;
+    }
+    csync();
+    return scratch[32];
+}
+
 // sx[0..K) = v[0..K) (L2 loads, all in flight), times rsqrt(mean(v^2) + eps) * normw when normw != nullptr.
 // K <= DF_KMAX with a norm; any multiple of 4 without.
 __device__ __forceinline__ void df_load_vec(float* sx, const float* v, int K, const bf16_t* __restrict__ normw,
                                             float eps, float* red) {
     constexpr int NV = (DF_KMAX + 4 * DF_THREADS - 1) / (4 * DF_THREADS);
-    if (normw == nullptr) {
-        for (int base = 0; base < K; base += 6 * 4 * DF_THREADS) {
-            float4 a[6];
-#pragma unroll
-            for (int j = 0; j < 6; ++j) {
-                const int i = base + (threadIdx.x + j * DF_THREADS) * 4;
-                if (i < K) a[j] = __ldcg(reinterpret_cast<const float4*>(v + i));
-            }
-#pragma unroll
-            for (int j = 0; j < 6; ++j) {
-                const int i = base + (threadIdx.x + j * DF_THREADS) * 4;
-                if (i < K) *reinterpret_cast<float4*>(sx + i) = a[j];
-            }
-        }
-        __syncthreads();
+    if (normw == nullptr) {  // the act vector (8960 floats): cp.async through L2, all in flight, no registers held
+        for (int i = threadIdx.x * 4; i < K; i += DF_THREADS * 4) cp_async16(sx + i, v + i);
+        cp_async_commit();
+        cp_async_wait<0>();
+        csync();
         return;
     }
     float4 a[NV];
@@ -271,7 +304,7 @@ __device__ __forceinline__ void df_load_vec(float* sx, const float* v, int K, co
 #pragma unroll
     for (int j = 0; j < NV; ++j)
         ss = fmaf(a[j].x, a[j].x, fmaf(a[j].y, a[j].y, fmaf(a[j].z, a[j].z, fmaf(a[j].w, a[j].w, ss))));
-    const float r = rsqrtf(block_sum(ss, red) / (float)K + eps);
+    const float r = rsqrtf(df_block_sum(ss, red) / (float)K + eps);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
         const int i = (threadIdx.x + j * DF_THREADS) * 4;
@@ -279,27 +312,29 @@ __device__ __forceinline__ void df_load_vec(float* sx, const float* v, int K, co
             *reinterpret_cast<float4*>(sx + i) = make_float4(bf16_lo(w[j].x) * (a[j].x * r), bf16_hi(w[j].x) * (a[j].y * r),
                                                              bf16_lo(w[j].y) * (a[j].z * r), bf16_hi(w[j].y) * (a[j].w * r));
     }
-    __syncthreads();
+    csync();
 }
 
-// One row of klen <= DF_KMAX columns (in shared memory) against sx: the warp's sum, in every lane.
-__device__ __forceinline__ float df_dot1(const bf16_t* w, const float* sx, int klen) {
+// Two rows (w and w + stride) of klen <= DF_KMAX columns against sx (its loads shared): warp sums in every lane.
+__device__ __forceinline__ void df_dot2(const bf16_t* w, int stride, const float* sx, int klen, float& acc0,
+                                        float& acc1) {
     const int lane = threadIdx.x & 31;
-    float acc0 = 0.f, acc1 = 0.f;  // two chains: half the dependent FMA latency
+    acc0 = 0.f;
+    acc1 = 0.f;
 #pragma unroll
-    for (int u = 0; u < DF_KMAX / 256; u += 2) {
+    for (int u = 0; u < DF_KMAX / 256; ++u) {
         const int c = lane * 8 + 256 * u;
         if (c < klen) {
             const uint4 w0 = *reinterpret_cast<const uint4*>(w + c);
-            acc0 += dot8_bf16(w0, *reinterpret_cast<const float4*>(sx + c), *reinterpret_cast<const float4*>(sx + c + 4));
-        }
-        if (c + 256 < klen) {
-            const uint4 w1 = *reinterpret_cast<const uint4*>(w + c + 256);
-            acc1 += dot8_bf16(w1, *reinterpret_cast<const float4*>(sx + c + 256),
-                              *reinterpret_cast<const float4*>(sx + c + 260));
+            const uint4 w1 = *reinterpret_cast<const uint4*>(w + stride + c);
+            const float4 a = *reinterpret_cast<const float4*>(sx + c);
+            const float4 bb = *reinterpret_cast<const float4*>(sx + c + 4);
+            acc0 += dot8_bf16(w0, a, bb);
+            acc1 += dot8_bf16(w1, a, bb);
         }
     }
-    return warp_sum(acc0 + acc1);
+    acc0 = warp_sum(acc0);
+    acc1 = warp_sum(acc1);
 }
 
 // Merge head h's split partials (numerator, (max, denominator) per split, log2 domain) into so[0..HD).
@@ -336,7 +371,7 @@ __device__ __forceinline__ void df_merge_head(const float* part_o, const float2*
     }
     *reinterpret_cast<float4*>(s_num + g * HD + d) = num;
     if (d == 0) { s_m[g] = M; s_den[g] = den; }
-    __syncthreads();
+    csync();
     if (threadIdx.x < HD) {
         const int dd = threadIdx.x;
         float MM = -INFINITY;
@@ -351,7 +386,7 @@ __device__ __forceinline__ void df_merge_head(const float* part_o, const float2*
         }
         so[dd] = tn / td;
     }
-    __syncthreads();
+    csync();
 }
 
 template <int HD>
@@ -363,35 +398,40 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
     // never live at once)
     extern __shared__ __align__(128) unsigned char dsm[];
     __shared__ __align__(8) uint64_t full[DF_NSLOT];
+    __shared__ __align__(8) uint64_t empty[DF_NSLOT];
     __shared__ int sSlot[ATT_KC];
     __shared__ float2 q_cs[HD / 2];
     __shared__ __align__(16) float so[HD];
     __shared__ __align__(16) float s_num[DF_THREADS * 4];
     __shared__ float s_m[DF_THREADS / (HD / 4)], s_den[DF_THREADS / (HD / 4)];
     __shared__ float red[33];
-    __shared__ float sres[2][DF_WARPS];  // the rows of the last two tiles, for their epilogue (warp 1)
-    if (blockDim.x != DF_THREADS || nl > DF_MAXL) {  // a launch this kernel cannot run: flag, do nothing
+    if (blockDim.x != DF_BLOCK || nl > DF_MAXL) {  // a launch this kernel cannot run: flag, do nothing
         if (threadIdx.x == 0) atomicExch(err, 3);
         return;
     }
     unsigned char* vec = dsm + DF_RING_BYTES;
     float* sx = reinterpret_cast<float*>(vec);
+    // the attention's staging buffer after the vector area, so that the old keys of a layer are staged before
+    // its QKV phase, under the wait for x (host: the same sizes)
+    unsigned char* stg = vec + ((size_t)max(I, H) * 4 + 127) / 128 * 128;
     const DfPlan p = df_plan(H, I, Hq, HD, n_kvh);
-    DfRing ring{dsm, full, 0, nl * p.per_layer, err, nl};
+    DfRing ring{dsm, full, empty, 0, nl * p.per_layer, err, nl};
     __shared__ unsigned long long sP[DF_MAXL * DF_PTRS];  // the layer pointer table (read by every tile issue)
-    for (int i = threadIdx.x; i < nl * DF_PTRS; i += DF_THREADS) sP[i] = lp_g[i];
+    for (int i = threadIdx.x; i < nl * DF_PTRS; i += DF_BLOCK) sP[i] = lp_g[i];
     int nprof = 0;
     df_stamp(prof, nprof);
     if (threadIdx.x == 0) {
-        for (int s = 0; s < DF_NSLOT; ++s) mbar_init(full + s, 1);
+        for (int s = 0; s < DF_NSLOT; ++s) {
+            mbar_init(full + s, 1);
+            mbar_init(empty + s, DF_WARPS);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
-    if (threadIdx.x == 0)  // weights never depend on activations: the first tiles fly before anything else
-        for (int k = 0; k < DF_NSLOT && k < ring.total; ++k) {
-            df_issue(p, sP, k, dsm, full);
-            df_trace_stamp(0, k, ring.total, p.per_layer);
-        }
+    __syncthreads();  // the last barrier of the whole block: from here the producer warp runs on its own
+    if (threadIdx.x >= DF_THREADS) {  // weights never depend on activations: the stream starts at once
+        if (threadIdx.x == DF_THREADS) df_produce(p, sP, dsm, full, empty, ring.total, nl, err);
+        return;
+    }
     const int L = meta[3] + step;  // keys seen by this token, itself included
     const int nsplit = (L + kps - 1) / kps;
     const int new_slot = key_slots[L - 1];
@@ -399,16 +439,23 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
     for (int d = threadIdx.x; d < HD / 2; d += DF_THREADS) q_cs[d] = rope_cs[(size_t)(L - 1) * (HD / 2) + d];
     const bool prestage = kps == ATT_KC && nsplit * n_kvh <= p.NB;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // The tiles' epilogues (bias, stores, atomics) run in warp 1, so that thread 0, which issues the tile copies
-    // after a proxy fence, has no global memory operation of its own in flight (trace, session 8: ~1 us per tile
-    // with the epilogue in thread 0)
-    const int ep = (int)threadIdx.x - 32;
     const unsigned NB = (unsigned)p.NB;
+    // keys [kbeg, L - 1) of this block's split (all but this token's, whose K/V come out of the QKV phase)
+    auto stage_old = [&](const bf16_t* kcl, const bf16_t* vcl) {
+        if (prestage && p.b < nsplit * n_kvh) {
+            const int bx = p.b % nsplit, kvh = p.b / nsplit;
+            stage_kv_chunk<HD, true, true>(reinterpret_cast<bf16_t*>(stg), reinterpret_cast<bf16_t*>(stg) + ATT_KC * (HD + 8),
+                                     sSlot, kcl, vcl, key_slots, rope_cs, kvh, nkv, bx * kps, min(L - 1, bx * kps + kps),
+                                     min(L, bx * kps + kps));
+        }
+    };
 #pragma unroll 1
     for (int l = 0; l < nl; ++l) {
         const unsigned long long* P = sP + (size_t)l * DF_PTRS;
         const bf16_t* kc = reinterpret_cast<const bf16_t*>(P[7]);
         const bf16_t* vc = reinterpret_cast<const bf16_t*>(P[8]);
+        // (this layer's keys older than this token were staged before: at the start, or during the previous layer)
+        if (l == 0) stage_old(kc, vc);
         // ---- QKV ----
         if (l == 0) pdl_wait();  // the token's x comes from the embedding kernel
         else df_wait(cnt + 4, NB * l, err);
@@ -420,13 +467,13 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
             bf16_t* vw = reinterpret_cast<bf16_t*>(P[8]);
 #pragma unroll 1
             for (int i = 0; i < p.nQ; ++i) {
-                const int n = (p.b + i * p.NB) * 8 + ep;  // epilogue threads ep < 8: the tile's rows
-                const float bv = ep >= 0 && ep < 8 ? bias[n] : 0.f;
-                const float a = df_dot1(reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)warp * H, sx, H);
-                if (lane == 0) sres[i & 1][warp] = a;
-                ring.release(p, sP);
-                if (ep >= 0 && ep < 8) {
-                    const float y = sres[i & 1][ep] + bv;
+                const int n = (p.b + i * p.NB) * 8 + 2 * warp + lane;  // lanes 0, 1: the warp's two rows
+                const float bv = lane < 2 ? bias[n] : 0.f;
+                float a0, a1;
+                df_dot2(reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)2 * warp * H, H, sx, H, a0, a1);
+                ring.release();
+                if (lane < 2) {
+                    const float y = (lane == 0 ? a0 : a1) + bv;
                     if (n < nq) qv[n] = y;
                     else if (n < nq + nkv) kw[(size_t)new_slot * nkv + (n - nq)] = f32_to_bf16(y);
                     else vw[(size_t)new_slot * nkv + (n - nq - nkv)] = f32_to_bf16(y);
@@ -434,23 +481,20 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
             }
         }
         df_arrive(cnt + 0);
-        // ---- attention partials (staging of the old keys before the wait) ----
-        if (prestage && p.b < nsplit * n_kvh && threadIdx.x < DF_ATT_THREADS) {
-            const int bx = p.b % nsplit, kvh = p.b / nsplit;
-            stage_kv_chunk<HD, true>(reinterpret_cast<bf16_t*>(vec), reinterpret_cast<bf16_t*>(vec) + ATT_KC * (HD + 8),
-                                     sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, bx * kps, min(L - 1, bx * kps + kps),
-                                     min(L, bx * kps + kps));
-        }
+        // ---- attention partials ----
         df_wait(cnt + 0, NB * (l + 1), err);
         df_stamp(prof, nprof);
 #pragma unroll 1
-        for (int vb = p.b; vb < nsplit * n_kvh && threadIdx.x < DF_ATT_THREADS; vb += p.NB) {
+        for (int vb = p.b; vb < nsplit * n_kvh; vb += p.NB) {
             if (!prestage) ATT_SYNC();  // the staging buffer of the previous virtual block is consumed
             attn_decode_mma_body<HD, false, true>(qv, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale,
-                                                  part_o, part_ml, vec, sSlot, vb % nsplit, vb / nsplit, q_cs,
+                                                  part_o, part_ml, stg, sSlot, vb % nsplit, vb / nsplit, q_cs,
                                                   prestage ? L - 1 : -1);
         }
         df_arrive(cnt + 1);
+        // the next layer's old keys: the staging buffer is free now, and the wait below is idle time
+        if (DF_STAGE_AT == 0 && l + 1 < nl)
+            stage_old(reinterpret_cast<const bf16_t*>(P[DF_PTRS + 7]), reinterpret_cast<const bf16_t*>(P[DF_PTRS + 8]));
         // ---- merge head o_head + o_proj rows [o_r0, o_r1) of that head ----
         if (p.nO > 0) {
             df_wait(cnt + 1, NB * (l + 1), err);
@@ -464,14 +508,27 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
             for (int i = 0; i < p.nO; ++i) {
                 const int r0 = p.o_r0 + i * p.o_rows_per_tile, n = min(p.o_rows_per_tile, p.o_r1 - r0);
                 const bf16_t* w = reinterpret_cast<const bf16_t*>(ring.acquire());
-                for (int rr = warp * RPW; rr < n; rr += DF_WARPS * RPW) {
-                    const int r = rr + lane / LPR;
-                    float v = r < n ? dot8_bf16(*reinterpret_cast<const uint4*>(w + (size_t)r * HD + c), a, bb) : 0.f;
+                constexpr int STEP = DF_WARPS * RPW, NQ = 4;  // four rows per lane group at once: their loads and
+                                                              // shuffle reductions overlap (run 11: 1.5 us per tile)
+                for (int rr = warp * RPW; rr < n; rr += NQ * STEP) {
+                    float v[NQ];
 #pragma unroll
-                    for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-                    if (r < n && lane % LPR == 0) atomicAdd(x + r0 + r, v);
+                    for (int q = 0; q < NQ; ++q) {
+                        const int r = rr + q * STEP + lane / LPR;
+                        v[q] = r < n ? dot8_bf16(*reinterpret_cast<const uint4*>(w + (size_t)r * HD + c), a, bb) : 0.f;
+                    }
+#pragma unroll
+                    for (int o = LPR / 2; o > 0; o >>= 1)
+#pragma unroll
+                        for (int q = 0; q < NQ; ++q) v[q] += __shfl_xor_sync(0xffffffffu, v[q], o);
+                    if (lane % LPR == 0)
+#pragma unroll
+                        for (int q = 0; q < NQ; ++q) {
+                            const int r = rr + q * STEP + lane / LPR;
+                            if (r < n) atomicAdd(x + r0 + r, v[q]);
+                        }
                 }
-                ring.release(p, sP);
+                ring.release();
             }
         } else {
             df_stamp(prof, nprof);
@@ -483,12 +540,15 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
         df_load_vec(sx, x, H, reinterpret_cast<const bf16_t*>(P[4]), eps, red);
 #pragma unroll 1
         for (int i = 0; i < p.nG; ++i) {  // tile rows: gate of outputs o0 .. o0 + 3, then their up rows
-            const float a = df_dot1(reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)warp * H, sx, H);
-            if (lane == 0) sres[i & 1][warp] = a;
-            ring.release(p, sP);
-            if (ep >= 0 && ep < 4) act[4 * (p.b + i * p.NB) + ep] = silu(sres[i & 1][ep]) * sres[i & 1][ep + 4];
+            // warp w: the gate and up rows of output o0 + w
+            float g, u;
+            df_dot2(reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)warp * H, 4 * H, sx, H, g, u);
+            ring.release();
+            if (lane == 0) act[4 * (p.b + i * p.NB) + warp] = silu(g) * u;
         }
         df_arrive(cnt + 3);
+        if (DF_STAGE_AT == 1 && l + 1 < nl)
+            stage_old(reinterpret_cast<const bf16_t*>(P[DF_PTRS + 7]), reinterpret_cast<const bf16_t*>(P[DF_PTRS + 8]));
         // ---- down + residual ----
         df_wait(cnt + 3, NB * (l + 1), err);
         df_stamp(prof, nprof);
@@ -497,10 +557,10 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
         for (int i = 0; i < p.nD; ++i) {
             const int t = p.b + i * p.NB, rg = t / p.nseg, seg = t - rg * p.nseg;
             const int c0 = seg * DF_KMAX, klen = min(DF_KMAX, I - c0);
-            const float a = df_dot1(reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)warp * klen, sx + c0, klen);
-            if (lane == 0) sres[i & 1][warp] = a;
-            ring.release(p, sP);
-            if (ep >= 0 && ep < 8) atomicAdd(x + rg * 8 + ep, sres[i & 1][ep]);
+            float a0, a1;
+            df_dot2(reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)2 * warp * klen, klen, sx + c0, klen, a0, a1);
+            ring.release();
+            if (lane < 2) atomicAdd(x + rg * 8 + 2 * warp + lane, lane == 0 ? a0 : a1);
         }
         df_arrive(cnt + 4);
     }
@@ -514,8 +574,8 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
 #define DF_ARGS lp, nl, x, qv, part_o, part_ml, act, key_slots, meta, step, rope_cs, H, I, Hq, n_kvh, eps, qscale, \
     kps, cnt, err, prof
 
-extern "C" __global__ void __launch_bounds__(DF_THREADS, 1) decode_df_hd128(DF_PARAMS) { decode_df_body<128>(DF_ARGS); }
-extern "C" __global__ void __launch_bounds__(DF_THREADS, 1) decode_df_hd64(DF_PARAMS) { decode_df_body<64>(DF_ARGS); }
+extern "C" __global__ void __launch_bounds__(DF_BLOCK, 1) decode_df_hd128(DF_PARAMS) { decode_df_body<128>(DF_ARGS); }
+extern "C" __global__ void __launch_bounds__(DF_BLOCK, 1) decode_df_hd64(DF_PARAMS) { decode_df_body<64>(DF_ARGS); }
 
 // W_o [H rows][Hq * HD] -> head-major [Hq][H][HD], so that one head's rows are one contiguous TMA tile.
 extern "C" __global__ void df_wo_head_major(const bf16_t* __restrict__ wo, bf16_t* __restrict__ out, int H, int Hq,

@@ -626,11 +626,14 @@ def print_report(res: dict) -> None:
                 print(f"  {k:10s} {v:6.1%}  {v * step_ms * 1e3 / res['geometry_layers']:7.2f} us")
         tr = o.get("dataflow_tile_trace_us")
         if tr:
+            nan = float("nan")
             for b, who in enumerate(("block 0", "last block")):
-                rows = [(i, a, r) for i, (a, r) in enumerate(zip(tr[b][0], tr[b][1])) if a is not None or r is not None]
-                print(f"\ndataflow tile trace, {who}, last layer (us: issued, ready, ready - issued):")
-                print("  " + "  ".join(f"{i}:{a if a is not None else float('nan'):.1f}/{r if r is not None else float('nan'):.1f}"
-                                       for i, a, r in rows))
+                print(f"\ndataflow tile trace, {who}, last layer (us after the first stamp): tile issued ready "
+                      "dot-done released")
+                for i in range(len(tr[b][0])):
+                    v = [tr[b][k][i] for k in range(len(tr[b]))]
+                    if any(x is not None for x in v):
+                        print(f"  {i:3d} " + " ".join(f"{x if x is not None else nan:7.2f}" for x in v))
         dfp = o.get("dataflow_phase_us") or {}
         if dfp:
             if "error" in dfp:

@@ -765,9 +765,9 @@ class CudaEngine(Engine):
                  f"{smem} B shared")
 
     def _plan_dataflow(self) -> None:
-        """The dataflow decode kernel (cuda/decode_dataflow.cu): one 128-thread block per SM, all resident (its
-        counter waits spin); dynamic shared memory = the TMA weight ring + one vector area (the larger of the
-        attention staging buffer and the act vector). Its W_o is a head-major copy (one head's rows are one
+        """The dataflow decode kernel (cuda/decode_dataflow.cu): one block per SM (4 consumer warps + a producer
+        warp), all resident (its counter waits spin); dynamic shared memory = the TMA weight ring + one vector area
+        (x or act) + the attention staging buffer. Its W_o is a head-major copy (one head's rows are one
         contiguous TMA tile), made on the GPU the first time the kernel is selected."""
         cuda = self._cuda
         HD, H, I = self.HD, self.H, self.I
@@ -776,7 +776,7 @@ class CudaEngine(Engine):
         n_sm = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
         attn_bytes = max((64 * (HD + 8) + HD * (64 + 8)) * 2, (4 * 8 * HD + 2 * 4 * 8) * 4)  # attn_core.cuh
         ring_bytes, threads = self._df_config()
-        smem = ring_bytes + max(attn_bytes, 4 * I, 4 * H)
+        smem = ring_bytes + (4 * max(I, H) + 127) // 128 * 128 + attn_bytes  # ring, vector area, attention staging
         optin = dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         why = None
         if self.pdl_launcher is None or name not in self.kx:
@@ -788,8 +788,9 @@ class CudaEngine(Engine):
             why = f"{n_sm} SMs < {self.Hq} query heads"
         elif self.nlayers > DF_MAXL:
             why = f"{self.nlayers} layers > {DF_MAXL}"
-        elif smem + 4096 > optin:
-            why = f"{smem} B of shared memory per block > {optin - 4096}"
+        elif name in self.k and smem + self.k[name].get_attribute(
+                cuda.function_attribute.SHARED_SIZE_BYTES) > optin:
+            why = f"{smem} B of dynamic shared memory + the kernel's static shared memory > {optin} per block"
         if why:
             raise EngineError(f"dataflow decode unavailable: {why}")
         fx = self.kx[name]
@@ -815,7 +816,8 @@ class CudaEngine(Engine):
 
     def dataflow_tile_trace(self) -> np.ndarray | None:
         """Benchmark builds with VLA_CUDA_DEFINES="DF_TRACE": the last dataflow decode step's tile stamps of its last
-        layer, us relative to the first issue: [first / last block][issued, ready][tile]; None otherwise."""
+        layer, us relative to the first stamp: [first / last block][issued, ready, dot done, released][tile]; None
+        otherwise."""
         if "DF_TRACE" not in " ".join(self.extra_defines):
             return None
         xmod = self.xmods.get("decode_dataflow.cu")
@@ -823,7 +825,7 @@ class CudaEngine(Engine):
             ptr, _ = self.pdl_launcher.global_ptr(xmod, "df_trace")
         else:
             ptr, _ = self.modules["decode_dataflow.cu"].get_global("df_trace")
-        tr = np.zeros((2, 2, 64), np.uint64)
+        tr = np.zeros((2, 4, 64), np.uint64)
         self._cuda.memcpy_dtoh(tr, ptr)
         t = tr.astype(np.float64)
         base = t[t > 0].min() if (t > 0).any() else 0.0
