@@ -231,7 +231,8 @@ DEFAULT_TUNING = {
                                  # on the H200 (16.3 vs 11.6 ms/chunk at ea7c250: docs/KERNEL_NOTES.md v5);
                                  # "dataflow": one launch per decode token, one block per SM, one TMA weight
                                  # ring per block running ahead across phases, counters instead of barriers
-                                 # (cuda/decode_dataflow.cu; docs/KERNEL_NOTES.md session 8)
+                                 # (cuda/decode_dataflow.cu), measured 11.82 vs 11.09 ms/chunk for the
+                                 # layered kernels (docs/KERNEL_NOTES.md session 8, run 15)
     "pd_blocks_per_sm": 0,  # persistent grid: blocks per SM (0 = as many as fit, from the occupancy API)
     "pd_grid": 0,  # test hook only: force the persistent grid size (a grid that is not resident must be flagged)
     "pd_profile": False,  # benchmark only: the persistent kernel stamps clock64 at every phase boundary
@@ -816,8 +817,8 @@ class CudaEngine(Engine):
 
     def dataflow_tile_trace(self) -> np.ndarray | None:
         """Benchmark builds with VLA_CUDA_DEFINES="DF_TRACE": the last dataflow decode step's tile stamps of its last
-        layer, us relative to the first stamp: [first / last block][issued, ready, dot done, released][tile]; None
-        otherwise."""
+        layer, us relative to the first stamp: [first / last block][issued, wait ended, dot done, (unused)][tile];
+        None otherwise."""
         if "DF_TRACE" not in " ".join(self.extra_defines):
             return None
         xmod = self.xmods.get("decode_dataflow.cu")
@@ -1218,12 +1219,14 @@ class CudaEngine(Engine):
             self.host_profile_ms = {k: 1e3 * (b - a) for k, a, b in
                                     zip(("admit", "inputs", "launch", "wait"), t[:-1], t[1:])}
             if self.persistent and self.h_pd_err[0]:
+                code, kind = int(self.h_pd_err[0]), self.tuning["decode_kernel"]
                 cuda.memset_d32(self.pd_err, 0, 1)
                 self.h_pd_err[0] = 0
                 self.needs_reset = True
-                kind = self.tuning["decode_kernel"]
-                raise EngineError(f"chunk {frame_id}: a grid barrier / phase counter of the {kind} decode kernel "
-                                  "timed out (grid not resident); the chunk's tokens are invalid")
+                why = {2: "a weight tile never landed", 3: "the launch does not match the kernel (threads, layers)"}
+                raise EngineError(f"chunk {frame_id}: the {kind} decode kernel flagged the chunk (code {code}: "
+                                  f"{why.get(code, 'a grid barrier / phase counter timed out: grid not resident')}); "
+                                  "the chunk's tokens are invalid")
             prefill_ms = self.ev[1].time_since(self.ev[0])
             decode_ms = self.ev[2].time_since(self.ev[1])
         return adm, self.h_tok.astype(np.int64), prefill_ms, decode_ms
@@ -1377,8 +1380,9 @@ class CudaEngine(Engine):
 
     def dataflow_phase_profile(self, run_chunk: Callable[[], Any], chunks: int = 10) -> dict[str, float]:
         """Microseconds per layer of each phase of the dataflow decode kernel as block 0 sees it (%globaltimer
-        after each counter wait: "qkv" runs from x ready to q/K/V ready in every block, i.e. block 0's QKV tiles,
-        its attention staging and the slowest block's QKV), averaged over the layers of the last decode step of
+        after each counter wait: "qkv" runs from x ready to q/K/V ready in every block, i.e. block 0's QKV tiles and
+        the slowest block's QKV; "attn" includes the staging of the next layer's old keys), averaged over the
+        layers of the last decode step of
         ``chunks`` chunks run by ``run_chunk()``. "start": kernel start to x ready. Benchmark only: switches to
         the dataflow kernel for the measurement and back."""
         prev = self.tuning["decode_kernel"]
