@@ -48,26 +48,57 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Two bf16 rows r0, r1 of klen <= KMAX columns (shared memory, 16-byte aligned) against the fp32 vector sx (shared
+// memory; its loads shared by both rows), lane l taking columns 8l + 256u: warp sums in every lane.
+template <int KMAX>
+__device__ __forceinline__ void dot2_rows_smem(const bf16_t* r0, const bf16_t* r1, const float* sx, int klen,
+                                               float& acc0, float& acc1) {
+    const int lane = threadIdx.x & 31;
+    acc0 = 0.f;
+    acc1 = 0.f;
+#pragma unroll
+    for (int u = 0; u < KMAX / 256; ++u) {
+        const int c = lane * 8 + 256 * u;
+        if (c < klen) {
+            const uint4 w0 = *reinterpret_cast<const uint4*>(r0 + c);
+            const uint4 w1 = *reinterpret_cast<const uint4*>(r1 + c);
+            const float4 a = *reinterpret_cast<const float4*>(sx + c);
+            const float4 b = *reinterpret_cast<const float4*>(sx + c + 4);
+            acc0 += dot8_bf16(w0, a, b);
+            acc1 += dot8_bf16(w1, a, b);
+        }
+    }
+    acc0 = warp_sum(acc0);
+    acc1 = warp_sum(acc1);
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
-__device__ __forceinline__ float block_sum(float v, float* scratch /* >= 33 floats */) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+// Sum over the nw warps that call it (threads 0 .. 32 nw - 1), synchronised by sync(); every one of them gets the
+// result.
+template <typename Sync>
+__device__ __forceinline__ float warps_sum(float v, float* scratch /* >= 33 floats */, int nw, Sync sync) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = warp_sum(v);
-    __syncthreads();
+    sync();
     if (lane == 0) scratch[warp] = v;
-    __syncthreads();
+    sync();
     if (warp == 0) {
         float t = lane < nw ? scratch[lane] : 0.f;
         t = warp_sum(t);
         if (lane == 0) scratch[32] = t;
     }
-    __syncthreads();
+    sync();
     return scratch[32];
+}
+
+// Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch /* >= 33 floats */) {
+    return warps_sum(v, scratch, blockDim.x >> 5, [] { __syncthreads(); });
 }
 
 // D = A(16x16 bf16, row) * B(16x8 bf16, col) + D, fp32 accumulate (sm_80+ tensor cores).

@@ -183,9 +183,9 @@ __device__ __forceinline__ void df_issue(const DfPlan& p, const unsigned long lo
 
 #ifdef DF_TRACE
 // Benchmark builds (VLA_CUDA_DEFINES="DF_TRACE"): %globaltimer when each tile of the LAST layer was issued and when
-// its wait ended, when thread 0's dot product of it was done and when the block left its release barrier, in the
-// first and the last block: [block 0 / last][issued, ready, dot done, released][tile of the layer].
-__device__ unsigned long long df_trace[2][4][64];
+// its wait ended and when thread 0's dot product of it was done, in the first and the last block:
+// [block 0 / last][issued, ready, dot done][tile of the layer].
+__device__ unsigned long long df_trace[2][3][64];
 __device__ __forceinline__ void df_trace_stamp(int kind, int k, int total, int per_layer) {
     const int i = k - (total - per_layer);
     const int row = blockIdx.x == 0 ? 0 : (blockIdx.x == gridDim.x - 1 ? 1 : -1);
@@ -264,22 +264,6 @@ __device__ __forceinline__ void df_stamp(unsigned long long* prof, int& n) {
     ++n;
 }
 
-// Sum over the consumer warps; every consumer thread gets the result.
-__device__ __forceinline__ float df_block_sum(float v, float* scratch /* >= 33 floats */) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    csync();
-    if (lane == 0) scratch[warp] = v;
-    csync();
-    if (warp == 0) {
-        float t = lane < DF_WARPS ? scratch[lane] : 0.f;
-        t = warp_sum(t);
-        if (lane == 0) scratch[32] = t;
-    }
-    csync();
-    return scratch[32];
-}
-
 // sx[0..K) = v[0..K) (L2 loads, all in flight), times rsqrt(mean(v^2) + eps) * normw when normw != nullptr.
 // K <= DF_KMAX with a norm; any multiple of 4 without.
 __device__ __forceinline__ void df_load_vec(float* sx, const float* v, int K, const bf16_t* __restrict__ normw,
@@ -304,7 +288,7 @@ __device__ __forceinline__ void df_load_vec(float* sx, const float* v, int K, co
 #pragma unroll
     for (int j = 0; j < NV; ++j)
         ss = fmaf(a[j].x, a[j].x, fmaf(a[j].y, a[j].y, fmaf(a[j].z, a[j].z, fmaf(a[j].w, a[j].w, ss))));
-    const float r = rsqrtf(df_block_sum(ss, red) / (float)K + eps);
+    const float r = rsqrtf(warps_sum(ss, red, DF_WARPS, csync) / (float)K + eps);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
         const int i = (threadIdx.x + j * DF_THREADS) * 4;
@@ -313,28 +297,6 @@ __device__ __forceinline__ void df_load_vec(float* sx, const float* v, int K, co
                                                              bf16_lo(w[j].y) * (a[j].z * r), bf16_hi(w[j].y) * (a[j].w * r));
     }
     csync();
-}
-
-// Two rows (w and w + stride) of klen <= DF_KMAX columns against sx (its loads shared): warp sums in every lane.
-__device__ __forceinline__ void df_dot2(const bf16_t* w, int stride, const float* sx, int klen, float& acc0,
-                                        float& acc1) {
-    const int lane = threadIdx.x & 31;
-    acc0 = 0.f;
-    acc1 = 0.f;
-#pragma unroll
-    for (int u = 0; u < DF_KMAX / 256; ++u) {
-        const int c = lane * 8 + 256 * u;
-        if (c < klen) {
-            const uint4 w0 = *reinterpret_cast<const uint4*>(w + c);
-            const uint4 w1 = *reinterpret_cast<const uint4*>(w + stride + c);
-            const float4 a = *reinterpret_cast<const float4*>(sx + c);
-            const float4 bb = *reinterpret_cast<const float4*>(sx + c + 4);
-            acc0 += dot8_bf16(w0, a, bb);
-            acc1 += dot8_bf16(w1, a, bb);
-        }
-    }
-    acc0 = warp_sum(acc0);
-    acc1 = warp_sum(acc1);
 }
 
 // Merge head h's split partials (numerator, (max, denominator) per split, log2 domain) into so[0..HD).
@@ -470,7 +432,8 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
                 const int n = (p.b + i * p.NB) * 8 + 2 * warp + lane;  // lanes 0, 1: the warp's two rows
                 const float bv = lane < 2 ? bias[n] : 0.f;
                 float a0, a1;
-                df_dot2(reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)2 * warp * H, H, sx, H, a0, a1);
+                const bf16_t* w = reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)2 * warp * H;
+                dot2_rows_smem<DF_KMAX>(w, w + H, sx, H, a0, a1);
                 ring.release();
                 if (lane < 2) {
                     const float y = (lane == 0 ? a0 : a1) + bv;
@@ -542,7 +505,8 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
         for (int i = 0; i < p.nG; ++i) {  // tile rows: gate of outputs o0 .. o0 + 3, then their up rows
             // warp w: the gate and up rows of output o0 + w
             float g, u;
-            df_dot2(reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)warp * H, 4 * H, sx, H, g, u);
+            const bf16_t* w = reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)warp * H;
+            dot2_rows_smem<DF_KMAX>(w, w + (size_t)4 * H, sx, H, g, u);
             ring.release();
             if (lane == 0) act[4 * (p.b + i * p.NB) + warp] = silu(g) * u;
         }
@@ -558,7 +522,8 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
             const int t = p.b + i * p.NB, rg = t / p.nseg, seg = t - rg * p.nseg;
             const int c0 = seg * DF_KMAX, klen = min(DF_KMAX, I - c0);
             float a0, a1;
-            df_dot2(reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)2 * warp * klen, klen, sx + c0, klen, a0, a1);
+            const bf16_t* w = reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)2 * warp * klen;
+            dot2_rows_smem<DF_KMAX>(w, w + klen, sx + c0, klen, a0, a1);
             ring.release();
             if (lane < 2) atomicAdd(x + rg * 8 + 2 * warp + lane, lane == 0 ? a0 : a1);
         }

@@ -190,21 +190,8 @@ __device__ __forceinline__ void pd_consume(const PdGemv& g, int it, int seg, con
     const int klen = min(PD_SEG, g.K - seg * PD_SEG);
     const int n = 2 * it + lane;
     const float bias = MODE == PD_QKV && lane < 2 && n < g.N ? g.bias[n] : 0.f;  // in flight during the dot
-    float acc0 = 0.f, acc1 = 0.f;
-#pragma unroll
-    for (int u = 0; u < PD_SEG / 256; ++u) {
-        const int c = lane * 8 + 256 * u;
-        if (c < klen) {
-            const uint4 w0 = *reinterpret_cast<const uint4*>(slot + c);
-            const uint4 w1 = *reinterpret_cast<const uint4*>(slot + PD_SEG + c);
-            const float4 a = *reinterpret_cast<const float4*>(sx + c);
-            const float4 b = *reinterpret_cast<const float4*>(sx + c + 4);
-            acc0 += dot8_bf16(w0, a, b);
-            acc1 += dot8_bf16(w1, a, b);
-        }
-    }
-    acc0 = warp_sum(acc0);
-    acc1 = warp_sum(acc1);
+    float acc0, acc1;
+    dot2_rows_smem<PD_SEG>(slot, slot + PD_SEG, sx, klen, acc0, acc1);
     if (MODE == PD_GATEUP) {
         if (lane == 0) g.out[it] = silu(acc0) * acc1;
     } else if (MODE == PD_QKV) {

@@ -629,7 +629,7 @@ def print_report(res: dict) -> None:
             nan = float("nan")
             for b, who in enumerate(("block 0", "last block")):
                 print(f"\ndataflow tile trace, {who}, last layer (us after the first stamp): tile issued ready "
-                      "dot-done released")
+                      "dot-done")
                 for i in range(len(tr[b][0])):
                     v = [tr[b][k][i] for k in range(len(tr[b]))]
                     if any(x is not None for x in v):

@@ -789,8 +789,7 @@ class CudaEngine(Engine):
             why = f"{n_sm} SMs < {self.Hq} query heads"
         elif self.nlayers > DF_MAXL:
             why = f"{self.nlayers} layers > {DF_MAXL}"
-        elif name in self.k and smem + self.k[name].get_attribute(
-                cuda.function_attribute.SHARED_SIZE_BYTES) > optin:
+        elif smem + self.k[name].get_attribute(cuda.function_attribute.SHARED_SIZE_BYTES) > optin:
             why = f"{smem} B of dynamic shared memory + the kernel's static shared memory > {optin} per block"
         if why:
             raise EngineError(f"dataflow decode unavailable: {why}")
@@ -817,8 +816,8 @@ class CudaEngine(Engine):
 
     def dataflow_tile_trace(self) -> np.ndarray | None:
         """Benchmark builds with VLA_CUDA_DEFINES="DF_TRACE": the last dataflow decode step's tile stamps of its last
-        layer, us relative to the first stamp: [first / last block][issued, wait ended, dot done, (unused)][tile];
-        None otherwise."""
+        layer, us relative to the first stamp: [first / last block][issued, wait ended, dot done][tile]; None
+        otherwise."""
         if "DF_TRACE" not in " ".join(self.extra_defines):
             return None
         xmod = self.xmods.get("decode_dataflow.cu")
@@ -826,7 +825,7 @@ class CudaEngine(Engine):
             ptr, _ = self.pdl_launcher.global_ptr(xmod, "df_trace")
         else:
             ptr, _ = self.modules["decode_dataflow.cu"].get_global("df_trace")
-        tr = np.zeros((2, 4, 64), np.uint64)
+        tr = np.zeros((2, 3, 64), np.uint64)
         self._cuda.memcpy_dtoh(tr, ptr)
         t = tr.astype(np.float64)
         base = t[t > 0].min() if (t > 0).any() else 0.0
