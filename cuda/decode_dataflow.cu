@@ -21,14 +21,16 @@
 // Phases of layer l in block b (NB = gridDim.x blocks, one per SM, all resident; 4 consumer warps + 1 producer):
 //   QKV    tiles of 8 rows (2 per warp): rmsnorm(x) . Wqkv + b -> q (fp32, pre-RoPE), this token's K/V -> cache
 //   attn   split (b % nsplit) of KV head (b / nsplit): attn_core.cuh's tensor-core body on keys older than this
-//          token staged into their own buffer during the previous layer (after its attention; layer 0: at the
-//          start), only this token's keys after qkv_done; partials per (split, head)
+//          token copied raw by cp.async after the previous layer's attention (layer 0: at the start) and rotated /
+//          transposed in shared memory before this layer's QKV, only this token's keys after qkv_done; partials per
+//          (split, head)
 //   o      head h = b / R, rows [r0, r1) (R = NB / Hq row ranges per head): merge head h's split partials, then
 //          x[r] += Wo[r, h*HD : (h+1)*HD] . attn_h (atomics; W_o re-laid head-major by df_wo_head_major)
 //   gate/up tiles of 4 outputs (4 gate rows + 4 up rows): act = silu(g) * u of rmsnorm(x)
 //   down   tiles of 8 rows x one 1536-column segment: x[r] += Wd[r, seg] . act[seg] (atomics)
 // Data written by other blocks in this launch (x, q, K/V, partials, act) is read with ld.global.cg (L2).
-// A counter wait longer than ~1 s (a grid that is not resident) sets *err and goes on: a flagged chunk, no hang.
+// A counter wait longer than ~1 s (a grid that is not resident) sets *err and goes on: a flagged chunk, no hang
+// (the first check that fires names the cause; see mbar_wait).
 #include "common.cuh"
 // The attention body (attn_core.cuh) is written for DEC_WARPS = 4 warps: the 4 consumer warps run it, synchronised
 // by named barrier 1 (the producer warp never joins a barrier after the start).
@@ -52,8 +54,8 @@ static_assert(DF_THREADS == 32 * DEC_WARPS, "the consumer warps are the attentio
 #define DF_KMAX 1536     // hidden size and down column segment limit (8 rows x DF_KMAX bf16 = one slot)
 #define DF_NCNT 8        // counters per decode step (5 used)
 #define DF_MSPLIT 16     // split partials per thread in flight in the head merge
-#ifndef DF_STAGE_AT      // where a layer's old keys are staged during the previous layer: 0 after its attention,
-#define DF_STAGE_AT 0    // 1 after its gate/up tiles (benchmark experiments: VLA_CUDA_DEFINES)
+#ifndef DF_FINISH_AT     // where a layer's staged old keys are rotated / transposed: 0 under the wait for the other
+#define DF_FINISH_AT 1   // blocks' QKV tiles, 1 under the wait for their down tiles of the previous layer
 #endif
 
 // What the host sizes the launch by: dynamic shared memory of the ring, threads per block.
@@ -75,14 +77,28 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, unsigned parity) {
         "selp.u32 %0, 1, 0, p;\n}" : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
     return ok != 0;
 }
-// Wait for the phase of `parity`; a wait of ~1 s (a tile that never lands: a bug) sets *err and gives up.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity, int* err) {
-    if (mbar_try_wait(bar, parity)) return;
+// Wait for the phase of `parity`; false: gave up. A wait longer than `limit` clocks sets *err to `code` unless an
+// earlier check set it first (the first cause is the one reported); a wait that finds *err set gives up too. *err
+// is looked at only every ~0.5 ms of waiting: a global load in every poll delays each tile by its round trip (run 5
+// of session 9: +0.4 ms per chunk).
+__device__ __forceinline__ bool mbar_wait(uint64_t* bar, unsigned parity, int* err, long long limit, int code) {
+    if (mbar_try_wait(bar, parity)) return true;
     const long long t0 = clock64();
+    long long check = 1LL << 20;
     while (!mbar_try_wait(bar, parity)) {
-        if (clock64() - t0 > 2000000000LL) { atomicExch(err, 2); return; }
+        const long long dt = clock64() - t0;
+        if (dt > check) {
+            if (*reinterpret_cast<volatile int*>(err) != 0) return false;
+            if (dt > limit) { atomicCAS(err, 0, code); return false; }
+            check += 1LL << 20;
+        }
     }
+    return true;
 }
+// ~1 s at H200 clocks: a consumer's wait for a tile (code 2: a tile never landed) or for a phase counter (code 1).
+// The producer's wait for a free slot gets twice that: a slot stays full because its consumers wait for a counter,
+// whose own timeout must be the one reported.
+#define DF_TIMEOUT 2000000000LL
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar, unsigned count) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }
@@ -211,7 +227,7 @@ struct DfRing {
     int* err;
     int nl;
     __device__ __forceinline__ const unsigned char* acquire() {
-        mbar_wait(full + next % DF_NSLOT, (unsigned)(next / DF_NSLOT) & 1u, err);
+        mbar_wait(full + next % DF_NSLOT, (unsigned)(next / DF_NSLOT) & 1u, err, DF_TIMEOUT, 2);
         if (threadIdx.x == 0) df_trace_stamp(1, next, total, total / nl);
         return ring + (size_t)(next % DF_NSLOT) * DF_SLOT;
     }
@@ -224,18 +240,27 @@ struct DfRing {
 };
 
 // The producer warp's loop (lane 0): every tile of the launch in sequence order, each as soon as its slot is free.
+// (Session 9: the whole warp in the loop, lanes 1-31 waiting on lane 0 at a shuffle, made the step 0.8 ms slower.)
 __device__ __forceinline__ void df_produce(const DfPlan& p, const unsigned long long* sP, unsigned char* ring,
                                            uint64_t* full, uint64_t* empty, int total, int nl, int* err) {
-    for (int k = 0; k < total; ++k) {
+    int k = 0;
+    for (; k < total; ++k) {
         const int s = k % DF_NSLOT;
         if (k >= DF_NSLOT) {
-            mbar_wait(empty + s, (unsigned)(k / DF_NSLOT - 1) & 1u, err);
+            // gave up (flagged launch): no copy into a slot that may still be in use
+            if (!mbar_wait(empty + s, (unsigned)(k / DF_NSLOT - 1) & 1u, err, 2 * DF_TIMEOUT, 2)) break;
 #ifndef DF_NO_PROXY_FENCE
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before the async write
 #endif
         }
         df_issue(p, sP, k, ring, full);
         df_trace_stamp(0, k, total, total / nl);
+    }
+    // the block's shared memory must outlive every copy into it: wait for the last tiles issued to land (at once
+    // in a normal launch, where the consumers waited for them; bounded when the launch was flagged)
+    for (int j = max(0, k - DF_NSLOT); j < k; ++j) {
+        const long long t0 = clock64();
+        while (!mbar_try_wait(full + j % DF_NSLOT, (unsigned)(j / DF_NSLOT) & 1u) && clock64() - t0 < DF_TIMEOUT) {}
     }
 }
 
@@ -245,11 +270,16 @@ __device__ __forceinline__ void df_arrive(unsigned* c) {
 }
 
 __device__ __forceinline__ void df_wait(const unsigned* c, unsigned target, int* err) {
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0) {  // (one global load per poll: *err only every ~0.5 ms, as in mbar_wait)
         const long long t0 = clock64();
+        long long check = 1LL << 20;
         while (df_ld_acquire(c) < target) {
-            if (*reinterpret_cast<volatile int*>(err) != 0) break;
-            if (clock64() - t0 > 2000000000LL) { atomicExch(err, 1); break; }
+            const long long dt = clock64() - t0;
+            if (dt > check) {
+                if (*reinterpret_cast<volatile int*>(err) != 0) break;
+                if (dt > DF_TIMEOUT) { atomicCAS(err, 0, 1); break; }
+                check += 1LL << 20;
+            }
         }
     }
     csync();
@@ -402,14 +432,94 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
     const bool prestage = kps == ATT_KC && nsplit * n_kvh <= p.NB;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const unsigned NB = (unsigned)p.NB;
-    // keys [kbeg, L - 1) of this block's split (all but this token's, whose K/V come out of the QKV phase)
-    auto stage_old = [&](const bf16_t* kcl, const bf16_t* vcl) {
-        if (prestage && p.b < nsplit * n_kvh) {
-            const int bx = p.b % nsplit, kvh = p.b / nsplit;
-            stage_kv_chunk<HD, true, true>(reinterpret_cast<bf16_t*>(stg), reinterpret_cast<bf16_t*>(stg) + ATT_KC * (HD + 8),
-                                     sSlot, kcl, vcl, key_slots, rope_cs, kvh, nkv, bx * kps, min(L - 1, bx * kps + kps),
-                                     min(L, bx * kps + kps));
+    // The keys [kbeg, L - 1) of this block's split (all but this token's, whose K/V come out of the QKV phase) are
+    // the same in every layer: their slot indices are read once, here. A layer's old keys are copied raw by cp.async
+    // (issue_old: K rows into sK at its row stride, V rows into the sVt area) right after the previous layer's
+    // attention, and nothing waits for them there; finish_old rotates K in place and transposes V (rows from s_nrow
+    // on, this token's key and beyond, zero). (Session 8 staged them with register loads after the attention: two
+    // dependent memory round trips, ~4 us on every block's path to o_proj; finish_old costs ~2.2 us wherever it
+    // sits, as every block reaches each counter wait at about the same time.)
+    const bool stages = prestage && p.b < nsplit * n_kvh;  // block-uniform
+    const int s_kvh = stages ? p.b / nsplit : 0, s_kc0 = stages ? (p.b % nsplit) * kps : 0;
+    const int s_nrow = stages ? min(L - 1, s_kc0 + kps) - s_kc0 : 0;
+    if (stages && threadIdx.x < ATT_KC)
+        sSlot[threadIdx.x] = s_kc0 + (int)threadIdx.x < min(L, s_kc0 + kps) ? key_slots[s_kc0 + threadIdx.x] : -1;
+    csync();
+    bf16_t* const sK = reinterpret_cast<bf16_t*>(stg);
+    bf16_t* const sVt = sK + ATT_KC * (HD + 8);
+    auto issue_old = [&](const bf16_t* kcl, const bf16_t* vcl) {
+        if (!stages) return;
+        csync();  // the staging area (also the attention's merge scratch) is no longer read
+        constexpr int CPR = HD / 8;  // 16-byte pieces per row
+        for (int it = threadIdx.x; it < s_nrow * CPR; it += DF_THREADS) {
+            const int key = it / CPR, c = (it - key * CPR) * 8;
+            const size_t row = (size_t)sSlot[key] * nkv + s_kvh * HD + c;
+            cp_async16(sK + key * (HD + 8) + c, kcl + row);
+            cp_async16(sVt + key * HD + c, vcl + row);  // raw [key][HD] rows in the sVt area until finish_old
         }
+        cp_async_commit();
+    };
+    auto finish_old = [&]() {
+        if (!stages) return;
+        constexpr int HALF = HD / 2, KSTR = HD + 8, VSTR = ATT_KC + 8, NI = ATT_KC * (HD / 8), NK = NI / DF_THREADS;
+        cp_async_wait<0>();
+        csync();
+        // K items (key, 4 dims of each half), NK per thread, in batches of KB whose RoPE rows load together (a
+        // batch of all 8 spills)
+        constexpr int KB = 4;
+#pragma unroll
+        for (int b0 = 0; b0 < NK; b0 += KB) {
+            float4 c01[KB], c23[KB];
+#pragma unroll
+            for (int b = 0; b < KB; ++b) {
+                const int it = threadIdx.x + (b0 + b) * DF_THREADS, key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
+                if (key < s_nrow) {
+                    c01[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(s_kc0 + key) * HALF + d);
+                    c23[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(s_kc0 + key) * HALF + d + 2);
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < KB; ++b) {
+                const int it = threadIdx.x + (b0 + b) * DF_THREADS, key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
+                uint2* plo = reinterpret_cast<uint2*>(sK + key * KSTR + d);
+                uint2* phi = reinterpret_cast<uint2*>(sK + key * KSTR + HALF + d);
+                if (key < s_nrow) {
+                    const uint2 lo = *plo, hi = *phi;
+                    const float l[4] = {bf16_lo(lo.x), bf16_hi(lo.x), bf16_lo(lo.y), bf16_hi(lo.y)};
+                    const float hv[4] = {bf16_lo(hi.x), bf16_hi(hi.x), bf16_lo(hi.y), bf16_hi(hi.y)};
+                    const float c[4] = {c01[b].x, c01[b].z, c23[b].x, c23[b].z};
+                    const float sn[4] = {c01[b].y, c01[b].w, c23[b].y, c23[b].w};
+                    float rl[4], rh[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) { rl[i] = l[i] * c[i] - hv[i] * sn[i]; rh[i] = hv[i] * c[i] + l[i] * sn[i]; }
+                    *plo = make_uint2(pack_bf16x2(rl[0], rl[1]), pack_bf16x2(rl[2], rl[3]));
+                    *phi = make_uint2(pack_bf16x2(rh[0], rh[1]), pack_bf16x2(rh[2], rh[3]));
+                } else {
+                    *plo = make_uint2(0u, 0u);
+                    *phi = make_uint2(0u, 0u);
+                }
+            }
+        }
+        // V items (key, 8 dims), key-fastest across a warp: all raw rows read before the transposed layout
+        // overwrites the area
+        uint4 v[NK];
+#pragma unroll
+        for (int b = 0; b < NK; ++b) {
+            const int it = threadIdx.x + b * DF_THREADS, key = it % ATT_KC, d = (it / ATT_KC) * 8;
+            v[b] = key < s_nrow ? *reinterpret_cast<const uint4*>(sVt + key * HD + d) : make_uint4(0u, 0u, 0u, 0u);
+        }
+        csync();
+#pragma unroll
+        for (int b = 0; b < NK; ++b) {
+            const int it = threadIdx.x + b * DF_THREADS, key = it % ATT_KC, d = (it / ATT_KC) * 8;
+            const uint32_t w[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                sVt[(d + 2 * i) * VSTR + key] = (bf16_t)(w[i] & 0xffffu);
+                sVt[(d + 2 * i + 1) * VSTR + key] = (bf16_t)(w[i] >> 16);
+            }
+        }
+        // (the attention body's first barrier orders these stores before its reads)
     };
 #pragma unroll 1
     for (int l = 0; l < nl; ++l) {
@@ -417,7 +527,10 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
         const bf16_t* kc = reinterpret_cast<const bf16_t*>(P[7]);
         const bf16_t* vc = reinterpret_cast<const bf16_t*>(P[8]);
         // (this layer's keys older than this token were staged before: at the start, or during the previous layer)
-        if (l == 0) stage_old(kc, vc);
+        // layer 0's old keys before the PDL wait (this step writes no cache row of an older key); DF_FINISH_AT 1:
+        // every layer's here, under the wait for the other blocks' down tiles of the previous layer
+        if (l == 0) issue_old(kc, vc);
+        if (DF_FINISH_AT == 1 || l == 0) finish_old();
         // ---- QKV ----
         if (l == 0) pdl_wait();  // the token's x comes from the embedding kernel
         else df_wait(cnt + 4, NB * l, err);
@@ -444,6 +557,7 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
             }
         }
         df_arrive(cnt + 0);
+        if (DF_FINISH_AT == 0 && l > 0) finish_old();  // under the wait for the other blocks' QKV tiles
         // ---- attention partials ----
         df_wait(cnt + 0, NB * (l + 1), err);
         df_stamp(prof, nprof);
@@ -455,9 +569,9 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
                                                   prestage ? L - 1 : -1);
         }
         df_arrive(cnt + 1);
-        // the next layer's old keys: the staging buffer is free now, and the wait below is idle time
-        if (DF_STAGE_AT == 0 && l + 1 < nl)
-            stage_old(reinterpret_cast<const bf16_t*>(P[DF_PTRS + 7]), reinterpret_cast<const bf16_t*>(P[DF_PTRS + 8]));
+        // the next layer's old keys on their way: the staging area is free now
+        if (l + 1 < nl)
+            issue_old(reinterpret_cast<const bf16_t*>(P[DF_PTRS + 7]), reinterpret_cast<const bf16_t*>(P[DF_PTRS + 8]));
         // ---- merge head o_head + o_proj rows [o_r0, o_r1) of that head ----
         if (p.nO > 0) {
             df_wait(cnt + 1, NB * (l + 1), err);
@@ -511,8 +625,6 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
             if (lane == 0) act[4 * (p.b + i * p.NB) + warp] = silu(g) * u;
         }
         df_arrive(cnt + 3);
-        if (DF_STAGE_AT == 1 && l + 1 < nl)
-            stage_old(reinterpret_cast<const bf16_t*>(P[DF_PTRS + 7]), reinterpret_cast<const bf16_t*>(P[DF_PTRS + 8]));
         // ---- down + residual ----
         df_wait(cnt + 3, NB * (l + 1), err);
         df_stamp(prof, nprof);

@@ -1380,9 +1380,9 @@ class CudaEngine(Engine):
     def dataflow_phase_profile(self, run_chunk: Callable[[], Any], chunks: int = 10) -> dict[str, float]:
         """Microseconds per layer of each phase of the dataflow decode kernel as block 0 sees it (%globaltimer
         after each counter wait: "qkv" runs from x ready to q/K/V ready in every block, i.e. block 0's QKV tiles and
-        the slowest block's QKV; "attn" includes the staging of the next layer's old keys), averaged over the
-        layers of the last decode step of
-        ``chunks`` chunks run by ``run_chunk()``. "start": kernel start to x ready. Benchmark only: switches to
+        the slowest block's QKV; "attn" includes the copy requests of the next layer's old keys, "down" their
+        rotation / transpose in shared memory), averaged over the layers of the last decode step of ``chunks``
+        chunks run by ``run_chunk()``. "start": kernel start to x ready. Benchmark only: switches to
         the dataflow kernel for the measurement and back."""
         prev = self.tuning["decode_kernel"]
         self.retune(decode_kernel="dataflow", pd_profile=True)
