@@ -11,8 +11,8 @@
 //     mbarrier per ring slot) into DF_NSLOT slots of DF_SLOT bytes by a producer warp, which refills a slot with
 //     the next tile of the sequence as soon as the 4 consumer warps have arrived on its "empty" mbarrier, whatever
 //     phase that tile belongs to. No block barrier per tile: each consumer warp runs at its own pace. While a
-//     block waits for a dependency, its ring keeps DF_NSLOT x DF_SLOT bytes (144 KB) of later weights on their
-//     way, ~4.5 us of the SM's share of the HBM bandwidth;
+//     block waits for a dependency, its ring keeps DF_NSLOT x DF_SLOT bytes (96 KB) of later weights on their
+//     way, ~3 us of the SM's share of the HBM bandwidth (4, 5 or 6 slots: the same chunk time, session 9);
 //   * a phase waits only for the counter it needs (red.release / ld.acquire at gpu scope): qkv_done -> attention,
 //     attn_done -> merge + o_proj, o_done -> gate/up, gu_done -> down, down_done -> next layer's QKV. Each block
 //     adds 1 to each counter once per layer (also when it had no work in that phase), so layer l's target is
@@ -48,9 +48,10 @@ static_assert(DF_THREADS == 32 * DEC_WARPS, "the consumer warps are the attentio
                          // for an L2 round trip: measured ~1.2 us per tile with the table in global memory)
 #define DF_SLOT 24576    // bytes per ring slot: 8 rows x 1536 bf16
 #ifndef DF_NSLOT         // (benchmark experiments may set it: VLA_CUDA_DEFINES)
-#define DF_NSLOT 6  // (run 4: 4 slots as fast as 7; the 7th slot's 24 KB now hold the attention staging)
+#define DF_NSLOT 4  // (session 9 run 7: 4, 5 and 6 slots equally fast; the 2 slots' 48 KB hold the RoPE rows)
 #endif
 #define DF_RING_BYTES (DF_NSLOT * DF_SLOT)
+#define DF_ROPE_BYTES (ATT_KC * 64 * 8)  // (cos, sin) fp32 rows of a block's ATT_KC keys, head_dim <= 128
 #define DF_KMAX 1536     // hidden size and down column segment limit (8 rows x DF_KMAX bf16 = one slot)
 #define DF_NCNT 8        // counters per decode step (5 used)
 #define DF_MSPLIT 16     // split partials per thread in flight in the head merge
@@ -58,8 +59,9 @@ static_assert(DF_THREADS == 32 * DEC_WARPS, "the consumer warps are the attentio
 #define DF_FINISH_AT 1   // blocks' QKV tiles, 1 under the wait for their down tiles of the previous layer
 #endif
 
-// What the host sizes the launch by: dynamic shared memory of the ring, threads per block.
-__constant__ int df_config[2] = {DF_RING_BYTES, DF_BLOCK};
+// What the host sizes the launch by: dynamic shared memory before the vector area (the ring, the RoPE rows),
+// threads per block.
+__constant__ int df_config[2] = {DF_RING_BYTES + DF_ROPE_BYTES, DF_BLOCK};
 
 // ---- mbarrier + TMA bulk copy (sm_90) ----
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
@@ -401,7 +403,9 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
         if (threadIdx.x == 0) atomicExch(err, 3);
         return;
     }
-    unsigned char* vec = dsm + DF_RING_BYTES;
+    // the split's keys' RoPE rows (the same positions in every layer: loaded once per launch)
+    float2* const s_rope = reinterpret_cast<float2*>(dsm + DF_RING_BYTES);
+    unsigned char* vec = dsm + DF_RING_BYTES + DF_ROPE_BYTES;
     float* sx = reinterpret_cast<float*>(vec);
     // the attention's staging buffer after the vector area, so that the old keys of a layer are staged before
     // its QKV phase, under the wait for x (host: the same sizes)
@@ -433,17 +437,21 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const unsigned NB = (unsigned)p.NB;
     // The keys [kbeg, L - 1) of this block's split (all but this token's, whose K/V come out of the QKV phase) are
-    // the same in every layer: their slot indices are read once, here. A layer's old keys are copied raw by cp.async
-    // (issue_old: K rows into sK at its row stride, V rows into the sVt area) right after the previous layer's
-    // attention, and nothing waits for them there; finish_old rotates K in place and transposes V (rows from s_nrow
-    // on, this token's key and beyond, zero). (Session 8 staged them with register loads after the attention: two
-    // dependent memory round trips, ~4 us on every block's path to o_proj; finish_old costs ~2.2 us wherever it
-    // sits, as every block reaches each counter wait at about the same time.)
+    // the same in every layer: their slot indices and RoPE rows are read once, here. A layer's old keys are copied
+    // raw by cp.async (issue_old: K rows into sK at its row stride, V rows into the sVt area) right after the
+    // previous layer's attention, and nothing waits for them there; finish_old rotates K in place and transposes V
+    // from shared memory (rows from s_nrow on, this token's key and beyond, zero). Session 8 staged them with
+    // register loads after the attention: two dependent memory round trips, ~4 us on every block's path to o_proj.
+    // Whatever a block does between two counters is on that path (every block reaches each counter wait at about
+    // the same time), finish_old too, wherever it sits.
     const bool stages = prestage && p.b < nsplit * n_kvh;  // block-uniform
     const int s_kvh = stages ? p.b / nsplit : 0, s_kc0 = stages ? (p.b % nsplit) * kps : 0;
     const int s_nrow = stages ? min(L - 1, s_kc0 + kps) - s_kc0 : 0;
     if (stages && threadIdx.x < ATT_KC)
         sSlot[threadIdx.x] = s_kc0 + (int)threadIdx.x < min(L, s_kc0 + kps) ? key_slots[s_kc0 + threadIdx.x] : -1;
+    if (stages)  // rows s_kc0 .. s_kc0 + s_nrow - 1 of the table are contiguous (completed with layer 0's keys)
+        for (int i = threadIdx.x; i < s_nrow * (HD / 2) / 2; i += DF_THREADS)
+            cp_async16(s_rope + 2 * i, rope_cs + (size_t)s_kc0 * (HD / 2) + 2 * i);
     csync();
     bf16_t* const sK = reinterpret_cast<bf16_t*>(stg);
     bf16_t* const sVt = sK + ATT_KC * (HD + 8);
@@ -464,40 +472,28 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
         constexpr int HALF = HD / 2, KSTR = HD + 8, VSTR = ATT_KC + 8, NI = ATT_KC * (HD / 8), NK = NI / DF_THREADS;
         cp_async_wait<0>();
         csync();
-        // K items (key, 4 dims of each half), NK per thread, in batches of KB whose RoPE rows load together (a
-        // batch of all 8 spills)
-        constexpr int KB = 4;
+        // K items (key, 4 dims of each half), NK per thread
 #pragma unroll
-        for (int b0 = 0; b0 < NK; b0 += KB) {
-            float4 c01[KB], c23[KB];
+        for (int b = 0; b < NK; ++b) {
+            const int it = threadIdx.x + b * DF_THREADS, key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
+            uint2* plo = reinterpret_cast<uint2*>(sK + key * KSTR + d);
+            uint2* phi = reinterpret_cast<uint2*>(sK + key * KSTR + HALF + d);
+            if (key < s_nrow) {
+                const float4 c01 = *reinterpret_cast<const float4*>(s_rope + key * HALF + d);
+                const float4 c23 = *reinterpret_cast<const float4*>(s_rope + key * HALF + d + 2);
+                const uint2 lo = *plo, hi = *phi;
+                const float l[4] = {bf16_lo(lo.x), bf16_hi(lo.x), bf16_lo(lo.y), bf16_hi(lo.y)};
+                const float hv[4] = {bf16_lo(hi.x), bf16_hi(hi.x), bf16_lo(hi.y), bf16_hi(hi.y)};
+                const float c[4] = {c01.x, c01.z, c23.x, c23.z};
+                const float sn[4] = {c01.y, c01.w, c23.y, c23.w};
+                float rl[4], rh[4];
 #pragma unroll
-            for (int b = 0; b < KB; ++b) {
-                const int it = threadIdx.x + (b0 + b) * DF_THREADS, key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
-                if (key < s_nrow) {
-                    c01[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(s_kc0 + key) * HALF + d);
-                    c23[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(s_kc0 + key) * HALF + d + 2);
-                }
-            }
-#pragma unroll
-            for (int b = 0; b < KB; ++b) {
-                const int it = threadIdx.x + (b0 + b) * DF_THREADS, key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
-                uint2* plo = reinterpret_cast<uint2*>(sK + key * KSTR + d);
-                uint2* phi = reinterpret_cast<uint2*>(sK + key * KSTR + HALF + d);
-                if (key < s_nrow) {
-                    const uint2 lo = *plo, hi = *phi;
-                    const float l[4] = {bf16_lo(lo.x), bf16_hi(lo.x), bf16_lo(lo.y), bf16_hi(lo.y)};
-                    const float hv[4] = {bf16_lo(hi.x), bf16_hi(hi.x), bf16_lo(hi.y), bf16_hi(hi.y)};
-                    const float c[4] = {c01[b].x, c01[b].z, c23[b].x, c23[b].z};
-                    const float sn[4] = {c01[b].y, c01[b].w, c23[b].y, c23[b].w};
-                    float rl[4], rh[4];
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) { rl[i] = l[i] * c[i] - hv[i] * sn[i]; rh[i] = hv[i] * c[i] + l[i] * sn[i]; }
-                    *plo = make_uint2(pack_bf16x2(rl[0], rl[1]), pack_bf16x2(rl[2], rl[3]));
-                    *phi = make_uint2(pack_bf16x2(rh[0], rh[1]), pack_bf16x2(rh[2], rh[3]));
-                } else {
-                    *plo = make_uint2(0u, 0u);
-                    *phi = make_uint2(0u, 0u);
-                }
+                for (int i = 0; i < 4; ++i) { rl[i] = l[i] * c[i] - hv[i] * sn[i]; rh[i] = hv[i] * c[i] + l[i] * sn[i]; }
+                *plo = make_uint2(pack_bf16x2(rl[0], rl[1]), pack_bf16x2(rl[2], rl[3]));
+                *phi = make_uint2(pack_bf16x2(rh[0], rh[1]), pack_bf16x2(rh[2], rh[3]));
+            } else {
+                *plo = make_uint2(0u, 0u);
+                *phi = make_uint2(0u, 0u);
             }
         }
         // V items (key, 8 dims), key-fastest across a warp: all raw rows read before the transposed layout

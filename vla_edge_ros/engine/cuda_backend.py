@@ -767,8 +767,8 @@ class CudaEngine(Engine):
 
     def _plan_dataflow(self) -> None:
         """The dataflow decode kernel (cuda/decode_dataflow.cu): one block per SM (4 consumer warps + a producer
-        warp), all resident (its counter waits spin); dynamic shared memory = the TMA weight ring + one vector area
-        (x or act) + the attention staging buffer. Its W_o is a head-major copy (one head's rows are one
+        warp), all resident (its counter waits spin); dynamic shared memory = the TMA weight ring + the RoPE rows of
+        the block's keys + one vector area (x or act) + the attention staging buffer. Its W_o is a head-major copy (one head's rows are one
         contiguous TMA tile), made on the GPU the first time the kernel is selected."""
         cuda = self._cuda
         HD, H, I = self.HD, self.H, self.I
@@ -776,8 +776,8 @@ class CudaEngine(Engine):
         dev = cuda.Device(0)
         n_sm = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
         attn_bytes = max((64 * (HD + 8) + HD * (64 + 8)) * 2, (4 * 8 * HD + 2 * 4 * 8) * 4)  # attn_core.cuh
-        ring_bytes, threads = self._df_config()
-        smem = ring_bytes + (4 * max(I, H) + 127) // 128 * 128 + attn_bytes  # ring, vector area, attention staging
+        ring_bytes, threads = self._df_config()  # (ring + RoPE rows)
+        smem = ring_bytes + (4 * max(I, H) + 127) // 128 * 128 + attn_bytes  # + vector area, attention staging
         optin = dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         why = None
         if self.pdl_launcher is None or name not in self.kx:
@@ -832,7 +832,8 @@ class CudaEngine(Engine):
         return np.where(t > 0, (t - base) / 1e3, np.nan)
 
     def _df_config(self) -> tuple[int, int]:
-        """(ring bytes, threads per block) of the compiled dataflow kernel (cuda/decode_dataflow.cu df_config)."""
+        """(bytes before the vector area: the TMA ring + the RoPE rows of a block's keys, threads per block) of the
+        compiled dataflow kernel (cuda/decode_dataflow.cu df_config)."""
         ptr, _ = self.modules["decode_dataflow.cu"].get_global("df_config")
         cfg = np.zeros(2, np.int32)
         self._cuda.memcpy_dtoh(cfg, ptr)
