@@ -55,9 +55,6 @@ static_assert(DF_THREADS == 32 * DEC_WARPS, "the consumer warps are the attentio
 #define DF_KMAX 1536     // hidden size and down column segment limit (8 rows x DF_KMAX bf16 = one slot)
 #define DF_NCNT 8        // counters per decode step (5 used)
 #define DF_MSPLIT 16     // split partials per thread in flight in the head merge
-#ifndef DF_FINISH_AT     // where a layer's staged old keys are rotated / transposed: 0 under the wait for the other
-#define DF_FINISH_AT 1   // blocks' QKV tiles, 1 under the wait for their down tiles of the previous layer
-#endif
 
 // What the host sizes the launch by: dynamic shared memory before the vector area (the ring, the RoPE rows),
 // threads per block.
@@ -522,11 +519,11 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
         const unsigned long long* P = sP + (size_t)l * DF_PTRS;
         const bf16_t* kc = reinterpret_cast<const bf16_t*>(P[7]);
         const bf16_t* vc = reinterpret_cast<const bf16_t*>(P[8]);
-        // (this layer's keys older than this token were staged before: at the start, or during the previous layer)
-        // layer 0's old keys before the PDL wait (this step writes no cache row of an older key); DF_FINISH_AT 1:
-        // every layer's here, under the wait for the other blocks' down tiles of the previous layer
+        // this layer's old keys, copied during the previous layer's (layer 0: here, before the PDL wait, as this
+        // step writes no cache row of an older key), rotated / transposed under the wait for the other blocks' down
+        // tiles (session 9 run 3: under the QKV counter wait instead, 0.16 ms slower)
         if (l == 0) issue_old(kc, vc);
-        if (DF_FINISH_AT == 1 || l == 0) finish_old();
+        finish_old();
         // ---- QKV ----
         if (l == 0) pdl_wait();  // the token's x comes from the embedding kernel
         else df_wait(cnt + 4, NB * l, err);
@@ -553,7 +550,6 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
             }
         }
         df_arrive(cnt + 0);
-        if (DF_FINISH_AT == 0 && l > 0) finish_old();  // under the wait for the other blocks' QKV tiles
         // ---- attention partials ----
         df_wait(cnt + 0, NB * (l + 1), err);
         df_stamp(prof, nprof);

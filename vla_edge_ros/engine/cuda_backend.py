@@ -768,8 +768,8 @@ class CudaEngine(Engine):
     def _plan_dataflow(self) -> None:
         """The dataflow decode kernel (cuda/decode_dataflow.cu): one block per SM (4 consumer warps + a producer
         warp), all resident (its counter waits spin); dynamic shared memory = the TMA weight ring + the RoPE rows of
-        the block's keys + one vector area (x or act) + the attention staging buffer. Its W_o is a head-major copy (one head's rows are one
-        contiguous TMA tile), made on the GPU the first time the kernel is selected."""
+        the block's keys + one vector area (x or act) + the attention staging buffer. Its W_o is a head-major copy
+        (one head's rows are one contiguous TMA tile), made on the GPU the first time the kernel is selected."""
         cuda = self._cuda
         HD, H, I = self.HD, self.H, self.I
         name = "decode_df_hd%d" % HD
