@@ -51,14 +51,39 @@ __device__ __forceinline__ void put_kv_pair(bf16_t* sK, bf16_t* sVt, int key, in
     sVt[(HALF + d + 1) * VSTR + key] = (bf16_t)(vhi >> 16);
 }
 
+// One K item of a staged chunk: dims d .. d + 3 of each half of key `key` (raw bf16 lo / hi), rotated by the
+// (cos, sin) pairs c01 (dims d, d + 1) and c23 (d + 2, d + 3), stored into sK.
+template <int HD>
+__device__ __forceinline__ void put_k_rot4(bf16_t* sK, int key, int d, uint2 lo, uint2 hi, float4 c01, float4 c23) {
+    constexpr int HALF = HD / 2, KSTR = HD + 8;
+    const float l[4] = {bf16_lo(lo.x), bf16_hi(lo.x), bf16_lo(lo.y), bf16_hi(lo.y)};
+    const float hv[4] = {bf16_lo(hi.x), bf16_hi(hi.x), bf16_lo(hi.y), bf16_hi(hi.y)};
+    const float c[4] = {c01.x, c01.z, c23.x, c23.z};
+    const float sn[4] = {c01.y, c01.w, c23.y, c23.w};
+    float rl[4], rh[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { rl[i] = l[i] * c[i] - hv[i] * sn[i]; rh[i] = hv[i] * c[i] + l[i] * sn[i]; }
+    *reinterpret_cast<uint2*>(sK + key * KSTR + d) = make_uint2(pack_bf16x2(rl[0], rl[1]), pack_bf16x2(rl[2], rl[3]));
+    *reinterpret_cast<uint2*>(sK + key * KSTR + HALF + d) = make_uint2(pack_bf16x2(rh[0], rh[1]), pack_bf16x2(rh[2], rh[3]));
+}
+
+// One V item of a staged chunk: dims d .. d + 7 of key `key` (bf16), transposed into sVt.
+__device__ __forceinline__ void put_vt8(bf16_t* sVt, int key, int d, uint4 v) {
+    constexpr int VSTR = ATT_KC + 8;
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        sVt[(d + 2 * i) * VSTR + key] = (bf16_t)(w[i] & 0xffffu);
+        sVt[(d + 2 * i + 1) * VSTR + key] = (bf16_t)(w[i] >> 16);
+    }
+}
+
 // Rows of keys kc0 .. kc0 + nrow - 1 (slot indices in sSlot[0 .. nrow)) into a staged chunk: rotated K in sK,
 // transposed V in sVt; rows nrow .. ATT_KC - 1 are zero (masked keys must not meet NaN garbage in P V).
 template <int HD, bool CG, bool DO_K, bool DO_V, int B>
 __device__ __forceinline__ void stage_kv_pass(bf16_t* sK, bf16_t* sVt, const int* sSlot, const bf16_t* __restrict__ kc,
         const bf16_t* __restrict__ vc, const float2* __restrict__ rope_cs, int kvh, int nkv, int kc0, int nrow) {
     constexpr int HALF = HD / 2;
-    constexpr int KSTR = HD + 8;
-    constexpr int VSTR = ATT_KC + 8;
     constexpr int NI = ATT_KC * (HD / 8);  // items of each kind: K (key, 4 dims of each half), V (key, 8 dims)
     for (int base = threadIdx.x; base < NI; base += B * ATT_NT) {
         uint2 lo[B], hi[B];
@@ -93,27 +118,9 @@ __device__ __forceinline__ void stage_kv_pass(bf16_t* sK, bf16_t* sVt, const int
             if (it >= NI) break;
             if (DO_K) {
                 const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
-                const float l[4] = {bf16_lo(lo[b].x), bf16_hi(lo[b].x), bf16_lo(lo[b].y), bf16_hi(lo[b].y)};
-                const float hv[4] = {bf16_lo(hi[b].x), bf16_hi(hi[b].x), bf16_lo(hi[b].y), bf16_hi(hi[b].y)};
-                const float c[4] = {c01[b].x, c01[b].z, c23[b].x, c23[b].z};
-                const float sn[4] = {c01[b].y, c01[b].w, c23[b].y, c23[b].w};
-                float rl[4], rh[4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) { rl[i] = l[i] * c[i] - hv[i] * sn[i]; rh[i] = hv[i] * c[i] + l[i] * sn[i]; }
-                *reinterpret_cast<uint2*>(sK + key * KSTR + d) =
-                    make_uint2(pack_bf16x2(rl[0], rl[1]), pack_bf16x2(rl[2], rl[3]));
-                *reinterpret_cast<uint2*>(sK + key * KSTR + HALF + d) =
-                    make_uint2(pack_bf16x2(rh[0], rh[1]), pack_bf16x2(rh[2], rh[3]));
+                put_k_rot4<HD>(sK, key, d, lo[b], hi[b], c01[b], c23[b]);
             }
-            if (DO_V) {
-                const int key = it % ATT_KC, d = (it / ATT_KC) * 8;
-                const uint32_t w[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    sVt[(d + 2 * i) * VSTR + key] = (bf16_t)(w[i] & 0xffffu);
-                    sVt[(d + 2 * i + 1) * VSTR + key] = (bf16_t)(w[i] >> 16);
-                }
-            }
+            if (DO_V) put_vt8(sVt, it % ATT_KC, (it / ATT_KC) * 8, v[b]);
         }
     }
 }

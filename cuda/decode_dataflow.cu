@@ -466,7 +466,7 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
     };
     auto finish_old = [&]() {
         if (!stages) return;
-        constexpr int HALF = HD / 2, KSTR = HD + 8, VSTR = ATT_KC + 8, NI = ATT_KC * (HD / 8), NK = NI / DF_THREADS;
+        constexpr int HALF = HD / 2, KSTR = HD + 8, NI = ATT_KC * (HD / 8), NK = NI / DF_THREADS;
         cp_async_wait<0>();
         csync();
         // K items (key, 4 dims of each half), NK per thread
@@ -476,18 +476,8 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
             uint2* plo = reinterpret_cast<uint2*>(sK + key * KSTR + d);
             uint2* phi = reinterpret_cast<uint2*>(sK + key * KSTR + HALF + d);
             if (key < s_nrow) {
-                const float4 c01 = *reinterpret_cast<const float4*>(s_rope + key * HALF + d);
-                const float4 c23 = *reinterpret_cast<const float4*>(s_rope + key * HALF + d + 2);
-                const uint2 lo = *plo, hi = *phi;
-                const float l[4] = {bf16_lo(lo.x), bf16_hi(lo.x), bf16_lo(lo.y), bf16_hi(lo.y)};
-                const float hv[4] = {bf16_lo(hi.x), bf16_hi(hi.x), bf16_lo(hi.y), bf16_hi(hi.y)};
-                const float c[4] = {c01.x, c01.z, c23.x, c23.z};
-                const float sn[4] = {c01.y, c01.w, c23.y, c23.w};
-                float rl[4], rh[4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) { rl[i] = l[i] * c[i] - hv[i] * sn[i]; rh[i] = hv[i] * c[i] + l[i] * sn[i]; }
-                *plo = make_uint2(pack_bf16x2(rl[0], rl[1]), pack_bf16x2(rl[2], rl[3]));
-                *phi = make_uint2(pack_bf16x2(rh[0], rh[1]), pack_bf16x2(rh[2], rh[3]));
+                put_k_rot4<HD>(sK, key, d, *plo, *phi, *reinterpret_cast<const float4*>(s_rope + key * HALF + d),
+                               *reinterpret_cast<const float4*>(s_rope + key * HALF + d + 2));
             } else {
                 *plo = make_uint2(0u, 0u);
                 *phi = make_uint2(0u, 0u);
@@ -505,12 +495,7 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
 #pragma unroll
         for (int b = 0; b < NK; ++b) {
             const int it = threadIdx.x + b * DF_THREADS, key = it % ATT_KC, d = (it / ATT_KC) * 8;
-            const uint32_t w[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                sVt[(d + 2 * i) * VSTR + key] = (bf16_t)(w[i] & 0xffffu);
-                sVt[(d + 2 * i + 1) * VSTR + key] = (bf16_t)(w[i] >> 16);
-            }
+            put_vt8(sVt, key, d, v[b]);
         }
         // (the attention body's first barrier orders these stores before its reads)
     };
