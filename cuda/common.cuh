@@ -181,13 +181,27 @@ enum VlaFamily { FAM_QKV = 0, FAM_ATTN = 1, FAM_COMBINE = 2, FAM_RESID = 3, FAM_
                  FAM_RMSNORM = 6, FAM_ATTN_PF = 7 };
 __constant__ unsigned vla_late_trigger;
 __device__ __forceinline__ bool vla_late(int fam) { return fam >= 0 && ((vla_late_trigger >> fam) & 1u); }
+// griddepcontrol is sm_90 PTX. Built for an older GPU (Jetson Orin sm_87, A100 sm_80, RTX 30/40 / L4 sm_86 / sm_89)
+// both compile to nothing, which is exactly their meaning without the launch attribute (the host launches those
+// GPUs without it: CudaEngine.pdl). VLA_SM90 also gates the dataflow decode kernel (TMA bulk copies, mbarriers).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define VLA_SM90 1
+#else
+#define VLA_SM90 0
+#endif
 __device__ __forceinline__ void pdl_wait(int fam = -1) {
+#if VLA_SM90
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     vla_tl_stamp(2);
     vla_tl_stamp(3);
+#if VLA_SM90
     if (vla_late(fam)) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 __device__ __forceinline__ void pdl_trigger(int fam = -1) {
     vla_tl_stamp(1);
+#if VLA_SM90
     if (!vla_late(fam)) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }

@@ -628,8 +628,15 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
 #define DF_ARGS lp, nl, x, qv, part_o, part_ml, act, key_slots, meta, step, rope_cs, H, I, Hq, n_kvh, eps, qscale, \
     kps, cnt, err, prof
 
+#if VLA_SM90
 extern "C" __global__ void __launch_bounds__(DF_BLOCK, 1) decode_df_hd128(DF_PARAMS) { decode_df_body<128>(DF_ARGS); }
 extern "C" __global__ void __launch_bounds__(DF_BLOCK, 1) decode_df_hd64(DF_PARAMS) { decode_df_body<64>(DF_ARGS); }
+#else
+// Built for a GPU older than sm_90 (no TMA bulk copies, no mbarrier transaction counts): the kernels exist, so the
+// module loads, but a launch only flags itself (code 3). The host refuses decode_kernel "dataflow" there first.
+extern "C" __global__ void decode_df_hd128(DF_PARAMS) { if (threadIdx.x == 0 && blockIdx.x == 0) atomicExch(err, 3); }
+extern "C" __global__ void decode_df_hd64(DF_PARAMS) { if (threadIdx.x == 0 && blockIdx.x == 0) atomicExch(err, 3); }
+#endif
 
 // W_o [H rows][Hq * HD] -> head-major [Hq][H][HD], so that one head's rows are one contiguous TMA tile.
 extern "C" __global__ void df_wo_head_major(const bf16_t* __restrict__ wo, bf16_t* __restrict__ out, int H, int Hq,

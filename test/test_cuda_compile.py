@@ -1,4 +1,6 @@
-"""Every cuda/*.cu compiles for Hopper with nvcc (no GPU needed; skipped when nvcc is not on PATH).
+"""Every cuda/*.cu compiles with nvcc (no GPU needed; skipped when nvcc is not on PATH): for Hopper (sm_90, where the
+kernels are tuned) and for the pre-Hopper GPUs robots carry, built without PDL and the dataflow decode
+(engine/gpu_arch.py): A100 (sm_80), Jetson Orin (sm_87), RTX 40 / L4 (sm_89).
 
 Also checks the resource report: no kernel spills more than a few bytes to local memory and the tensor-core
 kernels really contain HMMA instructions (when cuobjdump is available).
@@ -22,16 +24,22 @@ def test_kernel_file_list_matches_directory():
     assert sorted(p.name for p in SOURCES) == sorted(KERNEL_FILES + BENCH_KERNEL_FILES)
 
 
+# spill bytes allowed per kernel: sm_90 is the tuned target; below it the register allocation differs slightly
+# (sm_80: attn_prefill_hd128, the non-default split length, spills 24 B)
+ARCHS = {"sm_90": 16, "sm_80": 32, "sm_87": 32, "sm_89": 32}
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
-def test_compiles_for_sm90(src: Path, tmp_path):
+def test_compiles_for_each_architecture(src: Path, arch: str, tmp_path):
     out = tmp_path / (src.stem + ".cubin")
-    proc = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-O3", "-std=c++17", "-I", str(CUDA_DIR), "-Xptxas", "-v",
-                           "-o", str(out), str(src)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([NVCC, f"-arch={arch}", "-cubin", "-O3", "-std=c++17", "-I", str(CUDA_DIR), "-Xptxas",
+                           "-v", "-o", str(out), str(src)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert out.stat().st_size > 0
     spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
-    assert spills and max(spills) <= 16, proc.stderr
+    assert spills and max(spills) <= ARCHS[arch], proc.stderr
     cuobjdump = shutil.which("cuobjdump")
     if cuobjdump and src.name in ("gemm_skinny.cu", "rope_attention.cu"):
         sass = subprocess.run([cuobjdump, "--dump-sass", str(out)], capture_output=True, text=True).stdout

@@ -184,17 +184,22 @@ def make_engine(cfg_dict, ckpt, budget, policy="fifo", use_graphs=True, instruct
 
 
 @gpu
-@pytest.mark.parametrize("geometry,decode_kernel", [("1.5b", "layered"), ("0.5b", "layered"),
-                                                    ("1.5b", "persistent"), ("0.5b", "persistent"),
-                                                    ("1.5b", "dataflow"), ("0.5b", "dataflow")])
-def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel):
+@pytest.mark.parametrize("geometry,decode_kernel,arch", [
+    ("1.5b", "layered", ""), ("0.5b", "layered", ""), ("1.5b", "persistent", ""), ("0.5b", "persistent", ""),
+    ("1.5b", "dataflow", ""), ("0.5b", "dataflow", ""),
+    # the build for pre-Hopper GPUs (A100 sm_80, Jetson Orin sm_87): PTX for that architecture, compiled by the
+    # driver for this GPU, so the code without PDL runs here (engine/gpu_arch.py)
+    ("1.5b", "layered", "compute_80"), ("0.5b", "layered", "compute_87")])
+def test_whole_model_matches_hf(torch_cuda, tmp_path, monkeypatch, geometry, decode_kernel, arch):
     torch = torch_cuda
+    monkeypatch.setenv("VLA_CUDA_ARCH", arch)
     cfg_dict = qwen2_5_1_5b_dict() if geometry == "1.5b" else qwen2_5_0_5b_dict()
     tensors = random_checkpoint(torch, cfg_dict, tmp_path / geometry, seed=1 if geometry == "1.5b" else 2)
     n_frames = 6
     budget = 288  # 21 prefix + 8 frames (+11 spare): no eviction, so HF's causal recompute is the exact reference
     cfg, kv, eng = make_engine(cfg_dict, tmp_path / geometry, budget, tuning={"decode_kernel": decode_kernel})
     assert eng.persistent == (decode_kernel != "layered") and eng.dataflow == (decode_kernel == "dataflow")
+    assert (eng.arch.target, eng.pdl) == (("ptx", False) if arch else ("cubin", True))
     try:
         rng = np.random.default_rng()
         frames = [(0.02 * rng.standard_normal((32, cfg.hidden_size))).astype(np.float32) for _ in range(n_frames)]
@@ -222,7 +227,7 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel):
         for i in range(1, 9):
             report.append((f"decode {i} hidden", cosine(fin_dec[i - 1], hs[n_ctx + i - 1])))
             report.append((f"decode {i} action logits", cosine(logits[i], ref_logits[n_ctx + i - 1])))
-        print(f"\n[{geometry}, {decode_kernel} decode] cosine vs HF transformers (fp32):")
+        print(f"\n[{geometry}, {decode_kernel} decode{', ' + arch if arch else ''}] cosine vs HF transformers (fp32):")
         for name, c in report:
             print(f"  {name:28s} {c:.6f}")
         bad = [(n, c) for n, c in report if not c >= 0.999]
@@ -230,6 +235,35 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, geometry, decode_kernel):
         # the greedy chain follows the logits the engine itself produced
         off = cfg.action_token_offset
         np.testing.assert_array_equal(gen, np.argmax(logits, axis=1) + off)
+    finally:
+        eng.close()
+
+
+@gpu
+def test_pre_hopper_build_runs_the_tiny_model_and_refuses_dataflow(torch_cuda, tmp_path, monkeypatch):
+    """Built for sm_87 (Jetson Orin): no PDL, the layered decode vs NumpyEngine over eviction; the dataflow
+    decode (TMA, sm_90 only) refused with a message that says so, not a kernel that silently does nothing."""
+    from vla_edge_ros.core.kv.manager import KVManager
+    from vla_edge_ros.engine.checkpoint import load_checkpoint
+    from vla_edge_ros.engine.numpy_backend import NumpyEngine
+    monkeypatch.setenv("VLA_CUDA_ARCH", "compute_87")
+    cfg_dict = tiny_default_dict()
+    random_checkpoint(torch_cuda, cfg_dict, tmp_path / "tiny", seed=4)
+    budget = 21 + 11 + 32 * 4
+    with pytest.raises(EngineError, match="needs sm_90"):
+        make_engine(cfg_dict, tmp_path / "tiny", budget, tuning={"decode_kernel": "dataflow"})
+    cfg, kv, eng = make_engine(cfg_dict, tmp_path / "tiny", budget, policy="semantic")
+    assert not eng.pdl and eng.arch.build_cc == (8, 7) and not eng.arch.dataflow
+    ref = NumpyEngine(cfg, load_checkpoint(tmp_path / "tiny", cfg), KVManager(budget, 32, 21, policy="semantic",
+                      embed_dim=cfg.hidden_size), instruction=INSTRUCTION, decode_tokens=8)
+    try:
+        rng = np.random.default_rng()
+        for f in range(7):
+            x = (0.05 * rng.standard_normal((32, cfg.hidden_size))).astype(np.float32)
+            got, want = eng.run_chunk(x, f), ref.run_chunk(x, f)
+            assert got.evicted_frames == want.evicted_frames
+            c = cosine(eng.last_logits[0], ref.last_logits[0])
+            assert c >= 0.999, (f, c)
     finally:
         eng.close()
 

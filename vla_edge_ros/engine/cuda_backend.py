@@ -28,7 +28,9 @@ device buffers written by async copies before the replay; kernel arguments are f
 ``meta`` = [L keys seen by the prefill, p0 position of prefill token 0, T prefill tokens, n_ctx].
 
 Kernels are launched with programmatic dependent launch (libcuda ``cuLaunchKernelEx``, see graphs.py) when the
-driver has it (``tuning["pdl"]``), else with PyCUDA's prepared calls; both run the same cubin. Tuning knobs
+driver has it (``tuning["pdl"]``) and the GPU is sm_90, else with PyCUDA's prepared calls; both run the same
+cubin. Older GPUs (sm_80 .. sm_89: A100, Jetson Orin, RTX 30/40, L4) get a build without PDL and without the
+dataflow decode (engine/gpu_arch.py). Tuning knobs
 (``DEFAULT_TUNING``) and their measured effect: docs/KERNEL_NOTES.md.
 
 PyCUDA is imported lazily: this module imports on a machine without a driver. ``cuda_available()`` returns a
@@ -46,6 +48,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.gpu_arch import fit_shared_memory, plan_arch
 from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
 from vla_edge_ros.engine.vram import VramTracker, check_budget
 
@@ -309,6 +312,9 @@ class CudaEngine(Engine):
         self.tokenizer = ActionTokenizer(cfg.vocab_size, cfg.action_q01, cfg.action_q99, cfg.n_action_bins)
 
         dev = cuda.Device(0)
+        # sm_90 builds use PDL and may run the dataflow decode; sm_80 .. sm_89 (A100, Jetson Orin, RTX 30/40, L4)
+        # build without them (engine/gpu_arch.py); VLA_CUDA_ARCH=compute_80 checks that build on a Hopper GPU
+        self.arch = plan_arch(dev.compute_capability(), os.environ.get("VLA_CUDA_ARCH", ""))
         self._ctx = dev.retain_primary_context()
         self._ctx.push()
         try:
@@ -488,7 +494,8 @@ class CudaEngine(Engine):
         self.log(f"cuda engine: {self.device_name}, {self.nlayers} layers, hidden {H}, budget {self.capacity} "
                  f"tokens; device memory {self.tracker.current_bytes / 2**30:.3f} GiB (planned {total / 2**30:.3f}); "
                  f"load {t1 - t0:.1f}s, compile {t2 - t1:.1f}s, upload {t3 - t2:.1f}s, prefix+capture {t4 - t3:.1f}s, "
-                 f"graphs {'on' if self.use_graphs else 'off'}")
+                 f"graphs {'on' if self.use_graphs else 'off'}; kernels {self.arch.describe()}, "
+                 f"PDL {'on' if self.pdl else 'off'}")
 
     def _alloc_kv(self, capacity: int) -> None:
         """KV cache, slot list, RoPE table and split partials for ``capacity`` retained tokens."""
@@ -601,6 +608,7 @@ class CudaEngine(Engine):
             src = (CUDA_DIR / fname).read_text(encoding="utf-8")
             try:
                 cubin = nvcc_compile(src, no_extern_c=True, include_dirs=[str(CUDA_DIR)],
+                                     arch=self.arch.nvcc_arch, target=self.arch.target,
                                      options=["-O3", "-std=c++17"]
                                      + (["-DVLA_TIMELINE"] if self.timeline_build else [])
                                      + self.extra_defines)
@@ -668,6 +676,11 @@ class CudaEngine(Engine):
             if u == "gateup" and K > 32 * G4_NW * G4_U:
                 continue  # the SiLU epilogue needs the whole K in one block: gemm32_silu
             self.g4[u] = gemm4_grid(N, K, n_sm, ms)
+        max_optin = cuda.Device(0).get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        kept, note = fit_shared_memory(set(self.g4), G4_SMEM, max_optin)  # sm_86 / sm_89: 99 KB per block
+        if note:
+            self.log(f"cuda engine: {note}")
+        self.g4 = {u: g for u, g in self.g4.items() if u in kept}
         if self.g4:
             smem_need["gemm32v4_atomic"] = smem_need["gemm32v4_silu"] = G4_SMEM
         gtb, gmk = int(t["gemv_target_blocks"]), int(t["gemv_min_ks"])
@@ -682,7 +695,6 @@ class CudaEngine(Engine):
         gsm = 4 * max(H, self.v_o[2], self.v_d[2])
         for name in ("gemv_qkv", "gemv_resid", "gemv_gateup", "gemv_logits"):
             smem_need[name] = gsm
-        max_optin = cuda.Device(0).get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         for name, need in smem_need.items():
             if need > max_optin:
                 raise EngineError(f"{name} needs {need} bytes of shared memory, the device allows {max_optin}: "
@@ -691,7 +703,8 @@ class CudaEngine(Engine):
                 self.k[name].set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, need)
                 if name in self.kx:
                     self.kx[name].set_max_dynamic_shared(need)
-        self.pdl = bool(t["pdl"]) and self.pdl_launcher is not None and len(self.kx) == len(self.k)
+        self.pdl = (bool(t["pdl"]) and self.arch.pdl and self.pdl_launcher is not None
+                    and len(self.kx) == len(self.k))
         self._write_late_trigger(late_trigger_mask(t["late_trigger"]))
         self._combine_vec("combine_prefill_vec")  # a bad "combine" fails here, not at capture
         self._combine_vec("combine_decode_vec")
@@ -780,7 +793,10 @@ class CudaEngine(Engine):
         smem = ring_bytes + (4 * max(I, H) + 127) // 128 * 128 + attn_bytes  # + vector area, attention staging
         optin = dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         why = None
-        if self.pdl_launcher is None or name not in self.kx:
+        if not self.arch.dataflow:
+            why = (f"needs sm_90 (TMA bulk copies, mbarrier transaction counts); {self.arch.describe()}: use "
+                   "decode_kernel 'layered'")
+        elif self.pdl_launcher is None or name not in self.kx:
             why = "needs the libcuda launcher (occupancy query)"
         elif H % 8 or I % 8 or self.nqkv % 8 or H > DF_KMAX or HD not in (64, 128):
             why = (f"hidden {H} must be a multiple of 8 and <= {DF_KMAX}, intermediate {I} and the QKV rows "
