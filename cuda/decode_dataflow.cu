@@ -153,6 +153,11 @@ __device__ __forceinline__ DfPlan df_plan(int H, int I, int Hq, int HD, int n_kv
 // Issue tile k of this block's weight sequence into slot k % DF_NSLOT (one thread).
 __device__ __forceinline__ void df_issue(const DfPlan& p, const unsigned long long* lp, int k,
                                          unsigned char* ring, uint64_t* full) {
+#ifdef DF_NO_WEIGHTS  // benchmark bound (VLA_CUDA_DEFINES): every tile "lands" at once and no weight byte moves, so
+    // the step takes what the dependency chain and the compute take alone (the results are garbage)
+    mbar_arrive(full + k % DF_NSLOT, 1u);
+    return;
+#endif
     const int layer = k / p.per_layer;
     int r = k - layer * p.per_layer;
     const unsigned long long* P = lp + (size_t)layer * DF_PTRS;
@@ -269,6 +274,11 @@ __device__ __forceinline__ void df_arrive(unsigned* c) {
 }
 
 __device__ __forceinline__ void df_wait(const unsigned* c, unsigned target, int* err) {
+#ifdef DF_NO_WAIT  // benchmark bound (VLA_CUDA_DEFINES): no block waits for another, so the step takes what the
+    // weight stream and the compute take alone (the results are garbage)
+    csync();
+    return;
+#endif
     if (threadIdx.x == 0) {  // (one global load per poll: *err only every ~0.5 ms, as in mbar_wait)
         const long long t0 = clock64();
         long long check = 1LL << 20;
@@ -326,6 +336,53 @@ __device__ __forceinline__ void df_load_vec(float* sx, const float* v, int K, co
                                                              bf16_lo(w[j].y) * (a[j].z * r), bf16_hi(w[j].y) * (a[j].w * r));
     }
     csync();
+}
+
+// A consumer lane's share of a GEMV input vector, held in registers for a whole phase: columns 8 lane + 256 u of a
+// vector of klen <= DF_KMAX columns (zero from klen on). Loaded once per phase, so that a tile's pass reads only its
+// weights from shared memory. Session 10 run 2: with the vector re-read from shared memory for every tile (three
+// wavefronts of 16-byte loads for each of the weights' one, the x loads 2-way bank conflicted), a consumer warp
+// took 0.81 us per 24 KB tile even with no weight byte moving (DF_NO_WEIGHTS): slower than the HBM pace (0.75 us),
+// so the consumer, not the stream, set the MLP's time.
+struct DfX {
+    float4 a[DF_KMAX / 256], b[DF_KMAX / 256];
+};
+__device__ __forceinline__ void df_x_load(DfX& x, const float* sx, int klen) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < DF_KMAX / 256; ++u) {
+        const int c = lane * 8 + 256 * u;
+        x.a[u] = c < klen ? *reinterpret_cast<const float4*>(sx + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        x.b[u] = c < klen ? *reinterpret_cast<const float4*>(sx + c + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+// This lane's partial dot products of two bf16 rows r0, r1 (shared memory, klen columns, a multiple of 8) with x:
+// every load of both rows in flight first, then the FMAs. Columns from klen on are zero (not read).
+__device__ __forceinline__ void df_dot2_partial(const bf16_t* r0, const bf16_t* r1, const DfX& x, int klen,
+                                                float& p0, float& p1) {
+    const int lane = threadIdx.x & 31;
+    uint4 w0[DF_KMAX / 256], w1[DF_KMAX / 256];
+#pragma unroll
+    for (int u = 0; u < DF_KMAX / 256; ++u) {
+        const int c = lane * 8 + 256 * u;
+        w0[u] = c < klen ? *reinterpret_cast<const uint4*>(r0 + c) : make_uint4(0u, 0u, 0u, 0u);
+        w1[u] = c < klen ? *reinterpret_cast<const uint4*>(r1 + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    p0 = 0.f;
+    p1 = 0.f;
+#pragma unroll
+    for (int u = 0; u < DF_KMAX / 256; ++u) {
+        p0 += dot8_bf16(w0[u], x.a[u], x.b[u]);
+        p1 += dot8_bf16(w1[u], x.a[u], x.b[u]);
+    }
+}
+// Warp sums of two per-lane partials in five shuffles (not ten): row 0's sum in lanes 0-15, row 1's in 16-31.
+__device__ __forceinline__ float df_sum2(float p0, float p1) {
+    const bool hi = (threadIdx.x & 16) != 0;
+    float v = (hi ? p1 : p0) + __shfl_xor_sync(0xffffffffu, hi ? p0 : p1, 16);
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
 }
 
 // Merge head h's split partials (numerator, (max, denominator) per split, log2 domain) into so[0..HD).
@@ -515,19 +572,23 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
         df_stamp(prof, nprof);
         df_load_vec(sx, x, H, reinterpret_cast<const bf16_t*>(P[0]), eps, red);
         {
+            DfX xr;
+            df_x_load(xr, sx, H);
             const float* bias = reinterpret_cast<const float*>(P[2]);
             bf16_t* kw = reinterpret_cast<bf16_t*>(P[7]);
             bf16_t* vw = reinterpret_cast<bf16_t*>(P[8]);
+            const bool out = (lane & 15) == 0;  // lanes 0, 16: the warp's two rows (df_sum2)
 #pragma unroll 1
             for (int i = 0; i < p.nQ; ++i) {
-                const int n = (p.b + i * p.NB) * 8 + 2 * warp + lane;  // lanes 0, 1: the warp's two rows
-                const float bv = lane < 2 ? bias[n] : 0.f;
+                const int n = (p.b + i * p.NB) * 8 + 2 * warp + (lane >> 4);
+                const float bv = out ? bias[n] : 0.f;
                 float a0, a1;
                 const bf16_t* w = reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)2 * warp * H;
-                dot2_rows_smem<DF_KMAX>(w, w + H, sx, H, a0, a1);
-                ring.release();
-                if (lane < 2) {
-                    const float y = (lane == 0 ? a0 : a1) + bv;
+                df_dot2_partial(w, w + H, xr, H, a0, a1);
+                ring.release();  // (the slot's reads are done: the reduction below needs only registers)
+                const float a = df_sum2(a0, a1);
+                if (out) {
+                    const float y = a + bv;
                     if (n < nq) qv[n] = y;
                     else if (n < nq + nkv) kw[(size_t)new_slot * nkv + (n - nq)] = f32_to_bf16(y);
                     else vw[(size_t)new_slot * nkv + (n - nq - nkv)] = f32_to_bf16(y);
@@ -592,29 +653,42 @@ __device__ __forceinline__ void decode_df_body(const unsigned long long* __restr
         df_wait(cnt + 2, NB * (l + 1), err);
         df_stamp(prof, nprof);
         df_load_vec(sx, x, H, reinterpret_cast<const bf16_t*>(P[4]), eps, red);
+        {
+            DfX xr;
+            df_x_load(xr, sx, H);
 #pragma unroll 1
-        for (int i = 0; i < p.nG; ++i) {  // tile rows: gate of outputs o0 .. o0 + 3, then their up rows
-            // warp w: the gate and up rows of output o0 + w
-            float g, u;
-            const bf16_t* w = reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)warp * H;
-            dot2_rows_smem<DF_KMAX>(w, w + (size_t)4 * H, sx, H, g, u);
-            ring.release();
-            if (lane == 0) act[4 * (p.b + i * p.NB) + warp] = silu(g) * u;
+            for (int i = 0; i < p.nG; ++i) {  // tile rows: gate of outputs o0 .. o0 + 3, then their up rows
+                // warp w: the gate and up rows of output o0 + w
+                float g, u;
+                const bf16_t* w = reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)warp * H;
+                df_dot2_partial(w, w + (size_t)4 * H, xr, H, g, u);
+                ring.release();
+                const float gs = df_sum2(g, u), us = __shfl_sync(0xffffffffu, gs, 16);
+                if (lane == 0) act[4 * (p.b + i * p.NB) + warp] = silu(gs) * us;
+            }
         }
         df_arrive(cnt + 3);
         // ---- down + residual ----
         df_wait(cnt + 3, NB * (l + 1), err);
         df_stamp(prof, nprof);
         df_load_vec(sx, act, I, nullptr, eps, red);
+        {
 #pragma unroll 1
-        for (int i = 0; i < p.nD; ++i) {
-            const int t = p.b + i * p.NB, rg = t / p.nseg, seg = t - rg * p.nseg;
-            const int c0 = seg * DF_KMAX, klen = min(DF_KMAX, I - c0);
-            float a0, a1;
-            const bf16_t* w = reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)2 * warp * klen;
-            dot2_rows_smem<DF_KMAX>(w, w + klen, sx + c0, klen, a0, a1);
-            ring.release();
-            if (lane < 2) atomicAdd(x + rg * 8 + 2 * warp + lane, lane == 0 ? a0 : a1);
+            for (int i = 0; i < p.nD; ++i) {
+                const int t = p.b + i * p.NB, rg = t / p.nseg, seg = t - rg * p.nseg;
+                const int c0 = seg * DF_KMAX, klen = min(DF_KMAX, I - c0);
+                // the tile's act segment, loaded for every tile: kept across tiles (one segment per block at 132
+                // SMs) it pushed the kernel to 255 registers and a 16-byte spill, and the step was 0.27 ms slower
+                // (session 10 run 3)
+                DfX xr;
+                df_x_load(xr, sx + c0, klen);
+                float a0, a1;
+                const bf16_t* w = reinterpret_cast<const bf16_t*>(ring.acquire()) + (size_t)2 * warp * klen;
+                df_dot2_partial(w, w + klen, xr, klen, a0, a1);
+                ring.release();
+                const float a = df_sum2(a0, a1);
+                if ((lane & 15) == 0) atomicAdd(x + rg * 8 + 2 * warp + (lane >> 4), a);
+            }
         }
         df_arrive(cnt + 4);
     }
