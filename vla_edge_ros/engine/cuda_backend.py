@@ -234,8 +234,8 @@ DEFAULT_TUNING = {
                                  # on the H200 (16.3 vs 11.6 ms/chunk at ea7c250: docs/KERNEL_NOTES.md v5);
                                  # "dataflow": one launch per decode token, one block per SM, one TMA weight
                                  # ring per block running ahead across phases, counters instead of barriers
-                                 # (cuda/decode_dataflow.cu), measured 11.82 vs 11.09 ms/chunk for the
-                                 # layered kernels (docs/KERNEL_NOTES.md session 8, run 15)
+                                 # (cuda/decode_dataflow.cu; sm_90 only), measured 11.44 vs 11.09 ms/chunk
+                                 # for the layered kernels (docs/KERNEL_NOTES.md session 10, run 4)
     "pd_blocks_per_sm": 0,  # persistent grid: blocks per SM (0 = as many as fit, from the occupancy API)
     "pd_grid": 0,  # test hook only: force the persistent grid size (a grid that is not resident must be flagged)
     "pd_profile": False,  # benchmark only: the persistent kernel stamps clock64 at every phase boundary
