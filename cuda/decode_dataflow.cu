@@ -56,9 +56,10 @@ static_assert(DF_THREADS == 32 * DEC_WARPS, "the consumer warps are the attentio
 #define DF_NCNT 8        // counters per decode step (5 used)
 #define DF_MSPLIT 16     // split partials per thread in flight in the head merge
 
-// What the host sizes the launch by: dynamic shared memory before the vector area (the ring, the RoPE rows),
-// threads per block.
-__constant__ int df_config[2] = {DF_RING_BYTES + DF_ROPE_BYTES, DF_BLOCK};
+// What the host sizes the launch and its buffers by (CudaEngine._df_config reads it, so no constant is repeated on
+// the host): dynamic shared memory before the vector area (the ring, the RoPE rows), threads per block, the hidden
+// size limit, the layer limit, counters per decode step, pointers per layer-table row.
+__constant__ int df_config[6] = {DF_RING_BYTES + DF_ROPE_BYTES, DF_BLOCK, DF_KMAX, DF_MAXL, DF_NCNT, DF_PTRS};
 
 // ---- mbarrier + TMA bulk copy (sm_90) ----
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }

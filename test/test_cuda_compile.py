@@ -44,3 +44,13 @@ def test_compiles_for_each_architecture(src: Path, arch: str, tmp_path):
     if cuobjdump and src.name in ("gemm_skinny.cu", "rope_attention.cu"):
         sass = subprocess.run([cuobjdump, "--dump-sass", str(out)], capture_output=True, text=True).stdout
         assert "HMMA" in sass, "tensor-core kernel without HMMA instructions"
+
+
+def test_dataflow_config_has_what_the_host_reads():
+    """The host sizes the dataflow launch from the kernel's df_config (no constant repeated on the host): the array
+    must have one entry per DfConfig field, in a source that still defines it."""
+    from vla_edge_ros.engine.cuda_backend import DfConfig
+    src = (CUDA_DIR / "decode_dataflow.cu").read_text(encoding="utf-8")
+    m = re.search(r"__constant__ int df_config\[(\d+)\] = \{([^}]*)\};", src)
+    assert m, "df_config not found in cuda/decode_dataflow.cu"
+    assert int(m.group(1)) == len(m.group(2).split(",")) == len(DfConfig._fields)

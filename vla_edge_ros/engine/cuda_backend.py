@@ -43,7 +43,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -260,10 +260,17 @@ def late_trigger_mask(spec: str) -> int:
 PD_THREADS = 128  # cuda/decode_persistent.cu: PD_THREADS
 PD_SEG = 1536  # cuda/decode_persistent.cu: PD_SEG (columns per GEMV item)
 PD_WSM_BYTES = 4 * 3 * 2 * PD_SEG * 2  # cuda/decode_persistent.cu: PD_WSM_BYTES (4 warps x 3 items x 2 rows)
-DF_KMAX = 1536  # cuda/decode_dataflow.cu: DF_KMAX
-DF_MAXL = 48  # cuda/decode_dataflow.cu: DF_MAXL
-DF_NCNT = 8  # cuda/decode_dataflow.cu: DF_NCNT
 PD_PHASES = ("qkv", "attention", "combine", "o_proj", "gate_up", "down")
+
+
+class DfConfig(NamedTuple):
+    """cuda/decode_dataflow.cu df_config, in its order."""
+    prologue_bytes: int  # dynamic shared memory before the vector area: the TMA ring + the keys' RoPE rows
+    threads: int         # per block: the consumer warps + the producer warp
+    kmax: int            # hidden size limit (one 8-row tile of a QKV / gate/up row is one ring slot)
+    max_layers: int      # the layer table copied to shared memory
+    counters: int        # phase counters per decode step
+    ptrs: int            # pointers per layer-table row
 
 
 class CudaEngine(Engine):
@@ -471,9 +478,10 @@ class CudaEngine(Engine):
         self.pd_err = self.pd_sync + 4 * self.decode_tokens
         self.pd_layers = self._alloc("pd_layers", 8 * 9 * self.nlayers)
         self.pd_prof = self._alloc("pd_prof", 8 * (6 * self.nlayers + 2))
-        # dataflow decode: DF_NCNT phase counters per decode step (zeroed in the decode graph), its layer table
-        self.df_sync = self._alloc("df_sync", 4 * DF_NCNT * self.decode_tokens)
-        self.df_layers = self._alloc("df_layers", 8 * 9 * self.nlayers)
+        # dataflow decode: its phase counters per decode step (zeroed in the decode graph), its layer table
+        self.df = self._df_config()
+        self.df_sync = self._alloc("df_sync", 4 * self.df.counters * self.decode_tokens)
+        self.df_layers = self._alloc("df_layers", 8 * self.df.ptrs * self.nlayers)
         self.h_pd_err = cuda.pagelocked_zeros(1, np.int32)
         self.move_buf = None
         # pinned host staging for the per-chunk copies
@@ -789,7 +797,7 @@ class CudaEngine(Engine):
         dev = cuda.Device(0)
         n_sm = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
         attn_bytes = max((64 * (HD + 8) + HD * (64 + 8)) * 2, (4 * 8 * HD + 2 * 4 * 8) * 4)  # attn_core.cuh
-        ring_bytes, threads = self._df_config()  # (ring + RoPE rows)
+        ring_bytes, threads = self.df.prologue_bytes, self.df.threads  # (ring + RoPE rows)
         smem = ring_bytes + (4 * max(I, H) + 127) // 128 * 128 + attn_bytes  # + vector area, attention staging
         optin = dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         why = None
@@ -798,13 +806,13 @@ class CudaEngine(Engine):
                    "decode_kernel 'layered'")
         elif self.pdl_launcher is None or name not in self.kx:
             why = "needs the libcuda launcher (occupancy query)"
-        elif H % 8 or I % 8 or self.nqkv % 8 or H > DF_KMAX or HD not in (64, 128):
-            why = (f"hidden {H} must be a multiple of 8 and <= {DF_KMAX}, intermediate {I} and the QKV rows "
+        elif H % 8 or I % 8 or self.nqkv % 8 or H > self.df.kmax or HD not in (64, 128):
+            why = (f"hidden {H} must be a multiple of 8 and <= {self.df.kmax}, intermediate {I} and the QKV rows "
                    f"{self.nqkv} multiples of 8, head_dim 64 or 128")
         elif n_sm < self.Hq:
             why = f"{n_sm} SMs < {self.Hq} query heads"
-        elif self.nlayers > DF_MAXL:
-            why = f"{self.nlayers} layers > {DF_MAXL}"
+        elif self.nlayers > self.df.max_layers:
+            why = f"{self.nlayers} layers > {self.df.max_layers}"
         elif smem + self.k[name].get_attribute(cuda.function_attribute.SHARED_SIZE_BYTES) > optin:
             why = f"{smem} B of dynamic shared memory + the kernel's static shared memory > {optin} per block"
         if why:
@@ -847,13 +855,15 @@ class CudaEngine(Engine):
         base = t[t > 0].min() if (t > 0).any() else 0.0
         return np.where(t > 0, (t - base) / 1e3, np.nan)
 
-    def _df_config(self) -> tuple[int, int]:
-        """(bytes before the vector area: the TMA ring + the RoPE rows of a block's keys, threads per block) of the
-        compiled dataflow kernel (cuda/decode_dataflow.cu df_config)."""
-        ptr, _ = self.modules["decode_dataflow.cu"].get_global("df_config")
-        cfg = np.zeros(2, np.int32)
+    def _df_config(self) -> DfConfig:
+        """The compiled dataflow kernel's constants (cuda/decode_dataflow.cu df_config)."""
+        ptr, nbytes = self.modules["decode_dataflow.cu"].get_global("df_config")
+        cfg = np.zeros(nbytes // 4, np.int32)
         self._cuda.memcpy_dtoh(cfg, ptr)
-        return int(cfg[0]), int(cfg[1])
+        if len(cfg) != len(DfConfig._fields):
+            raise EngineError(f"cuda/decode_dataflow.cu df_config has {len(cfg)} entries, this host reads "
+                              f"{len(DfConfig._fields)}: the kernel source and the engine do not match")
+        return DfConfig(*(int(v) for v in cfg))
 
     def _write_layer_table(self) -> None:
         """Per-layer pointers of the persistent / dataflow decode kernel: ln1, wqkv, bqkv, wo, ln2, wgu, wd, kc, vc
@@ -863,6 +873,9 @@ class CudaEngine(Engine):
             kc, vc = self._layer_ptrs(i)
             wo = Lw["wo_hm"] if self.dataflow else Lw["wo"]
             rows.append([Lw["ln1"], Lw["wqkv"], Lw["bqkv"], wo, Lw["ln2"], Lw["wgu"], Lw["wd"], kc, vc])
+        if self.dataflow and len(rows[0]) != self.df.ptrs:
+            raise EngineError(f"layer-table rows of {len(rows[0])} pointers, cuda/decode_dataflow.cu reads "
+                              f"{self.df.ptrs}: the kernel source and the engine do not match")
         self._cuda.memcpy_htod(self.df_layers if self.dataflow else self.pd_layers, np.asarray(rows, dtype=np.uint64))
 
     # ---- enqueue (the same code runs eagerly and under graph capture) ------------------------------------
@@ -1012,7 +1025,7 @@ class CudaEngine(Engine):
         start = self._launches
         n_steps = steps or self.decode_tokens
         if self.dataflow and (self._only is None or "decode_df" in self._only):
-            self._cuda.memset_d32_async(self.df_sync, 0, DF_NCNT * n_steps, self.stream)  # the phase counters
+            self._cuda.memset_d32_async(self.df_sync, 0, self.df.counters * n_steps, self.stream)  # the phase counters
         elif self.persistent and (self._only is None or "decode_layers" in self._only):
             self._cuda.memset_d32_async(self.pd_sync, 0, n_steps, self.stream)  # the grid-barrier counters
         for s in range(1, n_steps + 1):
@@ -1027,7 +1040,7 @@ class CudaEngine(Engine):
                              np.int32(self.nlayers), self.x_dec, self.q_dec, self.part_o_dec, self.part_ml_dec,
                              self.act_dec, self.key_slots, self.meta, st, self.rope, np.int32(H),
                              np.int32(I), np.int32(self.Hq), np.int32(self.n_kvh), eps, qscale, np.int32(kps),
-                             self.df_sync + 4 * DF_NCNT * (s - 1), self.pd_err,
+                             self.df_sync + 4 * self.df.counters * (s - 1), self.pd_err,
                              self.pd_prof if self.tuning["pd_profile"] else 0, smem=self.pd_smem)
             elif self.persistent:
                 self._launch("decode_layers_hd%d" % self.HD, (self.pd_grid, 1), (PD_THREADS, 1, 1), self.pd_layers,
