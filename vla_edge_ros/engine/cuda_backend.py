@@ -771,6 +771,10 @@ class CudaEngine(Engine):
         n_sm = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
         smem = PD_WSM_BYTES + max(attn_bytes, 4 * H, 4 * self.Hq * HD, 4 * I)  # (as measured; a vector needs
         # only min(., PD_SEG) floats since each block loads one column segment, the attention buffer dominates)
+        optin = dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        if smem + self.k[name].get_attribute(cuda.function_attribute.SHARED_SIZE_BYTES) > optin:  # sm_86 / sm_89
+            raise EngineError(f"persistent decode needs {smem} B of dynamic shared memory per block + its static "
+                              f"shared memory, this device allows {optin}: use decode_kernel 'layered'")
         fx = self.kx[name]
         if smem > 48 * 1024:
             self.k[name].set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
