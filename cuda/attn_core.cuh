@@ -25,6 +25,24 @@
 // loads of STAGE_B items before using any of them, so a chunk costs ~2 memory round trips, not one per item.
 // V items run key-fastest across a warp so the transposed 2-byte stores hit consecutive addresses.
 #define STAGE_B 4
+// Last step of a split merge, shared by the persistent and the dataflow decode kernels: NG groups' running
+// (max, denominator) in s_m / s_den (log2 domain, -inf for a group that saw no split) and numerator num(i) of
+// group i for this thread's output dim -> the merged attention output.
+template <int NG, typename Num>
+__device__ __forceinline__ float merge_split_groups(const float* s_m, const float* s_den, Num num) {
+    float MM = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < NG; ++i) MM = fmaxf(MM, s_m[i]);
+    float tn = 0.f, td = 0.f;
+#pragma unroll
+    for (int i = 0; i < NG; ++i) {
+        const float e = s_m[i] == -INFINITY ? 0.f : exp2f(s_m[i] - MM);
+        tn = fmaf(e, num(i), tn);
+        td = fmaf(e, s_den[i], td);
+    }
+    return tn / td;
+}
+
 // Cache loads: plain (the read-only path with const __restrict__: the stand-alone kernels) or, with CG, through L2
 // only (ld.global.cg: the persistent kernel, where other blocks wrote the data earlier in the same launch). CG
 // measured ~0.5 ms per chunk slower in the stand-alone decode attention, so it is not the default.

@@ -423,17 +423,7 @@ __device__ __forceinline__ void df_merge_head(const float* part_o, const float2*
     csync();
     if (threadIdx.x < HD) {
         const int dd = threadIdx.x;
-        float MM = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < NG; ++i) MM = fmaxf(MM, s_m[i]);
-        float tn = 0.f, td = 0.f;
-#pragma unroll
-        for (int i = 0; i < NG; ++i) {
-            const float e = s_m[i] == -INFINITY ? 0.f : exp2f(s_m[i] - MM);
-            tn = fmaf(e, s_num[i * HD + dd], tn);
-            td = fmaf(e, s_den[i], td);
-        }
-        so[dd] = tn / td;
+        so[dd] = merge_split_groups<NG>(s_m, s_den, [&](int i) { return s_num[i * HD + dd]; });
     }
     csync();
 }

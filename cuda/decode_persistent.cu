@@ -270,19 +270,8 @@ __device__ __forceinline__ void pd_combine(int vb, const float* part_o, const fl
     s_num[sg][lane] = num;
     if (lane == 0) { s_m[sg] = M; s_den[sg] = den; }
     __syncthreads();
-    if (sg == 0) {
-        float MM = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < PD_WARPS; ++i) MM = fmaxf(MM, s_m[i]);
-        float tn = 0.f, td = 0.f;
-#pragma unroll
-        for (int i = 0; i < PD_WARPS; ++i) {
-            const float e = s_m[i] == -INFINITY ? 0.f : exp2f(s_m[i] - MM);
-            tn = fmaf(e, s_num[i][lane], tn);
-            td = fmaf(e, s_den[i], td);
-        }
-        out[(size_t)r * HD + d] = tn / td;
-    }
+    if (sg == 0)
+        out[(size_t)r * HD + d] = merge_split_groups<PD_WARPS>(s_m, s_den, [&](int i) { return s_num[i][lane]; });
 }
 
 template <int HD>
