@@ -11,7 +11,7 @@ Jetson AGX / Orin NX (8.7), RTX 40 / L4 / L40 (8.9), the GPUs robots carry. Belo
 
 Shared memory per block also differs (sm_80 / sm_87 / sm_90: 163-227 KB opt-in, sm_86 / sm_89: 99 KB):
 ``fit_shared_memory`` moves the prefill GEMMs whose ``gemm32v4`` needs more than the device has onto the split-K
-GEMM (no large shared memory), and says so.
+GEMM of tuning ``gemm_version`` (version 1, the default, needs no large shared memory), and says so.
 
 ``VLA_CUDA_ARCH=compute_80`` (or any ``compute_XY`` not above the device) builds the kernels as PTX for that
 architecture and lets the driver compile it for the device: the pre-Hopper code paths, checked on an H200.
@@ -81,4 +81,4 @@ def fit_shared_memory(gemm_v4_uses: set[str], g4_smem: int, optin: int) -> tuple
         return set(gemm_v4_uses), ""
     moved = ", ".join(sorted(gemm_v4_uses))
     return set(), (f"gemm_v4 ({moved}) needs {g4_smem} B of shared memory per block, this device allows {optin}: "
-                   "those prefill GEMMs use the split-K GEMM (gemm_version 1)")
+                   "those prefill GEMMs use the split-K GEMM of tuning gemm_version instead")
