@@ -322,6 +322,9 @@ class CudaEngine(Engine):
         # sm_90 builds use PDL and may run the dataflow decode; sm_80 .. sm_89 (A100, Jetson Orin, RTX 30/40, L4)
         # build without them (engine/gpu_arch.py); VLA_CUDA_ARCH=compute_80 checks that build on a Hopper GPU
         self.arch = plan_arch(dev.compute_capability(), os.environ.get("VLA_CUDA_ARCH", ""))
+        # read once: the GEMM, persistent and dataflow planners size their grids and shared memory from these
+        self.n_sm = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+        self.smem_optin = dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         self._ctx = dev.retain_primary_context()
         self._ctx.push()
         try:
@@ -676,7 +679,7 @@ class CudaEngine(Engine):
         uses = {u.strip() for u in str(t["gemm_v4"]).split(",") if u.strip()}
         if uses - set(G4_USES):
             raise EngineError(f"gemm_v4: unknown GEMM(s) {sorted(uses - set(G4_USES))} (known: {', '.join(G4_USES)})")
-        n_sm = cuda.Device(0).get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+        n_sm = self.n_sm
         shapes = {"qkv": (self.nqkv, H, 1), "o": (H, self.Hq * self.HD, 1), "gateup": (2 * I, H, 1), "down": (H, I, 0)}
         self.g4: dict[str, tuple[int, int]] = {}
         for u in uses:
@@ -684,7 +687,7 @@ class CudaEngine(Engine):
             if u == "gateup" and K > 32 * G4_NW * G4_U:
                 continue  # the SiLU epilogue needs the whole K in one block: gemm32_silu
             self.g4[u] = gemm4_grid(N, K, n_sm, ms)
-        max_optin = cuda.Device(0).get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        max_optin = self.smem_optin
         kept, note = fit_shared_memory(set(self.g4), G4_SMEM, max_optin)  # sm_86 / sm_89: 99 KB per block
         if note:
             self.log(f"cuda engine: {note}")
@@ -767,11 +770,10 @@ class CudaEngine(Engine):
         cuda = self._cuda
         HD, H, I = self.HD, self.H, self.I
         attn_bytes = max((64 * (HD + 8) + HD * (64 + 8)) * 2, (4 * 8 * HD + 2 * 4 * 8) * 4)  # attn_core.cuh
-        dev = cuda.Device(0)
-        n_sm = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+        n_sm = self.n_sm
         smem = PD_WSM_BYTES + max(attn_bytes, 4 * H, 4 * self.Hq * HD, 4 * I)  # (as measured; a vector needs
         # only min(., PD_SEG) floats since each block loads one column segment, the attention buffer dominates)
-        optin = dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        optin = self.smem_optin
         if smem + self.k[name].get_attribute(cuda.function_attribute.SHARED_SIZE_BYTES) > optin:  # sm_86 / sm_89
             raise EngineError(f"persistent decode needs {smem} B of dynamic shared memory per block + its static "
                               f"shared memory, this device allows {optin}: use decode_kernel 'layered'")
@@ -798,12 +800,11 @@ class CudaEngine(Engine):
         cuda = self._cuda
         HD, H, I = self.HD, self.H, self.I
         name = "decode_df_hd%d" % HD
-        dev = cuda.Device(0)
-        n_sm = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+        n_sm = self.n_sm
         attn_bytes = max((64 * (HD + 8) + HD * (64 + 8)) * 2, (4 * 8 * HD + 2 * 4 * 8) * 4)  # attn_core.cuh
         ring_bytes, threads = self.df.prologue_bytes, self.df.threads  # (ring + RoPE rows)
         smem = ring_bytes + (4 * max(I, H) + 127) // 128 * 128 + attn_bytes  # + vector area, attention staging
-        optin = dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        optin = self.smem_optin
         why = None
         if not self.arch.dataflow:
             why = (f"needs sm_90 (TMA bulk copies, mbarrier transaction counts); {self.arch.describe()}: use "
@@ -1390,25 +1391,35 @@ class CudaEngine(Engine):
                     self.timeline_pf_phases = np.where(a == 0, np.nan, (a.astype(np.float64) - t0) / 1e3)
         return [(n, us(r[1]), us(r[2]), us(r[3])) for n, r in zip(self.launch_names, rows)]
 
+    def _phase_stamps(self, kernel: str, n: int, run_chunk: Callable[[], Any], chunks: int) -> list[np.ndarray]:
+        """Differences of the ``n`` timer stamps (pd_prof) that the ``kernel`` decode kernel writes in profile mode,
+        one array per chunk of ``chunks`` chunks run by ``run_chunk()`` (the last decode step's stamps). Switches to
+        that kernel for the measurement and back; [] when the kernel is unavailable on this device."""
+        prev = self.tuning["decode_kernel"]
+        self.retune(decode_kernel=kernel, pd_profile=True)
+        out = []
+        try:
+            if not self.persistent:
+                return out
+            for _ in range(chunks):
+                run_chunk()
+                st = np.empty(n, np.uint64)
+                with self._active():
+                    self._cuda.memcpy_dtoh(st, self.pd_prof)
+                out.append(np.diff(st.astype(np.int64)).astype(np.float64))
+        finally:
+            self.retune(decode_kernel=prev, pd_profile=False)
+        return out
+
     def decode_phase_profile(self, run_chunk: Callable[[], Any], chunks: int = 20) -> dict[str, float]:
         """Share of each phase of the persistent decode kernel (critical path: block 0's clock64 at every barrier
         exit, barrier waits included), summed over the layers of the last decode step of ``chunks`` chunks run by
-        ``run_chunk()``. Benchmark only: switches to the persistent kernel for the measurement and back."""
-        prev = self.tuning["decode_kernel"]
-        self.retune(decode_kernel="persistent", pd_profile=True)
-        try:
-            if not self.persistent:
-                return {}
-            acc = np.zeros(len(PD_PHASES))
-            for _ in range(chunks):
-                run_chunk()
-                st = np.empty(6 * self.nlayers + 1, np.uint64)
-                with self._active():
-                    self._cuda.memcpy_dtoh(st, self.pd_prof)
-                d = np.diff(st.astype(np.int64)).astype(np.float64)  # start->B_attn(0): qkv(0), then 6 per layer
-                acc += d.reshape(self.nlayers, 6).sum(axis=0)
-        finally:
-            self.retune(decode_kernel=prev, pd_profile=False)
+        ``run_chunk()``. Benchmark only."""
+        diffs = self._phase_stamps("persistent", 6 * self.nlayers + 1, run_chunk, chunks)
+        if not diffs:
+            return {}
+        # start->B_attn(0): qkv(0), then 6 per layer
+        acc = sum(d.reshape(self.nlayers, 6).sum(axis=0) for d in diffs)
         return {name: float(v / acc.sum()) for name, v in zip(PD_PHASES, acc)}
 
     def dataflow_phase_profile(self, run_chunk: Callable[[], Any], chunks: int = 10) -> dict[str, float]:
@@ -1416,26 +1427,14 @@ class CudaEngine(Engine):
         after each counter wait: "qkv" runs from x ready to q/K/V ready in every block, i.e. block 0's QKV tiles and
         the slowest block's QKV; "attn" includes the copy requests of the next layer's old keys, "down" their
         rotation / transpose in shared memory), averaged over the layers of the last decode step of ``chunks``
-        chunks run by ``run_chunk()``. "start": kernel start to x ready. Benchmark only: switches to
-        the dataflow kernel for the measurement and back."""
-        prev = self.tuning["decode_kernel"]
-        self.retune(decode_kernel="dataflow", pd_profile=True)
+        chunks run by ``run_chunk()``. "start": kernel start to x ready. Benchmark only."""
         names = ("qkv", "attn", "o_proj", "gate_up", "down")
-        try:
-            acc = np.zeros(len(names))
-            start = 0.0
-            for _ in range(chunks):
-                run_chunk()
-                st = np.empty(5 * self.nlayers + 2, np.uint64)
-                with self._active():
-                    self._cuda.memcpy_dtoh(st, self.pd_prof)
-                d = np.diff(st.astype(np.int64)).astype(np.float64) / 1e3
-                start += d[0]
-                acc += d[1:].reshape(self.nlayers, 5).mean(axis=0)
-        finally:
-            self.retune(decode_kernel=prev, pd_profile=False)
-        out = {"start": float(start / chunks)}
-        out.update({n: float(v / chunks) for n, v in zip(names, acc)})
+        diffs = [d / 1e3 for d in self._phase_stamps("dataflow", 5 * self.nlayers + 2, run_chunk, chunks)]
+        if not diffs:
+            return {}
+        out = {"start": float(np.mean([d[0] for d in diffs]))}
+        acc = np.mean([d[1:].reshape(self.nlayers, 5).mean(axis=0) for d in diffs], axis=0)
+        out.update({n: float(v) for n, v in zip(names, acc)})
         return out
 
     def reset(self) -> None:
