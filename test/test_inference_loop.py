@@ -260,6 +260,25 @@ def test_warmup_seeds_emas_outside_live_figures_and_resets_the_engine():
         h2.loop.warmup(-1)
 
 
+def test_deadline_fit_says_when_no_chunk_can_be_admitted():
+    """A GPU too slow for the model: the warm-up estimate (15 ms) exceeds deadline - margin (10 ms), the loop says
+    so (warm-up figures and stats), and the first live frame is indeed refused."""
+    h = Harness()
+    assert h.loop.deadline_fit() == {"estimate_ms": None, "budget_ms": 31.0, "fits": None}  # no estimate yet
+    fig = h.loop.warmup(2)
+    assert fig["estimate_ms"] == pytest.approx(15.0) and fig["budget_ms"] == 31.0 and fig["fits"] is True
+    slow = Harness(deadline_ms=12.0, margin_ms=2.0)
+    fig = slow.loop.warmup(2)
+    assert fig["estimate_ms"] == pytest.approx(15.0) and fig["budget_ms"] == 10.0 and fig["fits"] is False
+    assert slow.loop.stats()["deadline_fit"]["fits"] is False
+    assert slow.loop.step(frame(1)) == REFUSED
+    slow.loop.update(deadline_ms=20.0)  # a longer deadline: fits from the next cycle
+    slow.loop.apply_pending_updates()
+    assert slow.loop.deadline_fit()["fits"] is True
+    slow.clock.t = slow.loop.clock.next_deadline(slow.clock.t)  # a frame at the start of a cycle
+    assert slow.loop.step(frame(2)) == ADMITTED
+
+
 def test_update_validates_now_and_applies_at_the_next_cycle():
     h = Harness()
     h.loop.update(deadline_ms=20.0, ema_alpha=0.9)

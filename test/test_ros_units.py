@@ -177,6 +177,22 @@ def test_inference_health_in_flight_chunk():
                             deadline_ms=33.0)[1]
 
 
+def test_inference_health_warns_when_the_estimate_exceeds_the_budget():
+    h = diagnostics.inference_health
+    W, O, E = diagnostics.WARN, diagnostics.OK, diagnostics.ERROR
+    assert h("active", estimate_ms=11.0, budget_ms=31.0) == (O, "active")
+    lvl, msg = h("active", estimate_ms=115.0, budget_ms=31.0)
+    assert lvl == W and "115.0 ms > 31.0 ms" in msg and "refused" in msg
+    assert h("active", estimate_ms=None, budget_ms=31.0) == (O, "active")  # no estimate yet: first chunk admitted
+    assert h("inactive", estimate_ms=115.0, budget_ms=31.0) == (W, "inference inactive")  # not refusing: paused
+    assert h("active", "chunk_error: x", 0.0, False, estimate_ms=115.0, budget_ms=31.0)[0] == E  # a fault first
+    # through inference_status: the loop's deadline_fit figures become values and the message
+    st = diagnostics.inference_status({"state": "active", "loop": {
+        "deadline_fit": {"estimate_ms": 115.0, "budget_ms": 31.0, "fits": False}}})
+    v = {kv.key: kv.value for kv in st.values}
+    assert st.level == W and (v["chunk_estimate_ms"], v["chunk_budget_ms"]) == ("115.000", "31.000")
+
+
 def test_inference_status_carries_loop_counters_and_decays():
     def values(st):
         return {kv.key: kv.value for kv in st.values}

@@ -208,11 +208,22 @@ class InferenceLoop:
             p = float(np.median(prefill[use]))
             d = float(np.median(decode_per_token[use]))
             self.admission.seed(p, d)
-            figures.update(prefill_ms=p, decode_ms_per_token=d,
-                           estimate_ms=self.admission.estimate_ms(self.decode_tokens))
+            figures.update(prefill_ms=p, decode_ms_per_token=d, **self.deadline_fit())
         self.warmup_figures = figures
         self._emit("warmup_done", dict(figures))
         return figures
+
+    def deadline_fit(self) -> dict[str, Any]:
+        """The admission estimate of a chunk against the most time a chunk can ever be given (a frame taken at the
+        start of its cycle: deadline_ms - safety_margin_ms). ``fits`` False means every chunk is refused (the
+        robot repeats / holds, save the periodic probes) until the estimate comes down: a GPU too slow for the
+        model, or a deadline too tight for it. None before any estimate exists (the first chunk is admitted)."""
+        adm = self.admission
+        budget = adm.deadline_ms - adm.safety_margin_ms
+        if not adm.seeded:
+            return {"estimate_ms": None, "budget_ms": budget, "fits": None}
+        estimate = adm.estimate_ms(self.decode_tokens)
+        return {"estimate_ms": estimate, "budget_ms": budget, "fits": estimate <= budget}
 
     # ---- one cycle --------------------------------------------------------------------------------------
     def _salient(self, tokens: np.ndarray) -> bool:
@@ -454,6 +465,7 @@ class InferenceLoop:
             "period_ms": self.clock.period_ms,
             "saliency_threshold": self.saliency_threshold,
             "admission": self.admission.stats(),
+            "deadline_fit": self.deadline_fit(),
             "frames": self.buffer.stats(),
             "warmup": dict(self.warmup_figures),
         }

@@ -72,13 +72,16 @@ RECOVERED_WARN_S = 60.0
 def inference_health(state: str, last_error: str = "", last_error_age_s: Optional[float] = None,
                      error_sticky: bool = True, in_flight_ms: float = 0.0, deadline_ms: float = math.nan,
                      error_hold_s: float = ERROR_HOLD_S, recovered_warn_s: float = RECOVERED_WARN_S,
-                     hung_chunk_ms: float = HUNG_CHUNK_MS) -> tuple[int, str]:
+                     hung_chunk_ms: float = HUNG_CHUNK_MS, estimate_ms: Optional[float] = None,
+                     budget_ms: Optional[float] = None) -> tuple[int, str]:
     """(level, message) of the inference status; a pure function of the node's figures so it is unit-tested.
 
     Order: a chunk in flight longer than ``hung_chunk_ms`` (ERROR: Python cannot pre-empt it, but it can say so);
     a sticky (transition) error or a chunk error younger than ``error_hold_s`` (ERROR); a chunk in flight longer
     than ``deadline_ms`` (WARN: it will miss its deadline, maybe hung); a chunk error younger than
-    ``recovered_warn_s`` (WARN "recovered; last error: ..."); the node not active (WARN); else OK.
+    ``recovered_warn_s`` (WARN "recovered; last error: ..."); the node active with an admission estimate above
+    ``budget_ms`` (deadline_ms - safety_margin_ms, the most time a chunk can get: WARN, every chunk is refused and
+    the robot repeats / holds until the estimate comes down); the node not active (WARN); else OK.
     ``last_error_age_s`` None with an error text is treated as sticky (no time known: do not downgrade)."""
     in_flight_ms = float(in_flight_ms or 0.0)
     if in_flight_ms > hung_chunk_ms:
@@ -95,6 +98,10 @@ def inference_health(state: str, last_error: str = "", last_error_age_s: Optiona
         return WARN, f"chunk in flight for {in_flight_ms:.0f} ms, past deadline_ms={deadline_ms:g}"
     if recovered:
         return WARN, f"recovered {last_error_age_s:.0f} s ago; last error: {last_error}"
+    if (state == "active" and estimate_ms is not None and budget_ms is not None and math.isfinite(budget_ms)
+            and estimate_ms > budget_ms):
+        return WARN, (f"chunk estimate {estimate_ms:.1f} ms > {budget_ms:.1f} ms (deadline_ms - safety_margin_ms): "
+                      "chunks refused, the robot repeats / holds")
     if state != "active":
         return WARN, f"inference {state}"
     return OK, "active"
@@ -129,8 +136,12 @@ def inference_status(s: dict[str, Any]) -> DiagnosticStatus:
     values["loop_errors"] = loop.get("errors", 0)
     values["engine_resets"] = loop.get("engine_resets", 0)
     values["late_discarded"] = loop.get("late_discarded", 0)
+    fit = loop.get("deadline_fit") or {}
+    values["chunk_estimate_ms"] = _fmt(fit["estimate_ms"] if fit.get("estimate_ms") is not None else math.nan)
+    values["chunk_budget_ms"] = _fmt(fit.get("budget_ms", math.nan))
     level, msg = inference_health(s.get("state", "?"), s.get("last_error", ""), age,
-                                  bool(s.get("last_error_sticky", True)), in_flight, deadline_ms)
+                                  bool(s.get("last_error_sticky", True)), in_flight, deadline_ms,
+                                  estimate_ms=fit.get("estimate_ms"), budget_ms=fit.get("budget_ms"))
     return _status("vla_inference: engine", level, msg, values)
 
 

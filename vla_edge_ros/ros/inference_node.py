@@ -236,6 +236,15 @@ class InferenceNode(LifecycleNode):
         self._succeeded("configure")
         self.get_logger().info(f"configured: backend {self.backend}, warm-up {values['warmup_chunks']} chunks, "
                                f"{time.monotonic() - t0:.1f} s")
+        if self.warmup_stats and self.warmup_stats.get("fits") is False:
+            # Not a failure (a slow first spell can pass; probes re-measure), but on a GPU too slow for the model
+            # every chunk will be refused and the robot will only repeat / hold: say so now, with the figures.
+            w = self.warmup_stats
+            self.get_logger().warning(
+                f"warm-up chunk estimate {w['estimate_ms']:.1f} ms > {w['budget_ms']:.1f} ms (deadline_ms "
+                f"{values['deadline_ms']:g} - safety_margin_ms {values['safety_margin_ms']:g}): chunks will be "
+                "refused and the robot will repeat / hold; use a faster GPU or a smaller model, fewer "
+                "decode_tokens, or a longer deadline_ms")
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
