@@ -263,6 +263,13 @@ PD_WSM_BYTES = 4 * 3 * 2 * PD_SEG * 2  # cuda/decode_persistent.cu: PD_WSM_BYTES
 PD_PHASES = ("qkv", "attention", "combine", "o_proj", "gate_up", "down")
 
 
+def attn_stage_bytes(HD: int) -> int:
+    """Shared memory of the one-block decode attention in cuda/attn_core.cuh (persistent and dataflow kernels): the
+    larger of one staged key chunk (sK [ATT_KC][HD + 8] + sVt [HD][ATT_KC + 8], bf16) and the 4 warps' merge area
+    for up to DEC_MAXG = 8 query heads (fp32 s_o [4][8][HD], s_m and s_l [4][8])."""
+    return max((64 * (HD + 8) + HD * (64 + 8)) * 2, (4 * 8 * HD + 2 * 4 * 8) * 4)
+
+
 class DfConfig(NamedTuple):
     """cuda/decode_dataflow.cu df_config, in its order."""
     prologue_bytes: int  # dynamic shared memory before the vector area: the TMA ring + the keys' RoPE rows
@@ -769,7 +776,7 @@ class CudaEngine(Engine):
             return
         cuda = self._cuda
         HD, H, I = self.HD, self.H, self.I
-        attn_bytes = max((64 * (HD + 8) + HD * (64 + 8)) * 2, (4 * 8 * HD + 2 * 4 * 8) * 4)  # attn_core.cuh
+        attn_bytes = attn_stage_bytes(HD)
         n_sm = self.n_sm
         smem = PD_WSM_BYTES + max(attn_bytes, 4 * H, 4 * self.Hq * HD, 4 * I)  # (as measured; a vector needs
         # only min(., PD_SEG) floats since each block loads one column segment, the attention buffer dominates)
@@ -801,7 +808,7 @@ class CudaEngine(Engine):
         HD, H, I = self.HD, self.H, self.I
         name = "decode_df_hd%d" % HD
         n_sm = self.n_sm
-        attn_bytes = max((64 * (HD + 8) + HD * (64 + 8)) * 2, (4 * 8 * HD + 2 * 4 * 8) * 4)  # attn_core.cuh
+        attn_bytes = attn_stage_bytes(HD)
         ring_bytes, threads = self.df.prologue_bytes, self.df.threads  # (ring + RoPE rows)
         smem = ring_bytes + (4 * max(I, H) + 127) // 128 * 128 + attn_bytes  # + vector area, attention staging
         optin = self.smem_optin
