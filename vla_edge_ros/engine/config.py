@@ -15,6 +15,37 @@ step, gripper in [0, 1]); a real checkpoint should carry its dataset's statistic
 
 The vocabulary must hold the 256 byte tokens used for the instruction prefix (byte b -> id b) below the
 action rows, so ``vocab_size >= 256 + n_action_bins``.
+
+HF keys that change the math. The engine must compute what HF's ``Qwen2ForCausalLM`` computes for the same
+config.json (transformers 4.x and 5.x); a key it cannot honour is refused here, at configure, by name
+(``ModelConfigError``, both an ``EngineError`` and a ``ValueError``), never ignored. Absent keys take HF
+``Qwen2Config``'s defaults, not values of our own.
+
+    rope_theta                honoured; read at the top level (4.x) AND inside ``rope_parameters`` (5.x) /
+                              ``rope_scaling`` (also per layer type: {"full_attention": {...}}); several given
+                              and different: refused, naming each; none given: 10000.0 (HF default_theta)
+    rope_parameters /         null, {} or rope_type (legacy spelling: type) "default": honoured. Any other type
+      rope_scaling            (linear, dynamic, yarn, longrope, llama3, mrope, ...), a key default RoPE does not
+                              read (factor, mrope_section, ...) or partial_rotary_factor != 1: refused
+    partial_rotary_factor     top level: absent / null / 1.0 only; anything else refused
+    use_sliding_window,       honoured where it cannot bind: off, or window >= max_position_embeddings (the
+      sliding_window,         runtime never holds more tokens than that). A window that some layer
+      max_window_layers,      (layer_types, or layers >= max_window_layers; HF's rule) would apply below
+      layer_types             max_position_embeddings is refused; a layer type other than full_attention /
+                              sliding_attention is refused
+    hidden_act                silu (or its alias swish) only
+    head_dim                  absent / null / hidden_size / num_attention_heads only
+    num_key_value_heads       absent: 32 (HF Qwen2Config's default); null: num_attention_heads (HF's rule)
+    tie_word_embeddings       honoured (true: LM head = embedding; false: lm_head.weight); absent: false (HF)
+    attention_bias            absent / true only: Qwen2 q/k/v projections always carry biases (HF Qwen2 hard-
+                              codes them); false (a layout without them) refused
+    model_type                absent or "qwen2" only (qwen3, llama, qwen2_vl, ... differ in layout or RoPE)
+    quantization_config       refused (packed / scaled weights are not implemented)
+    rms_norm_eps, max_position_embeddings   honoured; absent: 1e-6, 32768 (HF)
+
+Read and deliberately not used (no effect on greedy inference): attention_dropout, initializer_range,
+use_cache, bos/eos/pad_token_id, torch_dtype / dtype (the checkpoint's tensors say), architectures,
+transformers_version.
 """
 from __future__ import annotations
 
@@ -34,6 +65,20 @@ DEFAULT_Q99 = (0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 1.0)
 
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
+# HF defaults for keys absent from config.json (transformers Qwen2Config / RotaryEmbeddingConfigMixin)
+HF_DEFAULT_ROPE_THETA = 10_000.0
+HF_DEFAULT_KV_HEADS = 32
+HF_DEFAULT_SLIDING_WINDOW = 4096
+HF_DEFAULT_MAX_WINDOW_LAYERS = 28
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")  # all that default RoPE reads
+_ACTIVATIONS = ("silu", "swish")  # one function under two names in HF's ACT2FN
+
+
+class ModelConfigError(EngineError, ValueError):
+    """config.json is malformed or asks for maths the kernels do not implement (refused at configure)."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -44,9 +89,9 @@ class ModelConfig:
     intermediate_size: int
     vocab_size: int
     max_position_embeddings: int = 32768
-    rope_theta: float = 1_000_000.0
+    rope_theta: float = HF_DEFAULT_ROPE_THETA
     rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
+    tie_word_embeddings: bool = False
     # ---- "vla" block
     action_dims: int = 7
     action_names: tuple[str, ...] = DEFAULT_ACTION_NAMES
@@ -87,7 +132,11 @@ class ModelConfig:
     # ---- construction
     @classmethod
     def from_json(cls, path_or_dict: str | Path | Mapping[str, Any]) -> "ModelConfig":
-        """Read an HF Qwen2 config (a path to config.json, a checkpoint directory, or a dict)."""
+        """Read an HF Qwen2 config (a path to config.json, a checkpoint directory, or a dict).
+
+        Raises ``ModelConfigError`` (an ``EngineError``) for a malformed config or one whose maths the kernels do
+        not implement (module docstring), ``EngineError`` for a missing / unreadable file.
+        """
         if isinstance(path_or_dict, Mapping):
             return cls._from_dict(path_or_dict, "<dict>")
         path = Path(path_or_dict)
@@ -110,8 +159,8 @@ class ModelConfig:
 
     @classmethod
     def _from_dict(cls, d: Mapping[str, Any], source: str) -> "ModelConfig":
-        def fail(msg: str) -> EngineError:
-            return EngineError(f"model config {source}: {msg}")
+        def fail(msg: str) -> ModelConfigError:
+            return ModelConfigError(f"model config {source}: {msg}")
 
         missing = [k for k in _REQUIRED if k not in d]
         if missing:
@@ -125,34 +174,30 @@ class ModelConfig:
                 raise fail(f"{key}={v} must be >= {lo}")
             return v
 
-        def float_key(m: Mapping[str, Any], key: str, default: float) -> float:
-            v = m.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise fail(f"{key} must be a positive finite number, got {v!r}")
-            return float(v)
-
+        _refuse_other_models(d, fail)
         heads = int_key(d, "num_attention_heads")
+        kv_heads = d.get("num_key_value_heads", HF_DEFAULT_KV_HEADS)  # HF: absent -> 32, null -> heads
         kwargs: dict[str, Any] = dict(
             hidden_size=int_key(d, "hidden_size"),
             num_hidden_layers=int_key(d, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int_key(d, "num_key_value_heads", heads),
+            num_key_value_heads=int_key({"num_key_value_heads": heads if kv_heads is None else kv_heads},
+                                        "num_key_value_heads"),
             intermediate_size=int_key(d, "intermediate_size"),
             vocab_size=int_key(d, "vocab_size"),
             max_position_embeddings=int_key(d, "max_position_embeddings", 32768),
-            rope_theta=float_key(d, "rope_theta", 1_000_000.0),
-            rms_norm_eps=float_key(d, "rms_norm_eps", 1e-6),
+            rope_theta=rope_theta_of(d, fail),
+            rms_norm_eps=_positive_number(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", fail),
         )
-        tie = d.get("tie_word_embeddings", True)
+        tie = d.get("tie_word_embeddings", False)
         if not isinstance(tie, bool):
             raise fail(f"tie_word_embeddings must be true or false, got {tie!r}")
         kwargs["tie_word_embeddings"] = tie
 
         act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise fail(f"hidden_act={act!r} is not supported (Qwen2 uses 'silu')")
-        if d.get("rope_scaling") not in (None, {}):
-            raise fail(f"rope_scaling={d.get('rope_scaling')!r} is not supported (plain RoPE only)")
+        if act not in _ACTIVATIONS:
+            raise fail(f"hidden_act={act!r} is not implemented by vla_edge_ros (Qwen2 uses 'silu')")
+        _check_sliding_window(d, kwargs["num_hidden_layers"], kwargs["max_position_embeddings"], fail)
 
         vla = d.get("vla", {})
         if vla is None:
@@ -199,6 +244,10 @@ class ModelConfig:
         return cfg
 
     def _validate(self, fail, d: Mapping[str, Any]) -> None:
+        if "num_key_value_heads" not in d and self.num_attention_heads % self.num_key_value_heads:
+            raise fail(f"num_key_value_heads is absent, so HF Qwen2Config's default {HF_DEFAULT_KV_HEADS} applies, "
+                       f"and it does not divide num_attention_heads={self.num_attention_heads}; write "
+                       "num_key_value_heads into config.json")
         if self.hidden_size % self.num_attention_heads:
             raise fail(f"num_attention_heads={self.num_attention_heads} does not divide "
                        f"hidden_size={self.hidden_size}")
@@ -207,7 +256,7 @@ class ModelConfig:
                        f"num_attention_heads={self.num_attention_heads}")
         if self.head_dim % 2:
             raise fail(f"head_dim={self.head_dim} (hidden_size / num_attention_heads) must be even for RoPE")
-        if "head_dim" in d and d["head_dim"] != self.head_dim:
+        if d.get("head_dim") is not None and d["head_dim"] != self.head_dim:
             raise fail(f"head_dim={d['head_dim']!r} differs from hidden_size / num_attention_heads = "
                        f"{self.head_dim}; only the Qwen2 layout is supported")
         if self.vocab_size < BYTE_TOKENS + self.n_action_bins:
@@ -223,6 +272,140 @@ class ModelConfig:
         vla = {k: list(v) if isinstance(v, tuple) else v for k, v in vla.items()}
         d.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", vla=vla)
         return d
+
+
+# ---- HF keys that change the math (see the module docstring for the list) --------------------------------
+
+def _positive_number(value: Any, where: str, fail) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise fail(f"{where} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _rope_dicts(d: Mapping[str, Any], key: str, fail) -> list[tuple[str, Mapping[str, Any]]]:
+    """(name, dict) for each RoPE parameter dict under ``key``: one, or one per layer type (5.x nesting)."""
+    value = d.get(key)
+    if value is None or value == {}:
+        return []
+    if not isinstance(value, Mapping):
+        raise fail(f"{key} must be an object or null, got {value!r}")
+    layer_types = d.get("layer_types")
+    names = set(LAYER_TYPES)
+    if isinstance(layer_types, list):
+        names |= {t for t in layer_types if isinstance(t, str)}
+    nested = set(value) <= names and all(isinstance(v, Mapping) or v is None for v in value.values())
+    if nested:
+        return [(f"{key}.{name}", sub) for name, sub in value.items() if sub]
+    return [(key, value)]
+
+
+def _check_rope_dict(where: str, params: Mapping[str, Any], fail) -> None:
+    """Refuse, by name, anything but plain (default) RoPE: the kernels implement exactly that."""
+    for k in ("rope_type", "type"):
+        if k in params and not isinstance(params[k], str):
+            raise fail(f"{where}.{k} must be a string, got {params[k]!r}")
+    kinds = {params[k] for k in ("rope_type", "type") if k in params}
+    if len(kinds) > 1:
+        raise fail(f"{where} gives rope_type={params['rope_type']!r} and type={params['type']!r}; they disagree")
+    kind = kinds.pop() if kinds else "default"
+    if kind != "default":
+        raise fail(f"{where} type {kind!r} is not implemented by vla_edge_ros (only default RoPE)")
+    if "mrope_section" in params:
+        raise fail(f"{where}.mrope_section: multimodal RoPE (mrope) is not implemented by vla_edge_ros "
+                   "(only default RoPE)")
+    factor = params.get("partial_rotary_factor")
+    if factor is not None and factor != 1:
+        raise fail(f"{where}.partial_rotary_factor={factor!r} is not implemented by vla_edge_ros (RoPE over the "
+                   "whole head only)")
+    unknown = sorted(k for k in params if k not in _ROPE_KEYS)
+    if unknown:
+        raise fail(f"{where} has key(s) {', '.join(unknown)} that default RoPE does not use; vla_edge_ros "
+                   "implements only default RoPE (rope_type 'default', rope_theta), so a config asking for "
+                   "more is refused rather than half-honoured")
+
+
+def rope_theta_of(d: Mapping[str, Any], fail) -> float:
+    """The RoPE base HF uses for config ``d``, wherever it is written; refuse a non-default RoPE by name.
+
+    transformers 5.x writes ``"rope_parameters": {"rope_type": "default", "rope_theta": ...}`` and no top-level
+    ``rope_theta``; 4.x writes the top-level key and ``"rope_scaling": null``. Every place it is given must
+    agree (HF would silently prefer one of them); absent everywhere, HF's default 10000.0 applies.
+    """
+    found: list[tuple[str, float]] = []
+    if "rope_theta" in d:
+        found.append(("rope_theta", _positive_number(d["rope_theta"], "rope_theta", fail)))
+    for key in ("rope_parameters", "rope_scaling"):
+        for where, params in _rope_dicts(d, key, fail):
+            _check_rope_dict(where, params, fail)
+            if "rope_theta" in params:
+                name = f"{where}.rope_theta"
+                found.append((name, _positive_number(params["rope_theta"], name, fail)))
+    factor = d.get("partial_rotary_factor")
+    if factor is not None and factor != 1:
+        raise fail(f"partial_rotary_factor={factor!r} is not implemented by vla_edge_ros (RoPE over the whole "
+                   "head only)")
+    if not found:
+        return HF_DEFAULT_ROPE_THETA
+    if len({v for _, v in found}) > 1:
+        raise fail("the RoPE base is given more than once with different values: "
+                   + ", ".join(f"{name}={v!r}" for name, v in found)
+                   + "; make them agree (or keep one) so the runtime and HF use the same rotation")
+    return found[0][1]
+
+
+def _check_sliding_window(d: Mapping[str, Any], layers: int, max_pos: int, fail) -> None:
+    """Accept sliding-window attention only where it cannot bind (the kernels attend over the whole context).
+
+    HF's rule (Qwen2Config): the window is ``sliding_window`` when ``use_sliding_window`` else none; it applies to
+    the layers ``layer_types`` marks "sliding_attention", or when that is absent to layers >= max_window_layers.
+    A query sees the keys less than ``window`` positions back, and the runtime's positions stay below
+    ``max_position_embeddings``, so a window >= that limit changes nothing.
+    """
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != layers:
+            raise fail(f"layer_types must be a list of {layers} entries (num_hidden_layers), got {layer_types!r}")
+        other = sorted({repr(t) for t in layer_types if t not in LAYER_TYPES})
+        if other:
+            raise fail(f"layer_types {', '.join(other)} not implemented by vla_edge_ros (only "
+                       f"{', '.join(LAYER_TYPES)})")
+    use = d.get("use_sliding_window", False)
+    if not isinstance(use, bool):
+        raise fail(f"use_sliding_window must be true or false, got {use!r}")
+    window = d.get("sliding_window", HF_DEFAULT_SLIDING_WINDOW)
+    if not use or window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise fail(f"sliding_window must be a positive integer or null, got {window!r}")
+    if layer_types is not None:
+        sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    else:
+        first = d.get("max_window_layers", HF_DEFAULT_MAX_WINDOW_LAYERS)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise fail(f"max_window_layers must be a non-negative integer, got {first!r}")
+        sliding = list(range(first, layers))
+    if sliding and window < max_pos:
+        raise fail(f"use_sliding_window=true: layers {sliding[0]}..{sliding[-1]} would attend only to the last "
+                   f"{window} tokens (sliding_window), but vla_edge_ros attends over the whole context, up to "
+                   f"max_position_embeddings={max_pos}; sliding-window attention is not implemented (set "
+                   f"max_position_embeddings <= {window} to keep the context inside the window, or "
+                   "use_sliding_window=false if the model was trained without it)")
+
+
+def _refuse_other_models(d: Mapping[str, Any], fail) -> None:
+    """Keys saying the weights are not the plain float Qwen2 layout the kernels implement."""
+    model_type = d.get("model_type")
+    if model_type is not None and model_type != "qwen2":
+        raise fail(f"model_type={model_type!r} is not implemented by vla_edge_ros (only 'qwen2')")
+    bias = d.get("attention_bias")
+    if bias is not None and bias is not True:
+        raise fail(f"attention_bias={bias!r}: vla_edge_ros implements the Qwen2 layout, whose q/k/v projections "
+                   "always carry biases (HF Qwen2 hard-codes them); a layout without them is not implemented")
+    if d.get("quantization_config") is not None:
+        method = d["quantization_config"]
+        method = method.get("quant_method", method) if isinstance(method, Mapping) else method
+        raise fail(f"quantization_config ({method!r}) is not implemented by vla_edge_ros (float weights only: "
+                   "F32, F16 or BF16)")
 
 
 def _qwen_common() -> dict[str, Any]:
