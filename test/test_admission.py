@@ -43,7 +43,7 @@ def test_separate_emas_for_prefill_and_per_token_decode():
     ac.record(prefill_ms=20.0, decode_ms_total=8.0, decode_tokens=4, missed_deadline=False)
     assert ac.prefill_ema_ms == pytest.approx(15.0)
     assert ac.decode_ema_ms_per_token == pytest.approx(1.5)
-    assert ac.estimate_ms(10) == pytest.approx(15.0 + 15.0)
+    assert ac.mean_estimate_ms(10) == pytest.approx(15.0 + 15.0)
     ac.record(prefill_ms=15.0, decode_ms_total=30.0, decode_tokens=10, missed_deadline=True)
     assert ac.prefill_ema_ms == pytest.approx(15.0)
     assert ac.decode_ema_ms_per_token == pytest.approx(2.25)
@@ -176,3 +176,58 @@ def test_lasting_cost_increase_keeps_refusing_despite_relaxation():
     decisions = [ac.decide(33.0, 8).admit for _ in range(200)]
     assert not any(decisions)
     assert ac.estimate_ms(8) == pytest.approx(46.0)
+
+
+def _admitted_miss_share(cost_quantile: float, seed: int = 1, cycles: int = 3000) -> tuple[float, int]:
+    """Chunks whose typical cost creeps from 20 to 40 ms (a KV cache filling, a machine getting busier) with
+    lognormal noise, offered every cycle with 33 ms left: the share of ADMITTED chunks that end past the
+    31 ms budget, and how many were admitted. Admission cannot pick the cheap chunks of an i.i.d. noise, but it
+    can stop admitting once the typical chunk no longer fits reliably."""
+    import random
+    rng = random.Random(seed)
+    ac = AdmissionController(deadline_ms=33.0, safety_margin_ms=2.0, ema_alpha=0.2, probe_after_refusals=0,
+                             cost_quantile=cost_quantile)
+    ac.seed(12.0, 1.0)
+    admitted = late = 0
+    for i in range(cycles):
+        if not ac.decide(33.0, 8).admit:
+            continue
+        total = (20.0 + 20.0 * i / cycles) * rng.lognormvariate(0.0, 0.08)
+        admitted += 1
+        late += total > 31.0
+        ac.record(total * 0.6, total * 0.4, 8, total > 31.0)
+    return late / max(1, admitted), admitted
+
+
+def test_the_mean_alone_admits_chunks_that_miss_and_the_quantile_refuses_them():
+    mean_share, mean_admitted = _admitted_miss_share(0.0)
+    q_share, q_admitted = _admitted_miss_share(0.99)
+    assert mean_share > 0.05  # the mean admits while half of the chunks near the budget are late
+    assert q_share < 0.3 * mean_share
+    assert q_admitted > 0.5 * mean_admitted  # still serving while the chunks fit, not refusing everything
+
+
+def test_spread_is_the_quantile_of_overruns_over_the_mean_estimate():
+    ac = AdmissionController(ema_alpha=0.2, cost_quantile=0.5, outlier_factor=100.0)
+    ac.seed(10.0, 1.0)  # mean 18 ms for 8 tokens
+    assert ac.spread_ms() == 0.0 and ac.estimate_ms(8) == pytest.approx(18.0)
+    ac.record(14.0, 8.0, 8, False)  # 22 ms against a mean of 18: overrun 4 (fewer than 8 samples: max)
+    assert ac.spread_ms() == pytest.approx(4.0)
+    assert ac.estimate_ms(8) == pytest.approx(ac.mean_estimate_ms(8) + 4.0)
+    ac.update(cost_quantile=0.0)
+    assert ac.estimate_ms(8) == pytest.approx(ac.mean_estimate_ms(8))
+    assert ac.stats()["overrun_samples"] == 1
+
+
+def test_a_burst_of_slow_chunks_leaves_the_spread_after_as_many_refusals():
+    ac = AdmissionController(deadline_ms=33.0, safety_margin_ms=2.0, ema_alpha=0.2, probe_after_refusals=0)
+    for _ in range(100):
+        ac.record(12.0, 8.0, 8, False)  # steady 20 ms chunks: spread ~0
+    for _ in range(4):
+        ac.record(24.0, 16.0, 8, True)  # a 4-chunk burst of 40 ms chunks
+    assert not ac.decide(33.0, 8).admit
+    refusals = 1
+    while not ac.decide(33.0, 8).admit:
+        refusals += 1
+        assert refusals <= 12, f"still refusing after a 4-chunk burst: {ac.stats()}"
+    assert ac.spread_ms() < 5.0

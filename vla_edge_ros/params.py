@@ -21,6 +21,14 @@ EVICTION_POLICIES = ("semantic", "fifo", "sliding_window")
 BACKENDS = ("auto", "cuda", "numpy")
 IMAGE_TRANSPORTS = ("raw", "compressed")
 
+# kv_budget_tokens = 0 (the default) takes the backend's own budget. A KV cache the GPU attends over in
+# ~1 ms per chunk costs the numpy backend far more on the 2-core CPU the README documents. Measured there
+# (bench/demo.py, bench/sweep.py, docs/FIGURES.md): the tiny default's chunk p50 / p99 are ~27 / 78 ms with
+# 4082 retained tokens (over the 31 ms budget: ~80 % holds, 17 % of admitted chunks late), ~21 / 30 ms at
+# 1024 and 12.9 / 18.5 ms at ~560; 512 tokens (15 frames) leave the p99 well inside the budget on a busy
+# machine. The GPU default is the one the H200 replay and benchmarks were measured with.
+KV_BUDGET_BY_BACKEND = {"cuda": 4096, "numpy": 512}
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -85,8 +93,9 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("tokens_per_frame", int, 32, "vision tokens (KV slots) per camera frame", INFERENCE, min=1, max=1024),
     ParamSpec("decode_tokens", int, 8, "greedy decode steps per chunk: 7 action bins + 1 end token",
               INFERENCE, min=1, max=64),
-    ParamSpec("kv_budget_tokens", int, 4096, "hard KV-cache budget in token slots (pinned prefix included)",
-              INFERENCE, min=1, max=1 << 20, live=True, applies="immediately (a shrink evicts at once)"),
+    ParamSpec("kv_budget_tokens", int, 0, "hard KV-cache budget in token slots (pinned prefix included); 0 = the "
+              "backend's default (cuda 4096, numpy 512: what fits the deadline on each)",
+              INFERENCE, min=0, max=1 << 20, live=True, applies="immediately (a shrink evicts at once)"),
     ParamSpec("eviction_policy", str, "semantic", "KV eviction policy", INFERENCE, choices=EVICTION_POLICIES,
               live=True, applies="next eviction"),
     ParamSpec("window_frames", int, 16, "frames kept by the sliding_window policy", INFERENCE, min=1,
@@ -97,6 +106,9 @@ PARAMS: tuple[ParamSpec, ...] = (
               min=0.0, max=10000.0, live=True, applies="next cycle"),
     ParamSpec("ema_alpha", float, 0.2, "smoothing of the prefill / per-token decode cost EMAs", INFERENCE,
               min=0.001, max=1.0, live=True, applies="next chunk"),
+    ParamSpec("cost_quantile", float, 0.99, "admission adds this quantile of recent chunks' overruns of the mean "
+              "estimate (last 256 chunks) to the estimate, so it refuses what it cannot reliably finish "
+              "(0 = the mean alone)", INFERENCE, min=0.0, max=1.0, live=True, applies="next chunk"),
     ParamSpec("warmup_chunks", int, 3, "chunks run at configure time to seed the cost EMAs", INFERENCE,
               min=0, max=1000),
     ParamSpec("inference_thread_nice", int, 5, "OS nice increment of the inference thread (Linux, per thread): on "
@@ -137,19 +149,38 @@ def validate(name: str, value: Any) -> str | None:
     return spec.validate(value)
 
 
+def resolve_kv_budget(budget: int, backend: str, tokens_per_frame: int = 1) -> int:
+    """``kv_budget_tokens`` as the engine uses it: 0 is the backend's default (``KV_BUDGET_BY_BACKEND``),
+    rounded down to whole frames."""
+    if budget:
+        return int(budget)
+    if backend not in KV_BUDGET_BY_BACKEND:
+        raise ValueError(f"no default kv_budget_tokens for backend {backend!r}")
+    return KV_BUDGET_BY_BACKEND[backend] // tokens_per_frame * tokens_per_frame
+
+
 def validate_combination(values: Mapping[str, Any], prefix_tokens: int = 0) -> list[str]:
-    """Cross-parameter checks; ``values`` may hold any subset (missing names use defaults)."""
+    """Cross-parameter checks; ``values`` may hold any subset (missing names use defaults). A
+    ``kv_budget_tokens`` of 0 is checked as every backend default it may resolve to."""
     v = {**defaults(), **values}
     reasons: list[str] = []
-    tpf, budget = v["tokens_per_frame"], v["kv_budget_tokens"]
+    tpf = v["tokens_per_frame"]
+    budgets = sorted({resolve_kv_budget(v["kv_budget_tokens"], b, tpf) for b in KV_BUDGET_BY_BACKEND})
+    for budget in budgets:
+        reasons += _budget_reasons(budget, tpf, prefix_tokens)
+    if v["safety_margin_ms"] >= v["deadline_ms"]:
+        reasons.append(f"safety_margin_ms={v['safety_margin_ms']} leaves no time inside deadline_ms="
+                       f"{v['deadline_ms']}")
+    return reasons
+
+
+def _budget_reasons(budget: int, tpf: int, prefix_tokens: int) -> list[str]:
+    reasons: list[str] = []
     if budget % tpf != 0:
         reasons.append(f"kv_budget_tokens={budget} is not a multiple of tokens_per_frame={tpf}")
     if budget < prefix_tokens + tpf:
         reasons.append(f"kv_budget_tokens={budget} is smaller than the pinned prefix ({prefix_tokens} tokens) "
                        f"plus one frame ({tpf} tokens)")
-    if v["safety_margin_ms"] >= v["deadline_ms"]:
-        reasons.append(f"safety_margin_ms={v['safety_margin_ms']} leaves no time inside deadline_ms="
-                       f"{v['deadline_ms']}")
     return reasons
 
 

@@ -1,10 +1,19 @@
 """Deadline admission control for inference chunks, and the fixed control-cycle grid.
 
 Before each chunk the inference loop asks: does the estimated chunk time fit in the time left to this cycle's
-deadline minus a safety margin? The estimate is ``prefill_ema + decode_tokens * decode_per_token_ema``: two
-separate exponential moving averages, because prefill cost scales with context (KV occupancy) while decode
-cost scales with the number of generated tokens. A refused chunk is a *fallback* (the action publisher
-repeats / holds); an admitted chunk's real duration is recorded and fed back into the EMAs.
+deadline minus a safety margin? The estimate has two parts:
+
+- the mean, ``prefill_ema + decode_tokens * decode_per_token_ema``: two separate exponential moving averages,
+  because prefill cost scales with context (KV occupancy) while decode cost scales with the number of
+  generated tokens;
+- the spread: the ``cost_quantile`` quantile of the recent overruns of real chunks over the mean estimate that
+  was made for them (last ``SPREAD_WINDOW`` chunks). The EMA is a mean: a chunk whose mean fits just inside the
+  budget is late about half the time (measured on a noisy 2-core CPU: 17 % of admitted chunks missed in a
+  20-minute soak with the mean alone). Adding a high quantile of the overruns makes admission refuse what it
+  cannot *reliably* finish; on a quiet GPU the spread is a fraction of a millisecond.
+
+A refused chunk is a *fallback* (the action publisher repeats / holds); an admitted chunk's real duration is
+recorded and fed back into the EMAs and the overrun window.
 
 Warm-up chunks (run at configure time, outside the control loop) only *seed* the EMAs: they are not counted in
 admitted / refused / deadline-miss figures nor in the recorded chunk durations.
@@ -12,6 +21,7 @@ admitted / refused / deadline-miss figures nor in the recorded chunk durations.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -23,6 +33,20 @@ from vla_edge_ros.core.metrics import LatencyStats
 
 RECENT_SAMPLES = 32  # real chunk costs whose median is the relaxation target
 RELAX_PER_REFUSAL = 0.1  # fraction of the gap to that median closed per refused cycle (7 refusals, ~0.25 s at 30 Hz, halve it)
+# Overruns whose quantile is the spread: 256 chunks are ~8.5 s at 30 Hz, long enough that the 0.99 quantile is
+# the 3rd-largest overrun (one stray spike does not move it), short enough to follow a change of load.
+SPREAD_WINDOW = 256
+_NORMAL = statistics.NormalDist()
+SPREAD_MIN_SAMPLES = 8  # below this the spread is the largest overrun seen so far (too few for a quantile)
+
+
+def upper_quantile(values, q: float) -> float:
+    """The ``q`` quantile of ``values`` by the nearest-rank rule (the smallest value with at least a ``q``
+    share of the values at or below it): never interpolated below an observed value."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def _median(values) -> float:
@@ -39,6 +63,9 @@ class Decision:
     probe: bool = False  # admitted although the estimate did not fit (see ``probe_after_refusals``)
 
 
+SETTINGS = ("deadline_ms", "safety_margin_ms", "ema_alpha", "cost_quantile")  # what update() may change
+
+
 def _finite_nonneg(name: str, value: float) -> float:
     value = float(value)
     if not (math.isfinite(value) and value >= 0.0):
@@ -50,7 +77,8 @@ class AdmissionController:
     """Thread-safe: decide/record from the inference thread, update from a parameter callback, stats anywhere."""
 
     def __init__(self, deadline_ms: float = 33.0, safety_margin_ms: float = 2.0, ema_alpha: float = 0.2,
-                 history: int = 4096, probe_after_refusals: int = 90, outlier_factor: float = 3.0) -> None:
+                 history: int = 4096, probe_after_refusals: int = 90, outlier_factor: float = 3.0,
+                 cost_quantile: float = params.BY_NAME["cost_quantile"].default) -> None:
         """``probe_after_refusals``: refused chunks only update the EMAs when they run, so an estimate that got
         too high (a slow spell, a pessimistic seed) would refuse forever. After this many consecutive refusals
         one chunk is admitted anyway as a probe to re-measure the cost (0 disables probing).
@@ -59,17 +87,24 @@ class AdmissionController:
         chunk (a 900 ms stall measured in the fault test) otherwise lifted the estimate so far above the deadline
         that every chunk was refused and the robot held for ~40 s, recovering one probe per 90 refusals; clipped,
         it raises the estimate by at most alpha * (factor - 1) (+40 %), while a real, lasting cost increase still
-        converges geometrically. The real duration is still recorded in ``chunk_ms`` and as a deadline miss."""
+        converges geometrically. The real duration is still recorded in ``chunk_ms`` and as a deadline miss.
+
+        ``cost_quantile``: the quantile of recent overruns added to the mean estimate (0 = the mean alone).
+        Overruns are clipped like EMA samples, at ``(outlier_factor - 1)`` times the mean estimate."""
         self._lock = threading.Lock()
         self.deadline_ms = 0.0
         self.safety_margin_ms = 0.0
         self.ema_alpha = 0.0
-        self._apply({"deadline_ms": deadline_ms, "safety_margin_ms": safety_margin_ms, "ema_alpha": ema_alpha})
+        self.cost_quantile = 0.0
+        self._apply({"deadline_ms": deadline_ms, "safety_margin_ms": safety_margin_ms, "ema_alpha": ema_alpha,
+                     "cost_quantile": cost_quantile})
         self.prefill_ema_ms: Optional[float] = None
         self.decode_ema_ms_per_token: Optional[float] = None
         self.seeded_with: Optional[tuple[float, float]] = None
         self.admitted = 0
         self.refused = 0
+        self.refused_for_cost = 0  # the estimate exceeded the time left minus the margin
+        self.refused_no_time = 0  # not even the margin was left (the frame came too late in its cycle)
         self.probes = 0
         self.probe_after_refusals = int(probe_after_refusals)
         self._consecutive_refusals = 0
@@ -88,19 +123,19 @@ class AdmissionController:
         self._recent_prefill: deque[float] = deque(maxlen=RECENT_SAMPLES)
         self._recent_decode: deque[float] = deque(maxlen=RECENT_SAMPLES)
         self.relaxations = 0
+        self._overruns: deque[float] = deque(maxlen=SPREAD_WINDOW)  # real - mean estimate, ms (may be < 0)
 
     # ---- configuration ----------------------------------------------------------------------------------
     def _apply(self, values: dict) -> None:
         """Validate every value with the parameter registry (and the cross check), then apply all or nothing."""
-        unknown = [k for k in values if k not in ("deadline_ms", "safety_margin_ms", "ema_alpha")]
+        unknown = [k for k in values if k not in SETTINGS]
         if unknown:
             raise ValueError(f"AdmissionController.update: unknown setting(s) {', '.join(unknown)}")
         reasons = [r for k, v in values.items() if (r := params.validate(k, v))]
         if reasons:
             raise ValueError("; ".join(reasons))
         with self._lock:  # merge, cross-check and apply as one step against concurrent updates
-            merged = {"deadline_ms": self.deadline_ms, "safety_margin_ms": self.safety_margin_ms,
-                      "ema_alpha": self.ema_alpha, **{k: float(v) for k, v in values.items()}}
+            merged = {**{k: getattr(self, k) for k in SETTINGS}, **{k: float(v) for k, v in values.items()}}
             reasons = params.validate_combination(
                 {"deadline_ms": merged["deadline_ms"], "safety_margin_ms": merged["safety_margin_ms"]})
             if reasons:
@@ -108,9 +143,10 @@ class AdmissionController:
             self.deadline_ms = merged["deadline_ms"]
             self.safety_margin_ms = merged["safety_margin_ms"]
             self.ema_alpha = merged["ema_alpha"]
+            self.cost_quantile = merged["cost_quantile"]
 
     def update(self, **values: float) -> None:
-        """Live change of deadline_ms / safety_margin_ms / ema_alpha; raises ValueError with the reasons."""
+        """Live change of deadline_ms / safety_margin_ms / ema_alpha / cost_quantile; ValueError with the reasons."""
         if values:
             self._apply(values)
 
@@ -128,15 +164,48 @@ class AdmissionController:
         return self.prefill_ema_ms is not None
 
     # ---- per chunk --------------------------------------------------------------------------------------
-    def estimate_ms(self, decode_tokens: int) -> float:
-        """Estimated chunk time; 0.0 before any seed or record (the first chunk is admitted to learn its cost)."""
+    def mean_estimate_ms(self, decode_tokens: int) -> float:
+        """The EMAs' mean chunk time; 0.0 before any seed or record."""
         if decode_tokens < 0:
             raise ValueError(f"decode_tokens must be >= 0, got {decode_tokens}")
         with self._lock:
-            p, d = self.prefill_ema_ms, self.decode_ema_ms_per_token
+            return self._mean_locked(decode_tokens)
+
+    def _mean_locked(self, decode_tokens: int) -> float:
+        p, d = self.prefill_ema_ms, self.decode_ema_ms_per_token
         if p is None or d is None:
             return 0.0
         return p + decode_tokens * d
+
+    def spread_ms(self) -> float:
+        """The ``cost_quantile`` quantile of recent overruns (never negative; 0.0 with no samples or q = 0)."""
+        with self._lock:
+            return self._spread_locked()
+
+    def _spread_locked(self) -> float:
+        if not self._overruns or self.cost_quantile <= 0.0:
+            return 0.0
+        q = self.cost_quantile if len(self._overruns) >= SPREAD_MIN_SAMPLES else 1.0
+        return max(0.0, upper_quantile(self._overruns, q))
+
+    def _robust_spread_locked(self) -> float:
+        """The ``cost_quantile`` quantile that the median and the median absolute deviation of the window
+        predict for a normal spread: a few large outliers barely move it, a uniformly wider noise does."""
+        ordered = sorted(self._overruns)
+        med = _median(ordered)
+        mad = _median([abs(x - med) for x in ordered])
+        z = _NORMAL.inv_cdf(min(self.cost_quantile, 0.9999))
+        return max(0.0, med + z * 1.4826 * mad)
+
+    def estimate_ms(self, decode_tokens: int) -> float:
+        """Estimated chunk time: mean + spread; 0.0 before any seed or record (the first chunk is admitted to
+        learn its cost)."""
+        if decode_tokens < 0:
+            raise ValueError(f"decode_tokens must be >= 0, got {decode_tokens}")
+        with self._lock:
+            if self.prefill_ema_ms is None:
+                return 0.0
+            return self._mean_locked(decode_tokens) + self._spread_locked()
 
     def decide(self, time_left_ms: float, decode_tokens: int) -> Decision:
         time_left_ms = float(time_left_ms)
@@ -155,12 +224,23 @@ class AdmissionController:
             else:
                 self.refused += 1
                 self._consecutive_refusals += 1
+                if budget <= 0.0:
+                    self.refused_no_time += 1
                 if estimate > budget:
+                    self.refused_for_cost += 1
                     self._relax_locked()
         return Decision(admit=admit or probe, estimate_ms=estimate, budget_ms=budget, probe=probe)
 
     def _relax_locked(self) -> None:
+        """A refusal for cost: a refused chunk gives no sample, so both parts of the estimate would keep a slow
+        spell forever. Each EMA moves toward its recent median (below), and the largest overrun leaves the
+        spread's window while the spread is above what the bulk of the window says (``_robust_spread_locked``): a
+        burst of k slow chunks expires after k refusals (~k cycles), a lasting rise of the noise does not (its
+        quantile is what the median and MAD predict), and a lasting rise of the mean keeps refusing."""
         moved = False
+        if self._overruns and self.cost_quantile > 0.0 and self._spread_locked() > self._robust_spread_locked():
+            self._overruns.remove(max(self._overruns))
+            moved = True
         if self._recent_prefill and self.prefill_ema_ms is not None:
             target = _median(self._recent_prefill)
             if target < self.prefill_ema_ms:
@@ -181,6 +261,9 @@ class AdmissionController:
             raise ValueError(f"decode_tokens must be >= 1, got {decode_tokens}")
         d = d_total / decode_tokens
         with self._lock:
+            if self.prefill_ema_ms is not None:  # the overrun against the estimate this chunk was admitted with
+                mean = self._mean_locked(decode_tokens)
+                self._overruns.append(min(p + d_total - mean, (self.outlier_factor - 1.0) * mean))
             a, f = self.ema_alpha, self.outlier_factor
             p_ema, d_ema = p, d
             if self.prefill_ema_ms is not None and p > f * self.prefill_ema_ms > 0.0:
@@ -209,11 +292,16 @@ class AdmissionController:
                 "deadline_ms": self.deadline_ms,
                 "safety_margin_ms": self.safety_margin_ms,
                 "ema_alpha": self.ema_alpha,
+                "cost_quantile": self.cost_quantile,
+                "spread_ms": self._spread_locked(),
+                "overrun_samples": len(self._overruns),
                 "prefill_ema_ms": self.prefill_ema_ms,
                 "decode_ema_ms_per_token": self.decode_ema_ms_per_token,
                 "seeded_with": self.seeded_with,
                 "admitted": self.admitted,
                 "refused": self.refused,
+                "refused_for_cost": self.refused_for_cost,
+                "refused_no_time": self.refused_no_time,
                 "probes": self.probes,
                 "recorded": self.recorded,
                 "clipped_samples": self.clipped_samples,

@@ -39,7 +39,7 @@ from vla_edge_ros.core.metrics import LatencyStats
 # outcomes of one step
 ADMITTED, REFUSED, ERROR, LATE = "admitted", "refused", "error", "late_discarded"
 
-_ADMISSION_KEYS = ("deadline_ms", "safety_margin_ms", "ema_alpha")
+_ADMISSION_KEYS = ("deadline_ms", "safety_margin_ms", "ema_alpha", "cost_quantile")
 _LOOP_KEYS = ("saliency_threshold", "period_ms", "late_discard_ms")
 
 
@@ -142,7 +142,7 @@ class InferenceLoop:
 
     def update(self, **values: Any) -> None:
         """Validate now (ValueError with reasons), apply at the start of the next cycle. Keys: deadline_ms,
-        safety_margin_ms, ema_alpha, saliency_threshold, period_ms, late_discard_ms."""
+        safety_margin_ms, ema_alpha, cost_quantile, saliency_threshold, period_ms, late_discard_ms."""
         unknown = [k for k in values if k not in _ADMISSION_KEYS + _LOOP_KEYS]
         if unknown:
             raise ValueError(f"InferenceLoop.update: unknown parameter(s) {', '.join(unknown)}")

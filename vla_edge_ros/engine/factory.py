@@ -66,12 +66,23 @@ def make_engine(params: Mapping[str, Any], log: Callable[[str], None] = print) -
 
     ckpt = resolve_checkpoint(v["checkpoint"])
     cfg = ModelConfig.from_json(ckpt)
-    budget, tpf, dec = v["kv_budget_tokens"], v["tokens_per_frame"], v["decode_tokens"]
+    tpf, dec = v["tokens_per_frame"], v["decode_tokens"]
     if tpf != cfg.n_patches:
         raise EngineError(f"tokens_per_frame={tpf} must equal the patch embedder's {cfg.n_patches} tokens "
                           f"(patch_grid {list(cfg.patch_grid)} of {cfg.source})")
     if dec < cfg.action_dims:
         raise EngineError(f"decode_tokens={dec} is smaller than the model's {cfg.action_dims} action dimensions")
+
+    backend, cuda_mod = v["backend"], None
+    if backend in ("auto", "cuda"):
+        cuda_mod, why = _cuda_probe()
+        if cuda_mod is None and backend == "cuda":
+            raise EngineError(f"backend=cuda requested but CUDA is not usable here: {why}. "
+                              "Use backend:=numpy or backend:=auto")
+        if cuda_mod is None:
+            log(f"engine: backend=numpy (auto: {why}), checkpoint {ckpt}")
+    chosen = "cuda" if cuda_mod is not None else "numpy"
+    budget = P.resolve_kv_budget(v["kv_budget_tokens"], chosen, tpf)
     if cfg.max_position_embeddings <= budget + dec:
         raise EngineError(f"kv_budget_tokens={budget} + decode_tokens={dec} must stay below "
                           f"max_position_embeddings={cfg.max_position_embeddings} of {cfg.source}")
@@ -82,19 +93,14 @@ def make_engine(params: Mapping[str, Any], log: Callable[[str], None] = print) -
                        embed_dim=cfg.hidden_size)
     except ValueError as exc:
         raise EngineError(f"KV manager: {exc}") from exc
+    if not v["kv_budget_tokens"]:
+        log(f"engine: kv_budget_tokens {budget} ({chosen} default; set kv_budget_tokens to override)")
 
-    backend = v["backend"]
-    if backend in ("auto", "cuda"):
-        mod, why = _cuda_probe()
-        if mod is not None:
-            log(f"engine: backend=cuda (requested {backend}), checkpoint {ckpt}")
-            return _wrap_faults(mod.CudaEngine(cfg, ckpt, kv, instruction=instruction, decode_tokens=dec,
-                                               max_vram_gb=v["max_vram_gb"], log=log), log)
-        if backend == "cuda":
-            raise EngineError(f"backend=cuda requested but CUDA is not usable here: {why}. "
-                              "Use backend:=numpy or backend:=auto")
-        log(f"engine: backend=numpy (auto: {why}), checkpoint {ckpt}")
-    else:
+    if cuda_mod is not None:
+        log(f"engine: backend=cuda (requested {backend}), checkpoint {ckpt}")
+        return _wrap_faults(cuda_mod.CudaEngine(cfg, ckpt, kv, instruction=instruction, decode_tokens=dec,
+                                                max_vram_gb=v["max_vram_gb"], log=log), log)
+    if backend == "numpy":
         log(f"engine: backend=numpy, checkpoint {ckpt}")
 
     from vla_edge_ros.engine.checkpoint import load_checkpoint

@@ -43,7 +43,7 @@ from vla_edge_ros.ros import conversions, qos
 from vla_edge_ros.ros.param_bridge import ParamBridge
 
 INACTIVE_REASON = "inference_inactive"
-LOOP_PARAMS = ("deadline_ms", "safety_margin_ms", "ema_alpha", "saliency_threshold")
+LOOP_PARAMS = ("deadline_ms", "safety_margin_ms", "ema_alpha", "cost_quantile", "saliency_threshold")
 KV_PARAMS = ("kv_budget_tokens", "eviction_policy", "window_frames")
 
 
@@ -82,8 +82,10 @@ class KVTuningEngine:
                     kv.set_policy(pending["eviction_policy"])
                 if "window_frames" in pending:
                     kv.set_window(pending["window_frames"])
-                if "kv_budget_tokens" in pending:
-                    self.kv_last_evicted = list(kv.set_budget(pending["kv_budget_tokens"]) or [])
+                if "kv_budget_tokens" in pending:  # 0: back to this backend's default
+                    budget = registry.resolve_kv_budget(pending["kv_budget_tokens"], getattr(self._engine, "name", ""),
+                                                        kv.tokens_per_frame)
+                    self.kv_last_evicted = list(kv.set_budget(budget) or [])
             self.kv_changes_applied += 1
         except Exception as exc:
             if self.on_kv_error is not None:
@@ -221,7 +223,7 @@ class InferenceNode(LifecycleNode):
             if self._on_action_names is not None:
                 self._on_action_names(self.action_names)
             self.admission = AdmissionController(values["deadline_ms"], values["safety_margin_ms"],
-                                                 values["ema_alpha"])
+                                                 values["ema_alpha"], cost_quantile=values["cost_quantile"])
             self.loop = InferenceLoop(self.engine, self.buffer, self.admission, self.cycle_period_ms(),
                                       on_action=self._on_action, on_event=self._on_event,
                                       decode_tokens=values["decode_tokens"],
