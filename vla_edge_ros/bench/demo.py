@@ -33,9 +33,9 @@ from vla_edge_ros.bench.procs import ROOT, Child, ros_child_env
 class Watcher:
     """The demo's own ROS node: counts action kinds per second and keeps the latest /diagnostics values."""
 
-    def __init__(self, action_topic: str = "/vla/action"):
+    def __init__(self, action_topic: str = "/vla/action", status_topic: str = "/vla/action_status"):
         import rclpy
-        from diagnostic_msgs.msg import DiagnosticArray
+        from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
         from rclpy.executors import SingleThreadedExecutor
         from sensor_msgs.msg import JointState
 
@@ -46,9 +46,14 @@ class Watcher:
         self.node = rclpy.create_node("vla_demo_watcher")
         self.lock = threading.Lock()
         self.kinds = {"fresh": 0, "repeat": 0, "hold": 0, "other": 0}
+        self.reasons: dict[str, int] = {}  # "kind: reason" of every tick status received
+        self.status_ticks = 0
+        self.lost_ticks = 0  # gaps in the publisher's running tick number
+        self._last_tick: Optional[int] = None
         self.diag: dict[str, dict[str, str]] = {}
         self.diag_msgs = 0
         self.node.create_subscription(JointState, action_topic, self._on_action, qos.reliable_qos(50))
+        self.node.create_subscription(DiagnosticStatus, status_topic, self._on_status, qos.reliable_qos(50))
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, qos.reliable_qos(10))
         self.ex = SingleThreadedExecutor()
         self.ex.add_node(self.node)
@@ -60,6 +65,20 @@ class Watcher:
         with self.lock:
             self.kinds[k] += 1
 
+    def _on_status(self, msg) -> None:
+        v = {kv.key: kv.value for kv in msg.values}
+        key = f"{v.get('kind', '?')}: {v.get('reason', '') or '-'}"
+        with self.lock:
+            self.status_ticks += 1
+            self.reasons[key] = self.reasons.get(key, 0) + 1
+            try:
+                tick = int(v.get("tick", ""))
+            except ValueError:
+                return
+            if self._last_tick is not None and tick > self._last_tick + 1:
+                self.lost_ticks += tick - self._last_tick - 1
+            self._last_tick = tick
+
     def _on_diag(self, msg) -> None:
         with self.lock:
             self.diag_msgs += 1
@@ -69,6 +88,11 @@ class Watcher:
     def snapshot(self) -> tuple[dict, dict]:
         with self.lock:
             return dict(self.kinds), {k: dict(v) for k, v in self.diag.items()}
+
+    def tick_figures(self) -> dict:
+        """Counters of the per-tick status stream (reasons, ticks received, ticks lost in transport)."""
+        with self.lock:
+            return {"reasons": dict(self.reasons), "status_ticks": self.status_ticks, "lost": self.lost_ticks}
 
     def close(self) -> None:
         self.ex.shutdown(timeout_sec=2.0)
@@ -84,69 +108,142 @@ def _f(d: dict, key: str, default: float = math.nan) -> float:
         return default
 
 
-def live_line(t: float, kinds: dict, prev: dict, diag: dict) -> str:
+def _delta(now: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
+
+
+def _top_reasons(reasons: dict, kinds: tuple[str, ...] = ("hold", "repeat"), n: int = 2) -> str:
+    """The most frequent reasons of the given kinds, e.g. 'hold: frame_stale 12, repeat: no_new_action 3'."""
+    picked = sorted(((c, r) for r, c in reasons.items() if r.split(":")[0] in kinds), reverse=True)[:n]
+    return ", ".join(f"{r} {c}" for c, r in picked)
+
+
+def inference_line(inf: dict) -> str:
+    """The inference node's own verdict (its /diagnostics message) and the admission estimate vs budget."""
+    est, budget = _f(inf, "chunk_estimate_ms"), _f(inf, "chunk_budget_ms")
+    fit = f"est {est:.1f}/{budget:.1f} ms" if math.isfinite(est) and math.isfinite(budget) else "est -"
+    return f"{fit} | {inf.get('_message', inf.get('state', 'starting'))}"
+
+
+def live_line(t: float, kinds: dict, prev: dict, diag: dict, reasons: Optional[dict] = None) -> str:
     inf = diag.get("vla_inference: engine", {})
     cam = diag.get("vla_camera: ingest", {})
     act = diag.get("vla_action: publisher", {})
     d = {k: kinds[k] - prev.get(k, 0) for k in ("fresh", "repeat", "hold")}
-    return (f"t={t:5.1f}s  ticks/s fresh {d['fresh']:2d} repeat {d['repeat']:2d} hold {d['hold']:2d} | "
+    n = max(1, sum(d.values()))
+    why = _top_reasons(reasons or {})
+    return (f"t={t:5.1f}s  ticks/s fresh {d['fresh']:2d} repeat {d['repeat']:2d} hold {d['hold']:2d} "
+            f"({d['fresh'] / n:4.0%} fresh){' [' + why + ']' if why else ''} | "
             f"chunks ok {inf.get('chunks_admitted', '-')} refused {inf.get('chunks_refused', '-')} "
             f"miss {inf.get('deadline_misses', '-')} | p99 {_f(inf, 'latency_ms_p99'):.1f} ms | "
             f"frames {cam.get('frames_received', '-')} drop {cam.get('frames_dropped', '-')} "
             f"rej {cam.get('frames_rejected', '-')} | KV {inf.get('kv_occupancy_tokens', '-')}/"
             f"{inf.get('kv_budget_tokens', '-')} {inf.get('kv_policy', '-')} | "
-            f"timer p99 {_f(act, 'timer_period_error_ms_p99'):.2f} ms | {inf.get('state', 'starting')}")
+            f"timer p99 {_f(act, 'timer_period_error_ms_p99'):.2f} ms | {inference_line(inf)}")
 
 
 def summary_table(res: dict) -> str:
+    chunks = res["chunks"]
     rows = [
         ("backend", res.get("backend")),
-        ("duration_s", f"{res['duration_s']:.1f}"),
+        ("measured window / runtime active (s)",
+         f"{res['duration_s']:.1f} / {_num(res.get('runtime_active_s'))} (the runtime counts from activation "
+         "to its SIGINT)"),
         ("ticks fresh / repeat / hold", "{fresh} / {repeat} / {hold}".format(**res["ticks"])),
         ("fresh share of ticks", f"{res['fresh_fraction']:.1%}"),
+        ("hold reasons", _reasons_text(res.get("hold_reasons", {}))),
         ("chunks admitted / refused / deadline misses",
-         "{admitted} / {refused} / {deadline_misses}".format(**res["chunks"])),
+         "{admitted} / {refused} / {deadline_misses}".format(**chunks)),
+        ("refused: estimate over budget / no time left",
+         f"{chunks.get('refused_for_cost', 'n/a')} / {chunks.get('refused_no_time', 'n/a')}"),
         ("chunk latency p50 / p95 / p99 (ms)", " / ".join(_num(res["latency_ms"][k]) for k in ("p50", "p95", "p99"))),
+        ("admission estimate / budget (ms)", f"{_num(res['admission'].get('estimate_ms'))} / "
+         f"{_num(res['admission'].get('budget_ms'))} (mean + spread {_num(res['admission'].get('spread_ms'))})"),
         ("timer period error p50 / p99 (ms)",
          " / ".join(_num(res["timer_period_error_ms"][k]) for k in ("p50", "p99"))),
         ("frames received / dropped / rejected", "{received} / {dropped} / {rejected}".format(**res["frames"])),
         ("KV policy / budget / max occupancy (tokens)",
          "{policy} / {budget_tokens} / {max_occupancy_tokens}".format(**res["kv"])),
         ("peak RSS / peak VRAM (MiB)", f"{_num(res['memory']['peak_rss_mb'])} / {_num(res['memory']['peak_vram_mb'])}"),
-        ("actions seen by a subscriber (fresh/repeat/hold)",
-         "{fresh} / {repeat} / {hold}".format(**res["subscriber_ticks"])),
+        ("subscriber, measured window (fresh/repeat/hold)",
+         "{fresh} / {repeat} / {hold}".format(**res["subscriber_ticks"])
+         + f", {res['subscriber_lost_ticks']} lost in transport"),
     ]
     w = max(len(r[0]) for r in rows)
     line = "-" * (w + 30)
-    return "\n".join([line] + [f"{k:<{w}}  {v}" for k, v in rows] + [line])
+    out = [line] + [f"{k:<{w}}  {v}" for k, v in rows] + [line]
+    out += [f"WARNING: {m}" for m in res.get("warnings", [])]
+    return "\n".join(out)
+
+
+def _reasons_text(reasons: dict) -> str:
+    return ", ".join(f"{r} {n}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1])) or "none"
 
 
 def _num(x: Any) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{float(x):.2f}"
 
 
-def build_result(stats: dict, subscriber: dict, args: argparse.Namespace) -> dict:
+TIMER_P99_GOAL_MS = 3.0
+FRESH_GOAL = 0.90
+
+
+def warnings_for(res: dict, inference_messages: dict) -> list[str]:
+    """What a user should read before the numbers: the model does not fit, holds dominate, the timer jitters."""
+    out = []
+    slow = {m: n for m, n in inference_messages.items() if m.startswith("chunk estimate")}
+    if slow:
+        out.append(f"the model is too slow for this machine during {sum(slow.values())} of the run's seconds: "
+                   f"{max(slow, key=slow.get)}. Lower kv_budget_tokens or decode_tokens, raise deadline_ms, "
+                   "or use a faster machine")
+    if res["fresh_fraction"] < FRESH_GOAL:
+        out.append(f"only {res['fresh_fraction']:.0%} of the ticks were fresh; hold reasons: "
+                   f"{_reasons_text(res.get('hold_reasons', {}))}")
+    p99 = res["timer_period_error_ms"].get("p99")
+    if p99 is not None and math.isfinite(float(p99)) and float(p99) > TIMER_P99_GOAL_MS:
+        out.append(f"30 Hz timer period error p99 {float(p99):.1f} ms > {TIMER_P99_GOAL_MS} ms: the action "
+                   f"timer's thread waited for a core or the GIL (load average at the end "
+                   f"{res['config']['load_avg_at_end']}, {res['config']['cpu_count']} cores)")
+    return out
+
+
+def build_result(stats: dict, subscriber: dict, args: argparse.Namespace, window_s: float = math.nan,
+                 ticks_seen: Optional[dict] = None, inference_messages: Optional[dict] = None) -> dict:
     ticks = stats.get("ticks", {"fresh": 0, "repeat": 0, "hold": 0})
     total = max(1, sum(ticks.values()))
-    return {
+    inf = stats.get("inference", {})
+    adm = (inf.get("loop") or {}).get("admission") or inf.get("admission") or {}
+    fit = (inf.get("loop") or {}).get("deadline_fit") or {}
+    chunks = dict(stats.get("chunks", {}))
+    chunks.update({k: adm[k] for k in ("refused_for_cost", "refused_no_time") if k in adm})
+    seen = ticks_seen or {}
+    res = {
         "backend": stats.get("backend"),
-        "duration_s": stats.get("duration_s"),
+        "duration_s": window_s,
+        "runtime_active_s": stats.get("duration_s"),
         "ticks": ticks,
         "fresh_fraction": ticks.get("fresh", 0) / total,
-        "chunks": stats.get("chunks", {}),
+        "hold_reasons": ((stats.get("action") or {}).get("arbiter") or {}).get("hold_reasons", {}),
+        "chunks": chunks,
         "latency_ms": stats.get("latency_ms", {}),
+        "admission": {"estimate_ms": fit.get("estimate_ms"), "budget_ms": fit.get("budget_ms"),
+                      "spread_ms": adm.get("spread_ms"), "cost_quantile": adm.get("cost_quantile")},
         "timer_period_error_ms": stats.get("timer_period_error_ms", {}),
         "frames": {k: stats.get("frames", {}).get(k) for k in ("received", "dropped", "rejected")},
         "kv": stats.get("kv", {}),
         "memory": stats.get("memory", {}),
         "subscriber_ticks": {k: subscriber.get(k, 0) for k in ("fresh", "repeat", "hold")},
-        "frame_to_action_ms": stats.get("inference", {}).get("frame_to_action_ms"),
+        "subscriber_reasons": seen.get("reasons", {}),
+        "subscriber_lost_ticks": seen.get("lost", 0),
+        "frame_to_action_ms": inf.get("frame_to_action_ms"),
         "missed_ticks": stats.get("action", {}).get("missed_ticks"),
         "config": {"policy": args.policy, "requested_backend": args.backend, "checkpoint": args.checkpoint,
                    "params": list(args.param),
                    "camera": "vla_test_camera 60 Hz rgb8 640x480", "cpu_count": os.cpu_count(),
                    "load_avg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
     }
+    res["warnings"] = warnings_for(res, inference_messages or {})
+    return res
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -208,16 +305,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"vla_demo: inference active after {time.monotonic() - t0:.1f} s")
         t_start = time.monotonic()
         prev, _ = watcher.snapshot()
+        kinds0, ticks0 = prev, watcher.tick_figures()
+        prev_reasons = ticks0["reasons"]
+        inference_messages: dict[str, int] = {}  # the inference node's /diagnostics verdicts, seconds each
         next_print = t_start + 1.0
         while time.monotonic() - t_start < args.duration:
             time.sleep(max(0.0, next_print - time.monotonic()))
             next_print += 1.0
             kinds, diag = watcher.snapshot()
-            print(live_line(time.monotonic() - t_start, kinds, prev, diag), flush=True)
-            prev = kinds
+            reasons = watcher.tick_figures()["reasons"]
+            print(live_line(time.monotonic() - t_start, kinds, prev, diag, _delta(reasons, prev_reasons)), flush=True)
+            msg = diag.get("vla_inference: engine", {}).get("_message", "")
+            inference_messages[msg] = inference_messages.get(msg, 0) + 1
+            prev, prev_reasons = kinds, reasons
             if not runtime.alive() or not camera.alive():
                 raise RuntimeError(f"a child process exited early (runtime {runtime.p.returncode}, camera "
                                    f"{camera.p.returncode}); logs in {workdir}")
+        window_s = time.monotonic() - t_start
+        kinds_end, ticks_end = watcher.snapshot()[0], watcher.tick_figures()
+        window_kinds = {k: kinds_end[k] - kinds0.get(k, 0) for k in kinds_end}
+        window_ticks = {"reasons": _delta(ticks_end["reasons"], ticks0["reasons"]),
+                        "lost": ticks_end["lost"] - ticks0["lost"]}
     except (RuntimeError, KeyboardInterrupt) as exc:
         print(f"vla_demo: {exc}", file=sys.stderr)
         rc = 1
@@ -227,7 +335,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         for child in (runtime, camera):
             if child.stop(20) == -9:  # did not exit on SIGINT: killed
                 rc = rc or 1
-        kinds, _ = watcher.snapshot()
         watcher.close()
     if rc:
         return rc
@@ -236,7 +343,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"; see {workdir / 'runtime.log'}", file=sys.stderr)
         return 1
     stats = json.loads(stats_path.read_text())
-    res = build_result(stats, kinds, args)
+    res = build_result(stats, window_kinds, args, window_s, window_ticks, inference_messages)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
