@@ -12,10 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from vla_edge_ros.sim.tasks import CAMERAS, DEFAULT_CAMERA, TASK_KEYS  # pure: no metaworld import
+
 CAMERA = "vla_camera"
 INFERENCE = "vla_inference"
 ACTION = "vla_action"
-NODES = (CAMERA, INFERENCE, ACTION)
+SIM = "vla_sim"  # the simulated arm (ros/sim_node.py): not part of the runtime, shares the registry
+NODES = (CAMERA, INFERENCE, ACTION, SIM)
 
 EVICTION_POLICIES = ("semantic", "fifo", "sliding_window")
 BACKENDS = ("auto", "cuda", "numpy")
@@ -129,6 +132,35 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("action_topic", str, "/vla/action", "sensor_msgs/JointState published every tick", ACTION),
     ParamSpec("action_status_topic", str, "/vla/action_status", "diagnostic_msgs/DiagnosticStatus per tick: "
               "kind, source frame stamp, age, sequence", ACTION),
+    # ---- simulated arm (vla_sim; read-only: a changed task, rate or camera is a new run) ------------------
+    # The sim's own topics are sim_camera_topic / sim_action_topic (names are unique across the registry); their
+    # defaults are the runtime's camera_topic / action_topic, so the two meet without remapping.
+    ParamSpec("task", str, "push", "simulated MetaWorld task (its instruction is in each episode result)", SIM,
+              choices=TASK_KEYS),
+    ParamSpec("camera_hz", float, 10.0, "rate of the rendered camera (10 Hz holds on 2 CPU cores: a 96x96 render "
+              "costs ~37 ms there, ~0.7 ms on the H200)", SIM, min=0.1, max=1000.0),
+    ParamSpec("control_hz", float, 10.0, "rate at which the newest received action is applied (one env step "
+              "each, wall clock; the sim never waits for the policy)", SIM, min=0.1, max=1000.0),
+    ParamSpec("image_width", int, 96, "rendered image width in pixels", SIM, min=8, max=2048),
+    ParamSpec("image_height", int, 96, "rendered image height in pixels", SIM, min=8, max=2048),
+    ParamSpec("camera_name", str, DEFAULT_CAMERA, "fixed MetaWorld camera rendered", SIM, choices=CAMERAS),
+    ParamSpec("render_shadows", bool, False, "render shadows and reflections (~5x the render time on CPU)", SIM),
+    ParamSpec("horizon", int, 200, "control steps after which an unsuccessful episode ends (the experts need "
+              "37-79)", SIM, min=1, max=1000000),
+    ParamSpec("seed_start", int, 0, "episode k starts from seed seed_start + k (an episode is replayed from its "
+              "seed)", SIM, min=0, max=2147483647),
+    ParamSpec("num_episodes", int, 0, "episodes to run before the node exits (0 = forever)", SIM, min=0,
+              max=1000000000),
+    ParamSpec("wait_for_action", bool, True, "start the first episode at the first accepted action (images are "
+              "published meanwhile), so a slow runtime start-up does not use up an episode", SIM),
+    ParamSpec("action_timeout_ms", float, 500.0, "the sim holds (zero motion, gripper unchanged) when the newest "
+              "action was received longer ago than this", SIM, min=1.0, max=600000.0),
+    ParamSpec("sim_camera_topic", str, "/camera/image_raw", "sensor_msgs/Image rgb8 published at camera_hz", SIM),
+    ParamSpec("sim_action_topic", str, "/vla/action", "sensor_msgs/JointState actions (kind in header.frame_id) "
+              "applied by the sim", SIM),
+    ParamSpec("episode_result_topic", str, "/vla/episode_result", "std_msgs/String: one JSON episode result per "
+              "finished episode", SIM),
+    ParamSpec("results_path", str, "", "JSON lines file each episode result is appended to (empty = none)", SIM),
 )
 
 BY_NAME: dict[str, ParamSpec] = {p.name: p for p in PARAMS}

@@ -1,0 +1,228 @@
+"""`vla_sim`: a MetaWorld arm behind ROS 2 topics, for closed-loop runs of the runtime (issue 21).
+
+What it does, all in wall-clock time and never waiting for the policy:
+- renders the fixed camera at ``camera_hz`` and publishes it as sensor_msgs/Image rgb8 on ``sim_camera_topic``
+  (sensor-data QoS as the test camera offers it), stamped with the time the scene was captured;
+- subscribes ``sim_action_topic`` (sensor_msgs/JointState from vla_action: names = the action dimensions, kind in
+  header.frame_id) and offers every message to the episode controller, which validates it (a wrong length,
+  other names, NaN/inf or an unknown kind is rejected and counted, and the sim holds) -- see sim/episode.py;
+- at ``control_hz`` applies the NEWEST accepted action for one env step (sim/action_map.py: x y z metres ->
+  MetaWorld units, gripper 1 = open; roll pitch yaw are not applied; hold = zero motion, gripper unchanged);
+  when the publisher is late the robot does what it last sent (a 'repeat' is applied like the fresh action it
+  repeats), and when nothing arrived for ``action_timeout_ms`` the sim holds by itself;
+- ends an episode at success or after ``horizon`` steps, publishes its result as JSON (std_msgs/String) on
+  ``episode_result_topic``, appends it to ``results_path`` (JSON lines), and resets from seed ``seed_start + k``;
+  after ``num_episodes`` episodes (0 = forever) the process exits 0.
+
+Threads: one SingleThreadedExecutor in its own thread (the house rule), so the camera timer and the control
+timer run in one thread and never touch the MuJoCo state at the same time. A render (~37 ms on the 2-core CPU
+machine, Mesa EGL, 96x96) can therefore delay a control tick by up to that much: at 10 Hz camera + 10 Hz control
+the thread is ~45 % busy and the control period error is in every episode result (``extra``). The EGL context
+is created and released in that thread (GL contexts are current per thread).
+
+Parameters: the ``vla_sim`` rows of the registry (vla_edge_ros/params.py);
+all read-only while running. ``--ros-args --params-file FILE`` / ``-p name:=value`` as for the other nodes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import rclpy
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.node import Node
+from rclpy.signals import SignalHandlerOptions
+from rclpy.utilities import remove_ros_args
+from sensor_msgs.msg import Image, JointState
+from std_msgs.msg import String
+
+from vla_edge_ros import params as registry
+from vla_edge_ros.core.metrics import LatencyStats, PeriodTracker
+from vla_edge_ros.ros import conversions, qos
+from vla_edge_ros.ros.param_bridge import ParameterRejected, descriptor_for
+
+
+def sim_param_specs() -> tuple[registry.ParamSpec, ...]:
+    return registry.for_node(registry.SIM)
+
+
+class SimNode(Node):
+    NODE_NAME = registry.SIM
+
+    def __init__(self, **node_kwargs):
+        super().__init__(self.NODE_NAME, **node_kwargs)
+        self.values = self._declare_parameters()
+        v = self.values
+        # metaworld / mujoco are the optional 'sim' extra: imported here so `--help` and the parameter docs work
+        # without them.
+        from vla_edge_ros.sim.episode import SimController
+        from vla_edge_ros.sim.metaworld_env import MetaWorldSim
+
+        self.sim = MetaWorldSim(v["task"], v["camera_name"], v["image_width"], v["image_height"], v["horizon"],
+                                v["render_shadows"])
+        self.done = threading.Event()
+        self.results_path = Path(v["results_path"]) if v["results_path"] else None
+        if self.results_path is not None:
+            self.results_path.parent.mkdir(parents=True, exist_ok=True)
+        self.render_ms, self.step_ms = LatencyStats(4096), LatencyStats(4096)
+        self.control_period = PeriodTracker(1000.0 / v["control_hz"])
+        self.camera_period = PeriodTracker(1000.0 / v["camera_hz"])
+        self.first_render_ms: Optional[float] = None
+        self._ep_render_ms = LatencyStats(4096)
+        self.frames_published = 0
+        self.publish_errors = 0
+        self.last_result: Optional[dict[str, Any]] = None
+        self._image_pub = self.create_publisher(Image, v["sim_camera_topic"], qos.camera_publisher_qos())
+        self._result_pub = self.create_publisher(String, v["episode_result_topic"], qos.reliable_qos(100))
+        self.controller = SimController(self.sim, v["seed_start"], v["num_episodes"], v["action_timeout_ms"],
+                                        on_result=self._on_result, wait_for_action=v["wait_for_action"])
+        self._episode_period = PeriodTracker(1000.0 / v["control_hz"])
+        self._action_sub = self.create_subscription(JointState, v["sim_action_topic"], self._on_action,
+                                                    qos.reliable_qos())
+        self._camera_timer = self.create_timer(1.0 / v["camera_hz"], self._on_camera)
+        self._control_timer = self.create_timer(1.0 / v["control_hz"], self._on_control)
+        self.get_logger().info(
+            f"task {v['task']!r} ('{self.sim.instruction}'), camera {v['camera_name']} "
+            f"{v['image_width']}x{v['image_height']} at {v['camera_hz']} Hz on {v['sim_camera_topic']}, control "
+            f"{v['control_hz']} Hz from {v['sim_action_topic']}, horizon {v['horizon']}, seeds from "
+            f"{v['seed_start']}, episodes {v['num_episodes'] or 'forever'}"
+            + (", waiting for the first action" if v["wait_for_action"] else ""))
+
+    def _declare_parameters(self) -> dict[str, Any]:
+        values = {}
+        for spec in sim_param_specs():
+            values[spec.name] = self.declare_parameter(spec.name, spec.default, descriptor_for(spec)).value
+        reasons = [why for spec in sim_param_specs() if (why := spec.validate(values[spec.name]))]
+        if reasons:
+            raise ParameterRejected(self.get_name(), reasons)
+        return values
+
+    # ---- callbacks (one executor thread) -----------------------------------------------------------------
+    def _on_action(self, msg: JointState) -> None:
+        reason = self.controller.offer(msg.header.frame_id, msg.position, msg.name)
+        if reason is not None:
+            self.get_logger().warning(f"action rejected ({self.controller.last_rejection}); the sim holds",
+                                      throttle_duration_sec=1.0)
+
+    def _on_camera(self) -> None:
+        if self.done.is_set():
+            return
+        self.camera_period.tick()
+        stamp_ns = self.get_clock().now().nanoseconds  # the scene as of now: render reads the current state
+        t0 = time.perf_counter_ns()
+        try:
+            img = self.sim.render()
+            ms = (time.perf_counter_ns() - t0) / 1e6
+            if self.first_render_ms is None:  # the GL context is created here: ~0.8 s once, not a frame cost
+                self.first_render_ms = ms
+            else:
+                self.render_ms.add(ms)
+                self._ep_render_ms.add(ms)
+            self._image_pub.publish(conversions.rgb_to_image_msg(img, "rgb8", stamp_ns, "sim_camera"))
+        except Exception as exc:  # a failed frame must not stop the timer; it is counted and logged
+            self.publish_errors += 1
+            self.get_logger().error(f"camera frame failed: {exc!r}", throttle_duration_sec=1.0)
+            return
+        self.frames_published += 1
+        self.controller.note_frame()
+
+    def _on_control(self) -> None:
+        if self.done.is_set() or not self.controller.started:
+            return
+        now = time.monotonic_ns()
+        self.control_period.tick(now)
+        self._episode_period.tick(now)
+        t0 = time.perf_counter_ns()
+        self.controller.control_step(now)  # an episode that ends here is reported through _on_result
+        self.step_ms.add((time.perf_counter_ns() - t0) / 1e6)
+        if self.controller.finished:
+            self.done.set()
+
+    def _on_result(self, result) -> None:
+        per = self._episode_period.summary()
+        result.extra = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in {
+                        "control_hz": self.values["control_hz"], "camera_hz": self.values["camera_hz"],
+                        "control_period_error_p99_ms": per["period_error_p99_ms"],
+                        "control_longest_gap_ms": per["longest_gap_ms"],
+                        "render_ms_p50": self._ep_render_ms.p50, "render_ms_p99": self._ep_render_ms.p99}.items()}
+        self._episode_period = PeriodTracker(1000.0 / self.values["control_hz"])
+        self._ep_render_ms = LatencyStats(4096)
+        line = result.to_json()
+        self.last_result = json.loads(line)
+        if self.results_path is not None:
+            with open(self.results_path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        self._result_pub.publish(String(data=line))
+        s = self.controller.summary()
+        self.get_logger().info(f"episode {result.episode} seed {result.seed}: {result.end} after {result.steps} "
+                               f"steps ({result.duration_s:.1f} s; fresh {result.fresh} repeat {result.repeat} "
+                               f"hold {result.hold} sim-hold {sum(result.sim_hold.values())}); "
+                               f"{s['successes']}/{s['episodes']} succeeded")
+
+    def close_sim(self) -> None:
+        """Release the renderer; call from the executor thread (it owns the GL context)."""
+        self.sim.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"episodes": self.controller.summary(), "frames_published": self.frames_published,
+                "publish_errors": self.publish_errors, "first_render_ms": self.first_render_ms,
+                "render_ms": self.render_ms.summary(),
+                "control_step_ms": self.step_ms.summary(), "control_period": self.control_period.summary(),
+                "camera_period": self.camera_period.summary()}
+
+
+def main(args=None) -> int:
+    argv = list(sys.argv if args is None else args)
+    ap = argparse.ArgumentParser(prog="vla_sim", description=__doc__.split("\n")[0])
+    ap.add_argument("--stats-out", default=None, help="write the node's figures as JSON here at exit")
+    opts = ap.parse_args(remove_ros_args(argv)[1:])
+    rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        node = SimNode()
+    except Exception as exc:
+        print(f"vla_sim: cannot start: {exc}", file=sys.stderr)
+        rclpy.try_shutdown()
+        return 2
+    ex = SingleThreadedExecutor()
+    ex.add_node(node)
+
+    failed = []
+
+    def spin() -> None:
+        try:
+            ex.spin()
+        except Exception as exc:  # a callback raised (or the context was shut down under us): stop, exit 1
+            if rclpy.ok():
+                failed.append(exc)
+                print(f"vla_sim: executor stopped: {exc!r}", file=sys.stderr)
+        finally:
+            node.close_sim()
+            node.done.set()
+
+    th = threading.Thread(target=spin, name="exec:vla_sim", daemon=True)
+    th.start()
+    while not (stop.is_set() or node.done.is_set()):
+        stop.wait(0.2)
+    ex.shutdown(timeout_sec=2.0)
+    th.join(timeout=5.0)
+    stats = node.snapshot()
+    node.get_logger().info(f"exit: {json.dumps(stats['episodes'])}, {node.frames_published} frames")
+    if opts.stats_out:
+        Path(opts.stats_out).write_text(json.dumps(stats, indent=2, default=str))
+    node.destroy_node()
+    rclpy.try_shutdown()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Episodes of the closed loop: the result record, and the controller that applies the newest command.
+
+The controller is the sim side of "the sim never waits for the policy": actions are *offered* whenever they
+arrive (validated at once by action_map.parse_command; a bad one is counted by reason and makes the next step a
+hold, so it is never applied and an older command is not silently reused in its place); once per control step
+the newest command is applied:
+
+- a 'fresh' or 'repeat' action -> mapped to the env action (action_map.ActionMapping.to_env);
+- a 'hold' action -> zero motion, the gripper command as last applied (its values are not used: the sim is the
+  authority on "unchanged");
+- the sim holds by itself (same env action) when nothing was received yet ('no_action'), when the newest
+  command is older than ``action_timeout_ms`` on the receive clock ('stale': the publisher died or stalled), or
+  when the newest message was rejected ('rejected').
+
+With ``wait_for_action`` the first episode starts (its clock and its steps) at the first accepted action:
+before that control_step does nothing, so the time a runtime needs to start does not use up an episode.
+
+An episode ends at success (the env's ``info['success']``) or at ``horizon`` steps; its :class:`EpisodeResult`
+is returned by the step that ended it and the next episode starts at once from seed ``seed_start + k``.
+Pure: the env is any object with ``reset(seed)``, ``step_env(a4) -> success``, ``ee_position()``, ``mapping``,
+``horizon``, ``task`` and ``instruction`` (metaworld_env.MetaWorldSim).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from vla_edge_ros.sim.action_map import (ENV_GRIP_OPEN, KINDS, REJECT_REASONS, RUNTIME_ACTION_NAMES, ActionRejected,
+                                         parse_command)
+
+SIM_HOLD_REASONS = ("no_action", "stale", "rejected")
+
+
+@dataclass
+class EpisodeResult:
+    task: str
+    instruction: str
+    seed: int
+    episode: int  # 0, 1, ... within this run
+    success: bool
+    end: str  # 'success' | 'horizon'
+    steps: int  # control steps applied (env steps)
+    horizon: int
+    duration_s: float  # wall-clock time from reset to the end
+    fresh: int = 0  # steps that applied a received action of this kind
+    repeat: int = 0
+    hold: int = 0
+    sim_hold: dict[str, int] = field(default_factory=lambda: {r: 0 for r in SIM_HOLD_REASONS})
+    received: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})  # accepted messages by kind
+    rejected: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REJECT_REASONS})
+    reapplied: int = 0  # steps that applied the same message as the step before (publisher slower than control)
+    saturated: int = 0  # applied actions that the mapping clipped
+    rotation_ignored: int = 0  # applied actions with a non-zero roll / pitch / yaw (MetaWorld cannot rotate)
+    frames: int = 0  # camera frames published during the episode (the node counts them)
+    ee_start: list[float] = field(default_factory=list)  # end-effector (TCP) position at reset, metres
+    ee_end: list[float] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # node figures (control period error, ...)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "EpisodeResult":
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class _Command:
+    kind: str
+    values: np.ndarray
+    received_ns: int
+    seq: int
+
+
+_REJECTED = object()  # the newest message was rejected: hold until a good one arrives
+
+
+class SimController:
+    def __init__(self, sim: Any, seed_start: int = 0, num_episodes: int = 0, action_timeout_ms: float = 500.0,
+                 expected_names: Sequence[str] = RUNTIME_ACTION_NAMES,
+                 clock_ns: Callable[[], int] = time.monotonic_ns,
+                 on_result: Optional[Callable[[EpisodeResult], None]] = None, wait_for_action: bool = False):
+        if num_episodes < 0:
+            raise ValueError(f"num_episodes must be >= 0 (0 = forever), got {num_episodes}")
+        if not action_timeout_ms > 0:
+            raise ValueError(f"action_timeout_ms must be > 0, got {action_timeout_ms}")
+        self.sim = sim
+        self.seed_start = int(seed_start)
+        self.num_episodes = int(num_episodes)
+        self.timeout_ns = int(action_timeout_ms * 1e6)
+        self.expected_names = tuple(expected_names)
+        self.clock_ns = clock_ns
+        self.on_result = on_result
+        self.results: list[EpisodeResult] = []
+        self.total_rejected = {r: 0 for r in REJECT_REASONS}
+        self.last_rejection = ""
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._newest: Any = None
+        self._last_applied_seq = 0
+        self.episode_index = -1
+        self.finished = False
+        self.started = not wait_for_action
+        self._begin(self.seed_start)
+
+    # ---- episodes ------------------------------------------------------------------------------------
+    def _begin(self, seed: int) -> None:
+        self.episode_index += 1
+        self.sim.reset(seed)
+        self.env_gripper = ENV_GRIP_OPEN  # MetaWorld resets the hand open
+        self._cur = EpisodeResult(task=self.sim.task, instruction=self.sim.instruction, seed=int(seed),
+                                  episode=self.episode_index, success=False, end="", steps=0,
+                                  horizon=int(self.sim.horizon), duration_s=0.0,
+                                  ee_start=[float(v) for v in self.sim.ee_position()])
+        self._t0_ns = self.clock_ns()
+
+    @property
+    def current(self) -> EpisodeResult:
+        """The running episode's counters (read-only use)."""
+        return self._cur
+
+    @property
+    def seed(self) -> int:
+        return self._cur.seed
+
+    # ---- input ---------------------------------------------------------------------------------------
+    def offer(self, frame_id: str, values: Sequence[float], names: Sequence[str] = (),
+              now_ns: Optional[int] = None) -> Optional[str]:
+        """One received action. Returns None when accepted, else the rejection reason (counted; next step holds)."""
+        now_ns = self.clock_ns() if now_ns is None else int(now_ns)
+        with self._lock:
+            try:
+                kind, a = parse_command(frame_id, values, names, self.expected_names)
+            except ActionRejected as exc:
+                self._cur.rejected[exc.reason] += 1
+                self.total_rejected[exc.reason] += 1
+                self.last_rejection = str(exc)
+                self._newest = _REJECTED
+                return exc.reason
+            self._seq += 1
+            self._cur.received[kind] += 1
+            self._newest = _Command(kind, a, now_ns, self._seq)
+            if not self.started:
+                self.started, self._t0_ns = True, now_ns
+            return None
+
+    def note_frame(self) -> None:
+        """A camera frame was published (frames before the first episode started are not counted)."""
+        if self.started and not self.finished:
+            self._cur.frames += 1
+
+    # ---- one control step ----------------------------------------------------------------------------
+    def control_step(self, now_ns: Optional[int] = None) -> Optional[EpisodeResult]:
+        """Apply the newest command for one env step; returns the result of an episode that ended here."""
+        if self.finished or not self.started:
+            return None
+        now_ns = self.clock_ns() if now_ns is None else int(now_ns)
+        mapping, cur = self.sim.mapping, self._cur
+        with self._lock:
+            cmd = self._newest
+        if cmd is None or cmd is _REJECTED or now_ns - cmd.received_ns > self.timeout_ns:
+            reason = "no_action" if cmd is None else "rejected" if cmd is _REJECTED else "stale"
+            cur.sim_hold[reason] += 1
+            env = mapping.hold_env(self.env_gripper)
+        else:
+            if cmd.seq == self._last_applied_seq:
+                cur.reapplied += 1
+            self._last_applied_seq = cmd.seq
+            setattr(cur, cmd.kind, getattr(cur, cmd.kind) + 1)
+            if cmd.kind == "hold":
+                env = mapping.hold_env(self.env_gripper)
+            else:
+                env = mapping.to_env(cmd.values)
+                cur.saturated += mapping.saturated(cmd.values)
+                cur.rotation_ignored += mapping.rotation_ignored(cmd.values)
+        self.env_gripper = float(env[3])
+        success = bool(self.sim.step_env(env))
+        cur.steps += 1
+        if not (success or cur.steps >= cur.horizon):
+            return None
+        return self._finish(success, now_ns)
+
+    def _finish(self, success: bool, now_ns: int) -> EpisodeResult:
+        cur = self._cur
+        cur.success, cur.end = success, ("success" if success else "horizon")
+        cur.duration_s = (now_ns - self._t0_ns) / 1e9
+        cur.ee_end = [float(v) for v in self.sim.ee_position()]
+        self.results.append(cur)
+        if self.on_result is not None:
+            self.on_result(cur)
+        done = len(self.results)
+        if self.num_episodes and done >= self.num_episodes:
+            self.finished = True
+        else:
+            self._begin(self.seed_start + done)
+        return cur
+
+    def summary(self) -> dict[str, Any]:
+        n = len(self.results)
+        ok = sum(r.success for r in self.results)
+        return {"episodes": n, "successes": ok, "success_rate": ok / n if n else None,
+                "rejected": dict(self.total_rejected), "finished": self.finished}
