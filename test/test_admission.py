@@ -231,3 +231,14 @@ def test_a_burst_of_slow_chunks_leaves_the_spread_after_as_many_refusals():
         refusals += 1
         assert refusals <= 12, f"still refusing after a 4-chunk burst: {ac.stats()}"
     assert ac.spread_ms() < 5.0
+
+
+def test_one_slow_first_chunk_does_not_stop_a_sparse_stream():
+    ac = AdmissionController(deadline_ms=33.0, safety_margin_ms=2.0, ema_alpha=0.2, probe_after_refusals=0)
+    ac.seed(10.0, 1.0)  # warm-up: 18 ms
+    ac.record(40.0, 8.0, 8, True)  # the first live chunk took 48 ms (a first frame of a new size, say)
+    refusals = 0
+    while not ac.decide(33.0, 8).admit:
+        refusals += 1
+        assert refusals <= 20, ac.stats()
+    assert ac.stats()["overrun_samples"] == 0

@@ -236,9 +236,12 @@ class AdmissionController:
         spell forever. Each EMA moves toward its recent median (below), and the largest overrun leaves the
         spread's window while the spread is above what the bulk of the window says (``_robust_spread_locked``): a
         burst of k slow chunks expires after k refusals (~k cycles), a lasting rise of the noise does not (its
-        quantile is what the median and MAD predict), and a lasting rise of the mean keeps refusing."""
+        quantile is what the median and MAD predict), and a lasting rise of the mean keeps refusing. With fewer
+        than SPREAD_MIN_SAMPLES overruns there is no bulk to judge by (the spread is their maximum): one slow
+        first chunk must not stop a slow camera's stream, so the largest leaves at each such refusal."""
         moved = False
-        if self._overruns and self.cost_quantile > 0.0 and self._spread_locked() > self._robust_spread_locked():
+        if self._overruns and self.cost_quantile > 0.0 and (len(self._overruns) < SPREAD_MIN_SAMPLES
+                                                            or self._spread_locked() > self._robust_spread_locked()):
             self._overruns.remove(max(self._overruns))
             moved = True
         if self._recent_prefill and self.prefill_ema_ms is not None:
