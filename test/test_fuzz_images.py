@@ -38,7 +38,7 @@ DOMAIN_RAW, DOMAIN_COMPRESSED = 60, 61
 N_RAW, N_COMPRESSED = 8000, 2500  # >= 10 000 together
 MAX_BYTES = 4 * 1024 * 1024  # max_image_bytes for the node under test (smaller than default: cheap bombs)
 FUTURE_LIMIT_NS = 10_000 * 1_000_000  # stamps more than 10 s ahead are absurd (image_convert default)
-UNKNOWN_ENCODINGS = ("", "RGB8", "rgb8 ", "yuv422", "bayer_rggb8", "32FC1", "16UC3", "jpeg", "x" * 300,
+UNKNOWN_ENCODINGS = ("", "RGB8", "rgb8 ", "nv12", "bayer_rggb8", "32FC1", "16UC3", "jpeg", "x" * 300,
                      "ünïcødé", "mono")
 
 

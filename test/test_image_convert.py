@@ -1,4 +1,6 @@
-"""image_convert: raw and compressed conversions, every rejection reason, stamps, frozen detection."""
+"""image_convert: raw and compressed conversions, every rejection reason, stamps, frozen detection (the
+time rules of the frozen detector and the rejection window are in test_camera_health.py, YUV in
+test_yuv422.py)."""
 import io
 import struct
 import zlib
@@ -8,8 +10,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from PIL import Image
 
-from vla_edge_ros.core.image_convert import (ENCODINGS, FrozenDetector, ImageRejected, RejectionCounter,
-                                             check_stamp, compressed_to_rgb, image_to_rgb, validate_stamp)
+from vla_edge_ros.core.camera_health import FrozenDetector, RejectionCounter
+from vla_edge_ros.core.image_convert import (SUPPORTED_ENCODINGS, ImageRejected, check_stamp, compressed_to_rgb,
+                                             image_to_rgb, validate_stamp)
 
 RNG = np.random.default_rng(7)
 RGB = RNG.integers(0, 256, size=(5, 7, 3), dtype=np.uint8)
@@ -80,7 +83,10 @@ def test_rgb8_is_a_zero_copy_view_of_the_message_buffer():
     ((0, 0, "rgb8", 0, b""), "empty"),
     ((5, 0, "rgb8", 0, b""), "empty"),
     ((-1, 7, "rgb8", 21, b""), "empty"),
-    ((5, 7, "yuv422", 14, b"\0" * 70), "unknown_encoding"),
+    ((5, 7, "nv12", 14, b"\0" * 70), "unknown_encoding"),
+    ((5, 7, "yuv422", 14, b"\0" * 70), "odd_width"),
+    ((5, 8, "yuyv", 15, b"\0" * 75), "step_mismatch"),
+    ((5, 8, "uyvy", 16, b"\0" * 79), "short_data"),
     ((5, 7, "RGB8", 21, b"\0" * 105), "unknown_encoding"),
     ((5, 7, "rgb8", 20, b"\0" * 100), "step_mismatch"),
     ((5, 7, "mono16", 15, b"\0" * 75), "step_mismatch"),
@@ -102,7 +108,7 @@ def test_too_large_is_rejected_before_touching_data():
 
 
 @settings(max_examples=300, deadline=None)
-@given(h=st.integers(-2, 12), w=st.integers(-2, 12), enc=st.sampled_from(list(ENCODINGS) + ["bad", ""]),
+@given(h=st.integers(-2, 12), w=st.integers(-2, 12), enc=st.sampled_from(list(SUPPORTED_ENCODINGS) + ["bad", ""]),
        step=st.integers(-5, 60), n=st.integers(0, 700), big=st.integers(0, 1))
 def test_fuzz_raw_either_valid_image_or_rejection(h, w, enc, step, n, big):
     data = bytes(RNG.integers(0, 256, size=n, dtype=np.uint8))
@@ -221,36 +227,45 @@ def test_validate_stamp():
 
 
 def test_rejection_counter():
-    rc = RejectionCounter()
+    rc = RejectionCounter(window_s=5.0, clock_ns=lambda: 10**9)
     for exc in (ImageRejected("short_data", "a"), ImageRejected("short_data", "b"), ImageRejected("empty", "c")):
         rc.count(exc)
     rc.add("bad_stamp", "d")
     snap = rc.snapshot()
     assert snap == {"total": 4, "by_reason": {"short_data": 2, "empty": 1, "bad_stamp": 1},
-                    "last_reason": "bad_stamp", "last_message": "d"}
+                    "last_reason": "bad_stamp", "last_message": "d", "recent": 4,
+                    "recent_by_reason": {"short_data": 2, "empty": 1, "bad_stamp": 1}, "window_s": 5.0,
+                    "recent_rate_hz": 0.8, "last_age_s": 0.0}
 
 
 # ---- frozen camera ------------------------------------------------------------------------------------------
 def test_frozen_detector_counts_identical_consecutive_frames():
-    fd = FrozenDetector(limit=3)
+    fd = FrozenDetector(limit=5)
     img = RNG.integers(0, 256, size=(480, 640, 3), dtype=np.uint8)
-    assert [fd.update(img.copy()) for _ in range(4)] == [False, False, True, True]
-    assert fd.frozen_events == 1 and fd.run_length == 4
+    period = 33_000_000  # a live 30 Hz camera: every frame differs (noise) ...
+    t = iter(range(0, 10**12, period))
+    for i in range(10):
+        moving = img.copy()
+        moving[0, 0, 0] = i
+        assert not fd.update(moving, now_ns=next(t))
+    # ... until the picture freezes: flagged at the 5th identical frame, as frozen_frame_limit says
+    assert [fd.update(img.copy(), now_ns=next(t)) for _ in range(6)] == [False] * 4 + [True, True]
+    assert fd.frozen_events == 1 and fd.run_length == 6
     other = img.copy()
     other[0, 0, 0] ^= 1  # a one-pixel change in a sampled row un-freezes
-    assert not fd.update(other)
+    assert not fd.update(other, now_ns=next(t))
     assert fd.run_length == 1
-    assert [fd.update(other) for _ in range(2)] == [False, True]
+    assert [fd.update(other, now_ns=next(t)) for _ in range(4)] == [False] * 3 + [True]
     assert fd.frozen_events == 2
-    assert not fd.update(img[:240])  # a different shape is different content
+    assert not fd.update(img[:240], now_ns=next(t))  # a different shape is different content
 
 
 def test_frozen_detector_disabled_and_live_limit():
     fd = FrozenDetector(limit=0)
     img = np.zeros((8, 8, 3), np.uint8)
-    assert not any(fd.update(img) for _ in range(100))
+    assert not any(fd.update(img, now_ns=i * 10**7) for i in range(100))
     fd.set_limit(2)
-    assert [fd.update(img), fd.update(img)] == [False, True]
+    assert [fd.update(img, now_ns=10**9), fd.update(img, now_ns=2 * 10**9)] == [False, True]
     with pytest.raises(ValueError):
         fd.set_limit(-1)
 
@@ -260,4 +275,4 @@ def test_frozen_detector_accepts_views_from_the_converter():
     data, step = pack(RGB[:, :, ::-1].copy(), 3)
     a = image_to_rgb(5, 7, "bgr8", step, data)  # negative-stride view
     b = image_to_rgb(5, 7, "bgr8", step, bytes(data))
-    assert not fd.update(a) and fd.update(b)
+    assert not fd.update(a, now_ns=0) and fd.update(b, now_ns=10**8)

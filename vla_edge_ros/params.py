@@ -82,8 +82,9 @@ PARAMS: tuple[ParamSpec, ...] = (
               "(middleware event) marks the camera stalled", CAMERA, min=1.0, max=60000.0),
     ParamSpec("max_image_bytes", int, 33554432, "images larger than this are rejected (counted) before decoding",
               CAMERA, min=1, max=1 << 31),
-    ParamSpec("frozen_frame_limit", int, 30, "this many consecutive identical frames flag a frozen camera "
-              "(0 disables the check)", CAMERA, min=0, max=1000000, live=True, applies="next frame"),
+    ParamSpec("frozen_frame_limit", int, 30, "this many consecutive identical frames (re-sends of the same header "
+              "stamp not counted) flag a frozen camera, once the picture has also stood still longer than 3x the "
+              "source's usual picture duration, so a bag re-timed to 60 Hz is not frozen (0 disables the check)", CAMERA, min=0, max=1000000, live=True, applies="next frame"),
     ParamSpec("hold_on_frozen", bool, False, "treat a frozen camera as stale (the action publisher holds)",
               CAMERA, live=True, applies="next frame"),
     # ---- inference ----------------------------------------------------------------------------------------

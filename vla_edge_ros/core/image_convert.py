@@ -5,17 +5,23 @@ buffer honouring ``step`` (row padding), then views (slicing / channel reversal 
 copies wherever the layout allows. The returned array may therefore be a read-only view sharing the message's
 memory (it keeps the buffer alive); callers that need to write into it must copy.
 
+YUV 4:2:2 (YUYV / UYVY, what many USB camera drivers publish) is the one layout that needs arithmetic: two
+pixels share one U and one V byte, so it is converted (BT.601 limited range, OpenCV's integer formula) into a
+new array with a few table look-ups over the whole image, never a per-pixel Python loop.
+
 Every malformed input raises ``ImageRejected`` with a short ``reason`` code (counted per reason by
-``RejectionCounter``) and a message saying what was wrong; nothing here lets a bad message crash a node.
+``camera_health.RejectionCounter``) and a message saying what was wrong; nothing here lets a bad message crash
+a node.
 """
 from __future__ import annotations
 
 import io
-import threading
-import zlib
 from typing import Any, Optional
 
 import numpy as np
+
+# Moved to core.camera_health (they judge the camera over time); still importable from here.
+from vla_edge_ros.core.camera_health import FrozenDetector, RejectionCounter  # noqa: F401
 
 DEFAULT_MAX_BYTES = 32 * 1024 * 1024
 MAX_FUTURE_MS_DEFAULT = 10_000.0
@@ -32,6 +38,34 @@ ENCODINGS: dict[str, tuple[int, int]] = {
     "mono16": (1, 2),
     "16UC1": (1, 2),
 }
+
+# YUV 4:2:2, two pixels per 4-byte macropixel: encoding -> byte offsets of (Y0, U, Y1, V) inside it.
+# In ROS sensor_msgs/image_encodings "yuv422" is UYVY and "yuv422_yuy2" is YUYV; "uyvy"/"yuyv" are the
+# newer spellings of the same two layouts.
+YUV422_ENCODINGS: dict[str, tuple[int, int, int, int]] = {
+    "yuv422_yuy2": (0, 1, 2, 3),
+    "yuyv": (0, 1, 2, 3),
+    "yuv422": (1, 0, 3, 2),
+    "uyvy": (1, 0, 3, 2),
+}
+SUPPORTED_ENCODINGS: tuple[str, ...] = tuple(ENCODINGS) + tuple(YUV422_ENCODINGS)
+
+# BT.601 limited range ("video" levels: Y 16..235, U/V 16..240 around 128) in OpenCV's 20-bit fixed point
+# (COLOR_YUV2RGB_YUYV / _UYVY): R = 1.164(Y-16) + 1.596(V-128), G = 1.164(Y-16) - 0.813(V-128) - 0.391(U-128),
+# B = 1.164(Y-16) + 2.018(U-128), rounded, saturated to 0..255 (the largest sum fits int32). R depends on
+# (Y, V) only and B on (Y, U): each is one 64 KB table indexed by chroma << 8 | luma. G needs all three, so it
+# is summed from per-byte tables.
+_SHIFT = 20
+_Y_TERM = np.maximum(np.arange(256, dtype=np.int32) - 16, 0) * np.int32(1220542)
+_C = np.arange(256, dtype=np.int32) - 128
+_ROUND = np.int32(1 << (_SHIFT - 1))
+_G_FROM_U = _ROUND + _C * np.int32(-409993)
+_G_FROM_V = _C * np.int32(-852492)
+_R_TABLE = np.clip((_Y_TERM[None, :] + (_ROUND + _C * np.int32(1673527))[:, None]) >> _SHIFT, 0, 255
+                   ).astype(np.uint8).ravel()
+_B_TABLE = np.clip((_Y_TERM[None, :] + (_ROUND + _C * np.int32(2116026))[:, None]) >> _SHIFT, 0, 255
+                   ).astype(np.uint8).ravel()
+del _C
 
 
 class ImageRejected(Exception):
@@ -71,9 +105,16 @@ def image_to_rgb(height: int, width: int, encoding: str, step: int, data: Any, i
     """Raw sensor_msgs/Image fields -> (height, width, 3) uint8 RGB (often a zero-copy view)."""
     if height <= 0 or width <= 0:
         raise ImageRejected("empty", f"image is {width}x{height}")
-    if encoding not in ENCODINGS:
-        raise ImageRejected("unknown_encoding", f"encoding {encoding!r} is not one of {', '.join(ENCODINGS)}")
-    channels, depth = ENCODINGS[encoding]
+    if encoding in YUV422_ENCODINGS:
+        if width % 2:
+            raise ImageRejected("odd_width", f"{encoding} packs two pixels per 4 bytes (shared U and V), so the "
+                                             f"width must be even, got {width}")
+        channels, depth = 2, 1  # 2 bytes per pixel on average
+    elif encoding in ENCODINGS:
+        channels, depth = ENCODINGS[encoding]
+    else:
+        raise ImageRejected("unknown_encoding",
+                            f"encoding {encoding!r} is not one of {', '.join(SUPPORTED_ENCODINGS)}")
     row_bytes = width * channels * depth
     if step < row_bytes:
         raise ImageRejected("step_mismatch", f"step {step} is below width*bytes_per_pixel = {row_bytes} "
@@ -90,6 +131,9 @@ def image_to_rgb(height: int, width: int, encoding: str, step: int, data: Any, i
         raise ImageRejected("long_data", f"data has {size} bytes, height*step = {expected}")
     buf = _as_buffer(data)
 
+    if encoding in YUV422_ENCODINGS:
+        rows = np.frombuffer(buf, dtype=np.uint8, count=expected).reshape(height, step)
+        return yuv422_to_rgb(rows[:, :row_bytes].reshape(height, width // 2, 4), YUV422_ENCODINGS[encoding])
     if depth == 1:
         rows = np.frombuffer(buf, dtype=np.uint8, count=expected).reshape(height, step)
         pix = rows[:, :row_bytes].reshape(height, width, channels)  # view, even with row padding
@@ -107,6 +151,34 @@ def image_to_rgb(height: int, width: int, encoding: str, step: int, data: Any, i
     rows16 = np.frombuffer(buf, dtype=dtype, count=expected // 2).reshape(height, step // 2)
     gray = (rows16[:, :width] >> 8).astype(np.uint8)
     return np.broadcast_to(gray[:, :, None], (height, width, 3))
+
+
+def yuv422_to_rgb(macropixels: np.ndarray, offsets: tuple[int, int, int, int]) -> np.ndarray:
+    """(H, W/2, 4) uint8 macropixels with (Y0, U, Y1, V) at ``offsets`` -> (H, W, 3) uint8 RGB (a new array).
+
+    BT.601 limited range, bit-exact with OpenCV's YUV422 conversion (compared with opencv-python 5.0 over all
+    2^24 Y/U/V values when this was written). Whole-image numpy passes, twice (the macropixel's left and right
+    pixel share its U and V): a few ms for 640x480, the one raw encoding that costs more than a view."""
+    oy0, ou, oy1, ov = offsets
+    h, half = macropixels.shape[:2]
+    u, v = macropixels[:, :, ou], macropixels[:, :, ov]
+    u_high = u.astype(np.uint16) << 8
+    v_high = v.astype(np.uint16) << 8
+    g_chroma = _G_FROM_U.take(u) + _G_FROM_V.take(v)
+    out = np.empty((h, half, 2, 3), dtype=np.uint8)
+    index = np.empty((h, half), dtype=np.uint16)
+    for pixel, oy in enumerate((oy0, oy1)):
+        y = macropixels[:, :, oy]
+        np.bitwise_or(v_high, y, out=index)
+        out[:, :, pixel, 0] = _R_TABLE.take(index)
+        np.bitwise_or(u_high, y, out=index)
+        out[:, :, pixel, 2] = _B_TABLE.take(index)
+        g = _Y_TERM.take(y)
+        g += g_chroma
+        g >>= _SHIFT
+        np.clip(g, 0, 255, out=g)
+        out[:, :, pixel, 1] = g
+    return out.reshape(h, 2 * half, 3)
 
 
 def compressed_to_rgb(format: str, data: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
@@ -170,79 +242,3 @@ def check_stamp(sec: int, nanosec: int, now_ns: int, max_future_ms: float = MAX_
     if why is not None:
         raise ImageRejected("bad_stamp", why)
     return int(sec) * 1_000_000_000 + int(nanosec)
-
-
-class RejectionCounter:
-    """Rejections per reason code, total and the last message (for /diagnostics). Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.counts: dict[str, int] = {}
-        self.total = 0
-        self.last_reason = ""
-        self.last_message = ""
-
-    def add(self, reason: str, message: str = "") -> None:
-        with self._lock:
-            self.counts[reason] = self.counts.get(reason, 0) + 1
-            self.total += 1
-            self.last_reason = reason
-            self.last_message = message
-
-    def count(self, exc: ImageRejected) -> None:
-        self.add(exc.reason, exc.message)
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {"total": self.total, "by_reason": dict(self.counts), "last_reason": self.last_reason,
-                    "last_message": self.last_message}
-
-
-class FrozenDetector:
-    """Flags a frozen camera: ``limit`` consecutive frames with identical content (0 disables the check).
-
-    The content key is crc32 over a strided subsample (up to ~64 full rows, every pixel in them) plus the
-    shape: about 0.05 ms for 640x480 instead of hashing 900 KB. A live sensor's noise changes every row, so a
-    real frame never repeats the sampled rows exactly; a change confined to unsampled rows is missed, which
-    only delays detection of a frozen feed (the cost of a false "frozen" is a hold, so we keep it unlikely).
-    """
-
-    def __init__(self, limit: int = 30, max_rows: int = 64) -> None:
-        self.set_limit(limit)
-        self.max_rows = max(1, int(max_rows))
-        self._last_key: Optional[tuple] = None
-        self.run_length = 0  # consecutive identical frames including the first of the run
-        self.frozen = False
-        self.frozen_events = 0  # transitions into the frozen state
-
-    def set_limit(self, limit: int) -> None:
-        if int(limit) < 0:
-            raise ValueError(f"frozen_frame_limit must be >= 0, got {limit}")
-        self.limit = int(limit)
-
-    def key(self, image: np.ndarray) -> tuple:
-        h = image.shape[0]
-        stride = max(1, h // self.max_rows)
-        sample = image[::stride]
-        if sample.ndim == 3 and sample.strides[2] <= 0:
-            # Views from image_to_rgb: undo a channel reversal (bgr) or a broadcast (mono) so the sample is
-            # gathered from contiguous memory; a fixed transform, so equal frames still give equal keys.
-            sample = sample[:, :, :1] if sample.strides[2] == 0 else sample[:, :, ::-1]
-        sample = np.ascontiguousarray(sample)
-        return (image.shape, str(image.dtype), zlib.crc32(sample))
-
-    def update(self, image: np.ndarray) -> bool:
-        """Feed one frame; returns True while the camera is considered frozen."""
-        if self.limit == 0:
-            self._last_key, self.run_length, self.frozen = None, 0, False
-            return False
-        k = self.key(image)
-        if k == self._last_key:
-            self.run_length += 1
-        else:
-            self._last_key, self.run_length = k, 1
-        was = self.frozen
-        self.frozen = self.run_length >= self.limit
-        if self.frozen and not was:
-            self.frozen_events += 1
-        return self.frozen

@@ -9,6 +9,10 @@ Stale-input detection comes from the middleware's own events on the subscription
 - liveliness lost (the publisher process died / stopped asserting): the action arbiter is told at once
   (``mark_inputs_stale('camera_liveliness_lost')``) so the robot holds without waiting for the frame age;
 - both clear on the next good frame. The arbiter's own frame-age check (``stale_after_ms``) is the backstop.
+Rejections and frozen frames are also kept over a recent window (core.camera_health, ``HEALTH_WINDOW_S``) so
+/diagnostics reports what is wrong *now* and returns to OK by itself; the all-time counts stay in the values.
+The frozen rule judges content against time and header stamps (see camera_health.FrozenDetector), so a bag
+replay that re-times a 5 Hz dataset to 60 Hz is not "frozen".
 If a camera offers no deadline/liveliness (most drivers), DDS reports the QoS as incompatible; the node then
 re-subscribes with plain sensor-data QoS and relies on the frame-age check alone (logged and in diagnostics).
 """
@@ -25,7 +29,7 @@ from rclpy.node import Node
 from sensor_msgs.msg import CompressedImage, Image
 
 from vla_edge_ros import params as registry
-from vla_edge_ros.core import image_convert
+from vla_edge_ros.core import camera_health, image_convert
 from vla_edge_ros.core.double_buffer import DoubleBuffer
 from vla_edge_ros.core.metrics import LatencyStats, RateCounter
 from vla_edge_ros.ros import conversions, qos
@@ -53,9 +57,11 @@ class CameraStats:
 
 class CameraNode(Node):
     NODE_NAME = registry.CAMERA
+    HEALTH_WINDOW_S = camera_health.DEFAULT_WINDOW_S  # rejections / frozen frames older than this stop warning
 
     def __init__(self, frame_buffer: DoubleBuffer | None = None, arbiter: Any = None,
-                 on_stale: Callable[[str, bool], None] | None = None, **node_kwargs):
+                 on_stale: Callable[[str, bool], None] | None = None,
+                 health_clock_ns: Callable[[], int] = time.monotonic_ns, **node_kwargs):
         super().__init__(self.NODE_NAME, **node_kwargs)
         self.params = ParamBridge(self, registry.CAMERA, on_change=self._on_params)
         self.buffer: DoubleBuffer = frame_buffer if frame_buffer is not None else DoubleBuffer()
@@ -63,8 +69,11 @@ class CameraNode(Node):
         self._arbiter = arbiter
         self._on_stale = on_stale
         self.stats = CameraStats()
-        self._rejections = image_convert.RejectionCounter()
-        self._frozen = image_convert.FrozenDetector(self.params.get("frozen_frame_limit"))
+        # Durations on the monotonic clock (injectable for tests): ROS time may be sim time or a bag's.
+        self._health_clock_ns = health_clock_ns
+        self._rejections = camera_health.RejectionCounter(self.HEALTH_WINDOW_S, health_clock_ns)
+        self._frozen = camera_health.FrozenDetector(self.params.get("frozen_frame_limit"), clock_ns=health_clock_ns)
+        self._frozen_recent = camera_health.EventWindow(self.HEALTH_WINDOW_S, health_clock_ns)  # frames while frozen
         self.callback_ms = LatencyStats(4096)  # cost of the image callback itself (runtime_bench reads it)
         self.rate = RateCounter(1.0)
         self.stalled = False  # deadline missed since the last good frame
@@ -165,9 +174,15 @@ class CameraNode(Node):
             except image_convert.ImageRejected as exc:
                 self._reject(exc.reason, str(exc))
                 return
-            frozen = self._frozen.update(img)
-            if frozen and not self.frozen:
-                self.get_logger().warning("camera frozen: identical frames repeating")
+            frozen = self._frozen.update(img, stamp_ns)  # judged on the receive time (health clock)
+            if frozen:
+                self._frozen_recent.add("frozen")
+                if not self.frozen:
+                    f = self._frozen.snapshot()
+                    self.get_logger().warning(
+                        f"camera frozen: identical frames repeating ({f['run_length']} frames, "
+                        f"{f['unchanged_s']:.2f} s unchanged; this source's pictures usually last "
+                        f"{f['typical_hold_ms'] if f['typical_hold_ms'] is not None else '?'} ms)")
             self.frozen = frozen
             self._set_stale("camera_frozen", frozen and self.params.get("hold_on_frozen"))
             self._next_frame_id += 1
@@ -189,8 +204,9 @@ class CameraNode(Node):
         now = time.monotonic_ns()
         if now - self._last_log_ns > 1_000_000_000:  # throttle: a broken camera at 60 Hz must not flood the log
             self._last_log_ns = now
-            self.get_logger().warning(f"image rejected ({reason}): {detail} "
-                                      f"[rejections so far: {self._rejections.snapshot()['by_reason']}]")
+            snap = self._rejections.snapshot()
+            self.get_logger().warning(f"image rejected ({reason}): {detail} [{snap['recent']} in the last "
+                                      f"{snap['window_s']:g} s; so far: {snap['by_reason']}]")
 
     # ---- live parameters ----------------------------------------------------------------------------
     def _on_params(self, changes: dict) -> None:
@@ -205,12 +221,18 @@ class CameraNode(Node):
     def snapshot(self) -> dict:
         buf = self.buffer.stats()
         rej = self._rejections.snapshot()
+        frozen = self._frozen.snapshot()
         return {
             "received": self.stats.received,
             "accepted": self.stats.accepted,
             "rejected": rej["total"],
             "rejected_by_reason": rej["by_reason"],
             "last_rejection": rej["last_message"],
+            "last_rejection_age_s": rej["last_age_s"],
+            "window_s": rej["window_s"],
+            "rejected_recent": rej["recent"],
+            "rejected_recent_by_reason": rej["recent_by_reason"],
+            "rejection_rate_hz": rej["recent_rate_hz"],
             "dropped": buf["overwritten"],
             "buffer": buf,
             "rate_hz": self.rate.rate(),
@@ -219,7 +241,12 @@ class CameraNode(Node):
             "incompatible_qos": self.stats.incompatible_qos,
             "stalled": self.stalled,
             "frozen": self.frozen,
-            "frozen_events": self._frozen.frozen_events,
+            "frozen_events": frozen["frozen_events"],
+            "frozen_frames_recent": self._frozen_recent.count(),
+            "frozen_unchanged_s": frozen["unchanged_s"],
+            "frozen_hold_limit_ms": frozen["hold_limit_ms"],
+            "typical_hold_ms": frozen["typical_hold_ms"],
+            "duplicate_frames": frozen["duplicates"],
             "qos_mode": self.qos_mode,
             "callback_ms": self.callback_ms.summary(),
         }

@@ -44,6 +44,13 @@ def _fmt(x: Any) -> Any:
 
 
 def camera_status(s: dict[str, Any]) -> DiagnosticStatus:
+    """WARN while the camera is stalled or frozen, has sent nothing, or had frames rejected / frozen within the
+    recent window (``window_s``, kept by core.camera_health): it returns to OK by itself once the window is
+    clean; the all-time counts (``frames_rejected``, ``rejected.<reason>``, ``frozen_events``) stay in the
+    values. A snapshot without the window figures (an older producer) is judged on the all-time count."""
+    window_s = s.get("window_s")
+    recent = s.get("rejected_recent", s["rejected"])
+    recent_by_reason = s.get("rejected_recent_by_reason", s["rejected_by_reason"])
     values = {
         "frames_received": s["received"], "frames_accepted": s["accepted"], "frames_dropped": s["dropped"],
         "frames_rejected": s["rejected"], "frame_rate_hz": s["rate_hz"],
@@ -53,10 +60,29 @@ def camera_status(s: dict[str, Any]) -> DiagnosticStatus:
     }
     for reason, n in sorted(s["rejected_by_reason"].items()):
         values[f"rejected.{reason}"] = n
-    problems = [w for w, bad in (("stalled", s["stalled"]), ("frozen", s["frozen"]),
-                                 ("no frames", s["received"] == 0)) if bad]
-    if s["rejected"]:
-        problems.append(f"{s['rejected']} frames rejected")
+    if window_s is not None:
+        age = s.get("last_rejection_age_s")
+        values.update({"window_s": window_s, "frames_rejected_recent": recent,
+                       "rejection_rate_hz": round(float(s.get("rejection_rate_hz", 0.0)), 3),
+                       "last_rejection_age_s": "" if age is None else round(float(age), 1),
+                       "last_rejection": s.get("last_rejection", "")})
+        for key in ("frozen_events", "frozen_frames_recent", "frozen_unchanged_s", "typical_hold_ms",
+                    "duplicate_frames"):
+            if key in s:
+                values[key] = "" if s[key] is None else s[key]
+    problems = [w for w, bad in (("stalled", s["stalled"]), ("no frames", s["received"] == 0)) if bad]
+    if s["frozen"]:
+        unchanged = s.get("frozen_unchanged_s")
+        problems.append("frozen" + (f" (picture unchanged for {unchanged:.1f} s)" if unchanged else ""))
+    elif s.get("frozen_frames_recent"):
+        problems.append(f"was frozen within the last {window_s:g} s")
+    if recent:
+        top = ", ".join(f"{r} {n}" for r, n in sorted(recent_by_reason.items(), key=lambda kv: -kv[1])[:3])
+        if window_s is None:
+            problems.append(f"{recent} frames rejected ({top})")
+        else:
+            problems.append(f"{recent} frames rejected in the last {window_s:g} s "
+                            f"({float(s.get('rejection_rate_hz', 0.0)):.1f}/s: {top})")
     return _status("vla_camera: ingest", WARN if problems else OK, ", ".join(problems) or "ok", values)
 
 
