@@ -64,3 +64,11 @@ def test_live_line_shows_shares_reasons_and_the_inference_verdict():
 
 def test_reason_deltas_are_per_interval():
     assert demo._delta({"a": 5, "b": 2}, {"a": 3, "b": 2}) == {"a": 2}
+
+
+def test_recovery_after_a_camera_silence_is_reported():
+    args = argparse.Namespace(**vars(ARGS), camera_stall_after_s=10.0, camera_stall_for_s=3.0)
+    res = demo.build_result(_stats(), {}, args, 20.0, ticks_seen={"reasons": {}, "lost": 0,
+                                                                  "longest_without_fresh_s": 3.25})
+    assert res["longest_without_fresh_s"] == 3.25
+    assert "camera silent 3 s: recovery 0.25 s" in demo.summary_table(res)

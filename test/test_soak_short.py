@@ -29,8 +29,10 @@ def test_soak_60s_within_limits(tmp_path):
     expected_ticks = DURATION_S * 30
     cmd = [sys.executable, "-m", "vla_edge_ros.bench.soak", "--duration", str(DURATION_S), "--warmup-s", "10",
            "--out", str(out), "--keep-logs", str(tmp_path / "logs"),
-           "--param", "backend:=numpy", "--param", "kv_budget_tokens:=512",
-           "--max-missed-ticks", str(expected_ticks // 100), "--max-gap-periods", "6"]
+           "--param", "backend:=numpy",  # kv_budget_tokens: the numpy default (512), asserted below
+           # CI machines are shared and this window is short: looser tick, gap and miss limits than the soak's
+           # own defaults (0 missed ticks, 2 periods, 0.1 % misses), which the 30-minute soak is judged by.
+           "--max-missed-ticks", str(expected_ticks // 100), "--max-gap-periods", "6", "--max-miss-pct", "2"]
     p = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=DURATION_S + 200)
     print(p.stdout[-3000:])
     assert p.returncode == 0, (p.returncode, p.stdout[-3000:], p.stderr[-3000:])
@@ -39,6 +41,7 @@ def test_soak_60s_within_limits(tmp_path):
                 "ticks_expected", "ticks_published", "longest_tick_gap_ms", "deadline_misses"):
         assert key in r, key
     assert r["violations"] == [] and r["runtime_exit_code"] == 0
+    assert r["limits"]["max_miss_pct"] == 2.0 and r["deadline_miss_pct"] <= 2.0, r
     assert abs(r["duration_s"] - DURATION_S) < 2.0
     assert 0.97 * expected_ticks <= r["ticks_expected"] <= 1.01 * expected_ticks, r["ticks_expected"]
     assert r["ticks_published"] >= 0.99 * r["ticks_expected"], r

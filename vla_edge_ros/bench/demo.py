@@ -50,6 +50,9 @@ class Watcher:
         self.status_ticks = 0
         self.lost_ticks = 0  # gaps in the publisher's running tick number
         self._last_tick: Optional[int] = None
+        self._last_fresh_s: Optional[float] = None  # monotonic time of the last fresh tick received
+        self.longest_without_fresh_s = 0.0  # the longest stretch between fresh ticks (measured from the window)
+        self.measuring = False
         self.diag: dict[str, dict[str, str]] = {}
         self.diag_msgs = 0
         self.node.create_subscription(JointState, action_topic, self._on_action, qos.reliable_qos(50))
@@ -68,7 +71,12 @@ class Watcher:
     def _on_status(self, msg) -> None:
         v = {kv.key: kv.value for kv in msg.values}
         key = f"{v.get('kind', '?')}: {v.get('reason', '') or '-'}"
+        now = time.monotonic()
         with self.lock:
+            if self.measuring and v.get("kind") == "fresh":
+                if self._last_fresh_s is not None:
+                    self.longest_without_fresh_s = max(self.longest_without_fresh_s, now - self._last_fresh_s)
+                self._last_fresh_s = now
             self.status_ticks += 1
             self.reasons[key] = self.reasons.get(key, 0) + 1
             try:
@@ -92,7 +100,12 @@ class Watcher:
     def tick_figures(self) -> dict:
         """Counters of the per-tick status stream (reasons, ticks received, ticks lost in transport)."""
         with self.lock:
-            return {"reasons": dict(self.reasons), "status_ticks": self.status_ticks, "lost": self.lost_ticks}
+            return {"reasons": dict(self.reasons), "status_ticks": self.status_ticks, "lost": self.lost_ticks,
+                    "longest_without_fresh_s": self.longest_without_fresh_s}
+
+    def start_measuring(self) -> None:
+        with self.lock:
+            self.measuring, self._last_fresh_s = True, time.monotonic()
 
     def close(self) -> None:
         self.ex.shutdown(timeout_sec=2.0)
@@ -165,6 +178,11 @@ def summary_table(res: dict) -> str:
         ("KV policy / budget / max occupancy (tokens)",
          "{policy} / {budget_tokens} / {max_occupancy_tokens}".format(**res["kv"])),
         ("peak RSS / peak VRAM (MiB)", f"{_num(res['memory']['peak_rss_mb'])} / {_num(res['memory']['peak_vram_mb'])}"),
+        ("longest stretch without a fresh action (s)",
+         _num(res.get("longest_without_fresh_s"))
+         + (f" (camera silent {res['camera_stall']['for_s']:g} s: recovery "
+            f"{_num(res['longest_without_fresh_s'] - res['camera_stall']['for_s'])} s)"
+            if res.get("camera_stall", {}).get("for_s") and res.get("longest_without_fresh_s") is not None else "")),
         ("subscriber, measured window (fresh/repeat/hold)",
          "{fresh} / {repeat} / {hold}".format(**res["subscriber_ticks"])
          + f", {res['subscriber_lost_ticks']} lost in transport"),
@@ -235,6 +253,9 @@ def build_result(stats: dict, subscriber: dict, args: argparse.Namespace, window
         "subscriber_ticks": {k: subscriber.get(k, 0) for k in ("fresh", "repeat", "hold")},
         "subscriber_reasons": seen.get("reasons", {}),
         "subscriber_lost_ticks": seen.get("lost", 0),
+        "longest_without_fresh_s": seen.get("longest_without_fresh_s"),
+        "camera_stall": {"after_s": getattr(args, "camera_stall_after_s", None),
+                         "for_s": getattr(args, "camera_stall_for_s", None)},
         "frame_to_action_ms": inf.get("frame_to_action_ms"),
         "missed_ticks": stats.get("action", {}).get("missed_ticks"),
         "config": {"policy": args.policy, "requested_backend": args.backend, "checkpoint": args.checkpoint,
@@ -256,6 +277,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="extra runtime parameter (repeatable), e.g. --param kv_budget_tokens:=1024")
     ap.add_argument("--out", default="results/demo.json")
     ap.add_argument("--startup-timeout", type=float, default=120.0, help="max seconds to reach 'active'")
+    ap.add_argument("--camera-stall-after-s", type=float, default=None,
+                    help="the test camera goes silent this many seconds after it starts (recovery test)")
+    ap.add_argument("--camera-stall-for-s", type=float, default=None, help="... for this many seconds")
     args = ap.parse_args(argv)
     from vla_edge_ros import params as registry
 
@@ -283,6 +307,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         runtime_cmd += ["-p", p]
     camera_cmd = [py, "-m", "vla_edge_ros.ros.test_camera"]
+    if args.camera_stall_after_s is not None:
+        camera_cmd += ["--stall-after-s", str(args.camera_stall_after_s),
+                       "--stall-for-s", str(args.camera_stall_for_s or 3.0)]
     print(f"vla_demo: runtime + 60 Hz test camera, policy={args.policy}, backend={args.backend}, "
           f"{args.duration:.0f} s (logs in {workdir})")
     watcher = Watcher()
@@ -306,6 +333,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         t_start = time.monotonic()
         prev, _ = watcher.snapshot()
         kinds0, ticks0 = prev, watcher.tick_figures()
+        watcher.start_measuring()
         prev_reasons = ticks0["reasons"]
         inference_messages: dict[str, int] = {}  # the inference node's /diagnostics verdicts, seconds each
         next_print = t_start + 1.0
@@ -325,7 +353,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         kinds_end, ticks_end = watcher.snapshot()[0], watcher.tick_figures()
         window_kinds = {k: kinds_end[k] - kinds0.get(k, 0) for k in kinds_end}
         window_ticks = {"reasons": _delta(ticks_end["reasons"], ticks0["reasons"]),
-                        "lost": ticks_end["lost"] - ticks0["lost"]}
+                        "lost": ticks_end["lost"] - ticks0["lost"],
+                        "longest_without_fresh_s": ticks_end["longest_without_fresh_s"]}
     except (RuntimeError, KeyboardInterrupt) as exc:
         print(f"vla_demo: {exc}", file=sys.stderr)
         rc = 1

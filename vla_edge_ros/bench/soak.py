@@ -20,7 +20,8 @@ seconds:
 - deadline_misses       chunks that overran their deadline during the window (runtime's figures).
 
 Prints a table, writes the JSON, exits 1 when a limit is violated (RSS growth >= --max-rss-growth-pct, any missed
-tick beyond --max-missed-ticks, a gap >= --max-gap-periods periods, KV occupancy over budget), 2 when the system
+tick beyond --max-missed-ticks, a gap >= --max-gap-periods periods, KV occupancy over budget, more than
+--max-miss-pct percent of the admitted chunks late, no chunk admitted), 2 when the system
 could not be run at all, 0 otherwise. Why child processes: the camera crosses a real DDS transport, and what is
 measured is the executable an operator runs, including its SIGINT shutdown.
 """
@@ -179,6 +180,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--max-rss-growth-pct", type=float, default=5.0)
     ap.add_argument("--max-missed-ticks", type=int, default=0)
     ap.add_argument("--max-gap-periods", type=float, default=2.0, help="a gap >= this many periods is a violation")
+    ap.add_argument("--max-miss-pct", type=float, default=0.1,
+                    help="admitted chunks that miss their deadline, percent of the window's admitted chunks: "
+                         "admission promises to refuse what it cannot finish")
     ap.add_argument("--startup-timeout-s", type=float, default=180.0)
     ap.add_argument("--progress-every-s", type=float, default=10.0)
     ap.add_argument("--keep-logs", default=None, help="directory for the child logs (default: a temp dir)")
@@ -203,7 +207,8 @@ def _table(res: dict) -> str:
         ("longest_tick_gap_ms", f"{_fmt(res['longest_tick_gap_ms'])} ({_fmt(res['longest_tick_gap_periods'])} "
                                 f"periods; publisher's own timer, whole run: "
                                 f"{_fmt(res['publisher_longest_gap_ms_lifetime'])})"),
-        ("deadline_misses", f"{res['deadline_misses']} of {res['chunks_admitted']} admitted chunks"),
+        ("deadline_misses", f"{res['deadline_misses']} of {res['chunks_admitted']} admitted chunks "
+                            f"({_fmt(res['deadline_miss_pct'])} %)"),
         ("chunk latency p50 / p99 (ms)", f"{_fmt(res['latency_ms_p50'])} / {_fmt(res['latency_ms_p99'])}"),
         ("frames received / dropped / rejected", f"{res['frames_received']} / {res['frames_dropped']} / "
                                                  f"{res['frames_rejected']}"),
@@ -370,8 +375,10 @@ def run(opts: argparse.Namespace) -> int:
         "interrupted": stop.is_set(),
         "action_publishers_max": max_publishers,
         "limits": {"max_rss_growth_pct": opts.max_rss_growth_pct, "max_missed_ticks": opts.max_missed_ticks,
-                   "max_gap_periods": opts.max_gap_periods},
+                   "max_gap_periods": opts.max_gap_periods, "max_miss_pct": opts.max_miss_pct},
     }
+    res["deadline_miss_pct"] = (100.0 * res["deadline_misses"] / res["chunks_admitted"]
+                                if res["chunks_admitted"] else None)
     v: list[str] = []
     if res["rss_growth_pct"] is None:
         v.append("RSS could not be sampled")
@@ -384,6 +391,11 @@ def run(opts: argparse.Namespace) -> int:
     if gap_periods >= opts.max_gap_periods:
         v.append(f"longest tick gap {w['longest_gap_ms']:.1f} ms = {gap_periods:.2f} periods "
                  f"(limit {opts.max_gap_periods})")
+    if res["chunks_admitted"] <= 0:
+        v.append("no chunk admitted in the window")
+    elif res["deadline_miss_pct"] > opts.max_miss_pct:
+        v.append(f"{res['deadline_misses']} of {res['chunks_admitted']} admitted chunks missed their deadline "
+                 f"({res['deadline_miss_pct']:.2f} %, limit {opts.max_miss_pct} %)")
     if kv_max is None or kv_budget is None:
         v.append("KV figures missing from the runtime's stats")
     elif kv_max > kv_budget:
