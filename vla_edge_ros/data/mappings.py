@@ -1,5 +1,8 @@
 """How each Open X-Embodiment dataset maps onto the runtime's view: camera image(s), instruction, a 7-dim action
-[dx, dy, dz, droll, dpitch, dyaw, gripper] with gripper 1 = open / 0 = closed, and the native control rate.
+(end-effector deltas of x, y, z, roll, pitch, yaw, then the gripper with 1 = open / 0 = closed), and the native
+control rate. The dimensions carry the runtime's own names (ACTION_NAMES is the engine's DEFAULT_ACTION_NAMES,
+which /vla/action publishes unless a checkpoint's "vla" block names them otherwise), so a recorded action and a
+predicted one name each value the same way.
 
 Keys are step keys (relative to ``steps/``), as in the dataset's features.json. An action is assembled by
 concatenating the listed parts (``key`` or ``key[a:b]`` for a slice of the last axis) and must come out 7 wide;
@@ -19,7 +22,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-ACTION_NAMES = ("dx", "dy", "dz", "droll", "dpitch", "dyaw", "gripper")
+from vla_edge_ros.engine.config import DEFAULT_ACTION_NAMES
+
+ACTION_NAMES = DEFAULT_ACTION_NAMES  # one naming for recorded and predicted actions (x y z roll pitch yaw gripper)
 ACTION_DIMS = len(ACTION_NAMES)
 
 

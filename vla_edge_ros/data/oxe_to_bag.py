@@ -2,18 +2,28 @@
 
     oxe_to_bag RLDS_DIR OUT_BAG [--dataset NAME[:VERSION]] [--episodes N] [--storage mcap|sqlite3]
 
-Topics (Jazzy message definitions, CDR, rosbag2 metadata version 8, so `ros2 bag play` accepts the bag):
+Topics (Jazzy message definitions, CDR, rosbag2 metadata version 9 as Jazzy's recorder writes it, so
+`ros2 bag play` accepts the bag):
 
     /camera/image_raw/compressed  sensor_msgs/CompressedImage  encoded frames kept as they are (jpeg/png)
     /camera/image_raw             sensor_msgs/Image (rgb8)      raw sources, or --images raw|both
     /camera<i>/image_raw[...]     the same for the mapping's extra image keys (i = 1, 2, ...)
     /vla/instruction              std_msgs/String               at each episode start and whenever it changes
-    /vla/recorded_action          sensor_msgs/JointState        name = dx..gripper, position = the 7 values
+    /vla/recorded_action          sensor_msgs/JointState        name = x y z roll pitch yaw gripper (the runtime's
+                                                                names, mappings.ACTION_NAMES), position = the values
     /vla/episode_events           std_msgs/String (JSON)        episode_start, episode_end, gripper_open/close
 
 Every message of step i of an episode is stamped (header and bag time) at episode_start + i / rate_hz, the
 dataset's native control rate; episodes follow each other with a gap (--episode-gap, default 1 s).
 Damaged records are skipped and listed in the summary; nothing is dropped silently.
+
+metadata.yaml says ``ros_distro: jazzy`` (rosbags' Writer writes "rosbags"; it is rewritten, in metadata.yaml and
+in the copy the storage file embeds) and gives each topic the QoS its publisher offers, in full (history, depth,
+reliability, durability, deadline, lifespan, liveliness and its lease, avoid_ros_namespace_conventions), because
+`ros2 bag play` offers the recorded profile and falls back to reliable + volatile for a topic without one:
+camera topics best effort, keep last 1, volatile (sensor data; no deadline, since the bag plays at the dataset's
+own rate), /vla/instruction reliable + transient local (a late subscriber still gets the task), the other topics
+reliable, volatile -- the profiles vla_bag_replay offers (ros/qos.py), but for its re-timed camera's deadline.
 """
 from __future__ import annotations
 
@@ -43,6 +53,33 @@ DEFAULT_START_NS = 1_700_000_000 * 1_000_000_000  # fixed epoch so conversions a
 GRIPPER_THRESHOLD = 0.5  # gripper (1 open / 0 closed) crossing this is a salient open/close event
 STORAGES = ("mcap", "sqlite3")
 IMAGE_MODES = ("compressed", "raw", "both")
+ROS_DISTRO = "jazzy"  # the message definitions below are Jazzy's (Stores.ROS2_JAZZY)
+BAG_VERSION = 9  # rosbag2 metadata version of Jazzy's recorder (QoS as a YAML list with policy names)
+INFINITE_S_NS = (9_223_372_036, 854_775_807)  # RMW_DURATION_INFINITE, as rosbag2 writes an unset duration
+
+
+@dataclass(frozen=True)
+class OfferedQos:
+    """One publisher's QoS in rosbag2's terms (the names rmw's *_to_str functions give, as Jazzy writes them)."""
+    reliability: str
+    durability: str
+    depth: int
+    history: str = "keep_last"
+    liveliness: str = "automatic"
+
+
+CAMERA_QOS = OfferedQos("best_effort", "volatile", 1)
+INSTRUCTION_QOS = OfferedQos("reliable", "transient_local", 1)
+RELIABLE_QOS = OfferedQos("reliable", "volatile", 50)
+
+
+def offered_qos(topic: str) -> OfferedQos:
+    """The QoS a bag's topic is recorded with (module docstring says why)."""
+    if topic == TOPIC_INSTRUCTION:
+        return INSTRUCTION_QOS
+    if topic.startswith("/camera"):
+        return CAMERA_QOS
+    return RELIABLE_QOS
 
 
 def image_topic(index: int) -> str:
@@ -90,16 +127,49 @@ class ConversionSummary:
         return "\n".join(lines)
 
 
+def _with_distro(metadata_yaml: str) -> str:
+    """rosbags writes ``ros_distro: rosbags`` whatever the message definitions; say the distro they are from."""
+    import yaml
+
+    doc = yaml.safe_load(metadata_yaml)
+    info = doc.get("rosbag2_bagfile_information", doc)  # metadata.yaml nests it, the embedded copy does not
+    info["ros_distro"] = ROS_DISTRO
+    return yaml.safe_dump(doc, default_flow_style=False, sort_keys=False)
+
+
+def _rosbags_qos(q: OfferedQos):
+    from rosbags.interfaces import Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
+
+    infinite = QosTime(*INFINITE_S_NS)
+    return Qos(history=QosHistory[q.history.upper()], depth=q.depth,
+               reliability=QosReliability[q.reliability.upper()], durability=QosDurability[q.durability.upper()],
+               deadline=infinite, lifespan=infinite, liveliness=QosLiveliness[q.liveliness.upper()],
+               liveliness_lease_duration=infinite, avoid_ros_namespace_conventions=False)
+
+
+def _jazzy_writer(path: Path, storage: str):
+    """A rosbags Writer whose metadata (metadata.yaml and the storage file's embedded copy) names Jazzy."""
+    from rosbags.rosbag2 import StoragePlugin, Writer
+
+    class JazzyWriter(Writer):
+        def close(self) -> None:
+            storage_close = self.storage.close  # rosbags hands the storage plugin the metadata text to embed
+            self.storage.close = lambda version, metadata: storage_close(version, _with_distro(metadata))
+            super().close()
+            self.metapath.write_text(_with_distro(self.metapath.read_text()))
+
+    plugin = StoragePlugin.MCAP if storage == "mcap" else StoragePlugin.SQLITE3
+    return JazzyWriter(path, version=BAG_VERSION, storage_plugin=plugin)
+
+
 class _BagOut:
     """The rosbags writer plus typed message builders for the topics above."""
 
     def __init__(self, path: Path, storage: str):
-        from rosbags.rosbag2 import StoragePlugin, Writer
         from rosbags.typesys import Stores, get_typestore
 
         self.ts = get_typestore(Stores.ROS2_JAZZY)
-        plugin = StoragePlugin.MCAP if storage == "mcap" else StoragePlugin.SQLITE3
-        self.writer = Writer(path, version=8, storage_plugin=plugin)
+        self.writer = _jazzy_writer(path, storage)
         self.conns: dict[str, object] = {}
         self.counts: dict[str, int] = {}
         t = self.ts.types
@@ -122,7 +192,8 @@ class _BagOut:
         msgtype = msg.__msgtype__
         conn = self.conns.get(topic)
         if conn is None:
-            conn = self.conns[topic] = self.writer.add_connection(topic, msgtype, typestore=self.ts)
+            conn = self.conns[topic] = self.writer.add_connection(
+                topic, msgtype, typestore=self.ts, offered_qos_profiles=[_rosbags_qos(offered_qos(topic))])
         self.writer.write(conn, stamp_ns, self.ts.serialize_cdr(msg, msgtype))
         self.counts[topic] = self.counts.get(topic, 0) + 1
 
