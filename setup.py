@@ -29,14 +29,24 @@ setup(
         ("share/" + package_name + "/cuda", glob("cuda/*.cu") + glob("cuda/*.cuh")),
     ],
     package_data={package_name: []},
-    install_requires=["setuptools", "numpy>=1.24", "safetensors>=0.4", "PyYAML"],
+    # engine/checkpoint.py parses .safetensors itself; the safetensors package only writes them (tests, tools)
+    install_requires=["setuptools", "numpy>=1.24", "PyYAML"],
     extras_require={
         "ros-pypi": ROS_PYPI,
         "data": ["rosbags>=0.10", "Pillow", "tqdm", "crc32c"],
         "bench": ["matplotlib", "psutil"],
         "cuda": ["pycuda", "cuda-bindings"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "rosbags>=0.10", "Pillow", "tqdm", "crc32c",
-                 "matplotlib", "psutil"],
+        # the simulated arm (vla_sim, sim/): MuJoCo MetaWorld with its scripted experts (37 MB wheel; rendered
+        # with MUJOCO_GL=egl, Mesa on a CPU). Versions measured together with numpy 2.4.
+        "sim": ["metaworld==3.1.1", "mujoco==3.3.0", "gymnasium>=1.1"],
+        # pytest < 8.4: on a ROS 2 install, pytest auto-loads the launch_testing and launch_pytest plugins
+        # (pytest11 entry points), and Jazzy's launch_pytest 3.4 reads fixture._pytestfixturefunction, which
+        # pytest 8.4 removed (ros2/launch#947); pytest 9 also drops the py.path `path` hook argument that
+        # launch_testing's pytest_pycollect_makemodule takes. Ubuntu 24.04's python3-pytest is 7.4.4.
+        # rosbags >= 0.10.4: the Jazzy typestore and rosbag2 metadata version 9 that oxe_to_bag writes.
+        "test": ["pytest>=7.4,<8.4", "pytest-timeout", "hypothesis", "safetensors>=0.4", "rosbags>=0.10.4",
+                 "Pillow", "tqdm", "crc32c", "matplotlib", "psutil",
+                 "metaworld==3.1.1", "mujoco==3.3.0", "gymnasium>=1.1"],  # the sim extra: CI runs the closed loop,
     },
     zip_safe=True,
     maintainer="vla_edge_ros developers",
@@ -47,6 +57,7 @@ setup(
     entry_points={
         "console_scripts": [
             "vla_runtime = vla_edge_ros.ros.runtime:main",
+            "vla_sim = vla_edge_ros.ros.sim_node:main",
             "vla_camera = vla_edge_ros.ros.camera_node:main",
             "vla_inference = vla_edge_ros.ros.inference_node:main",
             "vla_action = vla_edge_ros.ros.action_node:main",
