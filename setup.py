@@ -46,7 +46,8 @@ setup(
         # rosbags >= 0.10.4: the Jazzy typestore and rosbag2 metadata version 9 that oxe_to_bag writes.
         "test": ["pytest>=7.4,<8.4", "pytest-timeout", "hypothesis", "safetensors>=0.4", "rosbags>=0.10.4",
                  "Pillow", "tqdm", "crc32c", "matplotlib", "psutil",
-                 "metaworld==3.1.1", "mujoco==3.3.0", "gymnasium>=1.1"],  # the sim extra: CI runs the closed loop,
+                 # the sim extra: CI runs the closed loop
+                 "metaworld==3.1.1", "mujoco==3.3.0", "gymnasium>=1.1"],
     },
     zip_safe=True,
     maintainer="vla_edge_ros developers",
