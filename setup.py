@@ -59,9 +59,9 @@ setup(
         "console_scripts": [
             "vla_runtime = vla_edge_ros.ros.runtime:main",
             "vla_sim = vla_edge_ros.ros.sim_node:main",
-            "vla_camera = vla_edge_ros.ros.camera_node:main",
-            "vla_inference = vla_edge_ros.ros.inference_node:main",
-            "vla_action = vla_edge_ros.ros.action_node:main",
+            "vla_camera = vla_edge_ros.ros.runtime:camera_main",
+            "vla_inference = vla_edge_ros.ros.runtime:inference_main",
+            "vla_action = vla_edge_ros.ros.runtime:action_main",
             "vla_test_camera = vla_edge_ros.ros.test_camera:main",
             "vla_bag_replay = vla_edge_ros.ros.bag_replay:main",
             "vla_action_monitor = vla_edge_ros.ros.action_monitor:main",

@@ -46,6 +46,12 @@ def module_cmd(module: str, *args: str) -> list[str]:
     return [PY, "-m", module, *args]
 
 
+def single_node_cmd(kind: str, *args: str) -> list[str]:
+    """What the vla_camera / vla_inference / vla_action console scripts run (ros/runtime.py's *_main)."""
+    return [PY, "-c", f"import sys; from vla_edge_ros.ros.runtime import {kind}_main; sys.exit({kind}_main())",
+            *args]
+
+
 def wait_for(predicate, timeout_s: float, poll_s: float = 0.05) -> bool:
     t_end = time.monotonic() + timeout_s
     while time.monotonic() < t_end:

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from ros_env import Proc, apply_env, module_cmd, read_json, ros_env, wait_for
+from ros_env import Proc, apply_env, read_json, ros_env, single_node_cmd, wait_for
 
 DOMAIN_ID = 11
 rclpy = pytest.importorskip("rclpy")
@@ -47,7 +47,7 @@ def camera_node(node, tmp_path, msg_type, topic, pub_qos, *params, wait_log=None
     args = ["--stats-out", str(stats)]
     if params:
         args += ["--ros-args"] + [a for prm in params for a in ("-p", prm)]
-    proc = Proc(module_cmd("vla_edge_ros.ros.camera_node", *args), ros_env(DOMAIN_ID, tmp_path / "home"),
+    proc = Proc(single_node_cmd("camera", *args), ros_env(DOMAIN_ID, tmp_path / "home"),
                 tmp_path / "camera.log")
     try:
         pub = node.create_publisher(msg_type, topic, pub_qos)

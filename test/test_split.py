@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ros_env import Proc, load_monitor, module_cmd, read_json, ros_env, runs, wait_for
+from ros_env import Proc, load_monitor, module_cmd, read_json, ros_env, runs, single_node_cmd, wait_for
 
 DOMAIN_ID = 15
 pytest.importorskip("rclpy")
@@ -89,14 +89,14 @@ def test_edge_killed_robot_holds_every_tick_and_resumes(tmp_path):
     assert s["action"]["fresh_msgs_rejected"] == 0
 
 
-@pytest.mark.parametrize("module,expect", [
-    ("vla_edge_ros.ros.inference_node", "active: admitting chunks"),  # = role edge
-    ("vla_edge_ros.ros.action_node", "robot side: taking fresh actions from /vla/action_fresh"),  # = role robot
+@pytest.mark.parametrize("kind,expect", [
+    ("inference", "active: admitting chunks"),  # vla_inference = role edge
+    ("action", "robot side: taking fresh actions from /vla/action_fresh"),  # vla_action = role robot
 ])
-def test_single_node_executables_start_and_stop(tmp_path, module, expect):
+def test_single_node_executables_start_and_stop(tmp_path, kind, expect):
     env = ros_env(DOMAIN_ID, tmp_path / "home")
     stats = tmp_path / "stats.json"
-    proc = Proc(module_cmd(module, "--stats-out", str(stats), "--ros-args", "--params-file", "config/runtime.yaml",
+    proc = Proc(single_node_cmd(kind, "--stats-out", str(stats), "--ros-args", "--params-file", "config/runtime.yaml",
                            "-p", "backend:=numpy"), env, tmp_path / "node.log")
     try:
         assert wait_for(lambda: expect in proc.output() or not proc.alive(), 60.0), proc.output()

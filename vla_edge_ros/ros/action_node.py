@@ -15,7 +15,6 @@ Live parameters: ``action_rate_hz`` (the timer is re-created at the next tick) a
 """
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any, Optional, Sequence
 
@@ -166,14 +165,3 @@ class ActionNode(Node):
             "fresh_msgs_rejected": self.fresh_rejected,
             "arbiter": self.arbiter.stats(),
         }
-
-
-def main(args=None) -> int:
-    """Stand-alone action publisher = role robot (fresh actions from ``fresh_action_topic``)."""
-    from vla_edge_ros.ros import runtime
-
-    return runtime.run_single("action", args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,7 +18,6 @@ re-subscribes with plain sensor-data QoS and relies on the frame-age check alone
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -250,14 +249,3 @@ class CameraNode(Node):
             "qos_mode": self.qos_mode,
             "callback_ms": self.callback_ms.summary(),
         }
-
-
-def main(args=None) -> int:
-    """Stand-alone camera subscriber: ingest + /diagnostics only (useful to check a camera stream)."""
-    from vla_edge_ros.ros import runtime
-
-    return runtime.run_single("camera", args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

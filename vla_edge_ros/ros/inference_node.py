@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import math
-import sys
 import threading
 import time
 import traceback
@@ -461,15 +460,3 @@ class InferenceNode(LifecycleNode):
             "loop": loop_stats,
             "transitions": list(self.transitions),
         }
-
-
-def main(args=None) -> int:
-    """Stand-alone inference node. It needs frames in-process (double buffer), so this is role edge: camera
-    subscriber + lifecycle inference node, fresh actions published on ``fresh_action_topic``."""
-    from vla_edge_ros.ros import runtime
-
-    return runtime.run_single("inference", args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

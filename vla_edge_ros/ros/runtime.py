@@ -317,5 +317,22 @@ def run_single(kind: str, args: Optional[list[str]] = None) -> int:
     return run(role, argv, opts.autostart, opts.stats_out, opts.fresh_action_topic)
 
 
+# ---- the single-node executables (setup.py entry points): here, so node modules never import the runtime ----
+def camera_main(args: Optional[list[str]] = None) -> int:
+    """vla_camera: Stand-alone camera subscriber: ingest + /diagnostics only (useful to check a camera stream)."""
+    return run_single("camera", args)
+
+
+def inference_main(args: Optional[list[str]] = None) -> int:
+    """vla_inference: Stand-alone inference node. It needs frames in-process (double buffer), so this is role edge: camera
+    subscriber + lifecycle inference node, fresh actions published on ``fresh_action_topic``."""
+    return run_single("inference", args)
+
+
+def action_main(args: Optional[list[str]] = None) -> int:
+    """vla_action: Stand-alone action publisher = role robot (fresh actions from ``fresh_action_topic``)."""
+    return run_single("action", args)
+
+
 if __name__ == "__main__":
     sys.exit(main())
