@@ -1,10 +1,10 @@
-"""NumpyEngine against an independent float64 implementation written here (HF Qwen2 semantics).
+"""NumpyEngine against the package's plain float64 forward (engine/reference.py, HF Qwen2 semantics).
 
-Three references, all without the engine's slots, masks, rotation cache or speculative decoding:
-- ``full_forward64``: a plain causal forward over a whole token sequence (no cache at all);
-- ``StreamRef64``: KV-cache semantics spelled out with Python lists: each frame's per-layer pre-RoPE K/V are
-  computed once when it arrives (attending to what was retained then), and every chunk attends to the prefix
-  and the retained frames rotated at their *current* logical positions.
+The reference has none of the engine's slots, masks, rotation offset or speculative decoding. Two ways to use it:
+- ``full_forward``: a plain causal forward over a whole token sequence (no cache at all);
+- ``reference_chunk`` on a stream: KV-cache semantics, each frame's per-layer pre-RoPE K/V computed once when it
+  arrives (attending to what was retained then), every chunk attending to the prefix and the retained frames
+  rotated at their *current* logical positions, retention decided by a twin KV manager.
 - for a one-layer model the two coincide (layer-0 pre-RoPE K/V do not depend on context), so after many
   evictions the engine must equal a from-scratch recomputation over exactly the retained frames.
 """
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from vla_edge_ros.core.kv.manager import KVManager
+from vla_edge_ros.engine import reference as R
 from vla_edge_ros.engine.checkpoint import expected_shapes
 from vla_edge_ros.engine.config import ModelConfig, tiny_default_dict
 from vla_edge_ros.engine.numpy_backend import NumpyEngine, prefix_token_ids
@@ -46,125 +47,32 @@ def random_weights(cfg, seed=0, scale=1.0):
     return w
 
 
-def make_engine(cfg, w, budget_frames=64, policy="fifo", decode_tokens=8, speculative=True):
+def make_kv(cfg, budget_frames, policy):
     P = len(INSTRUCTION.encode())
     budget = ((P + budget_frames * TPF + TPF - 1) // TPF) * TPF  # a multiple of TPF holding budget_frames frames
     kv = KVManager(budget, TPF, P, policy=policy, embed_dim=cfg.hidden_size)
     assert kv.capacity_frames == budget_frames
-    e = NumpyEngine(cfg, w, kv, instruction=INSTRUCTION, decode_tokens=decode_tokens)
+    return kv
+
+
+def make_engine(cfg, w, budget_frames=64, policy="fifo", decode_tokens=8, speculative=True):
+    e = NumpyEngine(cfg, w, make_kv(cfg, budget_frames, policy), instruction=INSTRUCTION,
+                    decode_tokens=decode_tokens)
     e.speculative = speculative
     return e
 
 
 # ---------------------------------------------------------------------------------------------------------
-# independent float64 reference
+# the oracle: the package's plain float64 forward (engine/reference.py)
 
-def rope64(x, pos, theta):
-    """x (T, heads, D) at positions (T,): HF rotate_half convention, float64."""
-    D = x.shape[-1]
-    inv = 1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)
-    ang = np.outer(np.asarray(pos, dtype=np.float64), inv)
-    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-    x1, x2 = x[..., :D // 2], x[..., D // 2:]
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+def full_forward(cfg, ref_w, seq):
+    """Plain causal forward (no cache) over seq (T, hidden) -> action-row logits (T, 256)."""
+    return R.action_logits(cfg, ref_w, R.forward(cfg, ref_w, seq)[0])
 
 
-def rms64(x, w, eps):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-class Ref64:
-    def __init__(self, cfg, w):
-        self.cfg = cfg
-        self.w = {k: np.asarray(v, dtype=np.float64) for k, v in w.items()}
-        self.H, self.KV = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.D = cfg.hidden_size // self.H
-
-    def qkv(self, li, x):
-        p, w, T = f"model.layers.{li}.", self.w, x.shape[0]
-        h = rms64(x, w[p + "input_layernorm.weight"], self.cfg.rms_norm_eps)
-        q = h @ w[p + "self_attn.q_proj.weight"].T + w[p + "self_attn.q_proj.bias"]
-        k = h @ w[p + "self_attn.k_proj.weight"].T + w[p + "self_attn.k_proj.bias"]
-        v = h @ w[p + "self_attn.v_proj.weight"].T + w[p + "self_attn.v_proj.bias"]
-        return q.reshape(T, self.H, self.D), k.reshape(T, self.KV, self.D), v.reshape(T, self.KV, self.D)
-
-    def attention(self, q, q_pos, k, v, k_pos, visible):
-        """q (Tq,H,D) / k, v (Tk,KV,D) BEFORE rope; visible (Tq, Tk) bool."""
-        G = self.H // self.KV
-        qr = rope64(q, q_pos, self.cfg.rope_theta)
-        kr = np.repeat(rope64(k, k_pos, self.cfg.rope_theta), G, axis=1)  # HF repeat_kv: head h uses kv h // G
-        vr = np.repeat(v, G, axis=1)
-        s = np.einsum("qhd,khd->hqk", qr, kr) / np.sqrt(self.D)
-        s = np.where(visible[None], s, -np.inf)
-        s = np.exp(s - s.max(axis=-1, keepdims=True))
-        s /= s.sum(axis=-1, keepdims=True)
-        return np.einsum("hqk,khd->qhd", s, vr).reshape(q.shape[0], self.H * self.D)
-
-    def finish_layer(self, li, x, attn):
-        p, w = f"model.layers.{li}.", self.w
-        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
-        h = rms64(x, w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
-        g = h @ w[p + "mlp.gate_proj.weight"].T
-        u = h @ w[p + "mlp.up_proj.weight"].T
-        return x + (g / (1.0 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
-
-    def logits(self, x):
-        head = self.w["model.embed_tokens.weight"] if self.cfg.tie_word_embeddings else self.w["lm_head.weight"]
-        full = rms64(x, self.w["model.norm.weight"], self.cfg.rms_norm_eps) @ head.T  # the whole vocabulary
-        return full[:, -self.cfg.n_action_bins:]
-
-    def embed(self, ids):
-        return self.w["model.embed_tokens.weight"][np.asarray(ids, dtype=np.int64)]
-
-    def full_forward(self, x):
-        """Plain causal forward over the sequence x (T, hidden); returns action-row logits (T, 256)."""
-        T = x.shape[0]
-        pos = np.arange(T)
-        causal = np.tril(np.ones((T, T), dtype=bool))
-        for li in range(self.cfg.num_hidden_layers):
-            q, k, v = self.qkv(li, x)
-            x = self.finish_layer(li, x, self.attention(q, pos, k, v, pos, causal))
-        return self.logits(x)
-
-
-class StreamRef64(Ref64):
-    """KV-cache semantics with Python lists: per-frame per-layer pre-RoPE K/V kept while the frame is retained."""
-
-    def __init__(self, cfg, w, prefix_ids):
-        super().__init__(cfg, w)
-        self.prefix = self._run(self.embed(prefix_ids), [], [])[1]
-        self.frames = {}
-
-    def _run(self, x, ctx_k, ctx_v):
-        """Run new tokens x against per-layer context lists; returns (final x, per-layer (k, v) of x)."""
-        n_old = ctx_k[0].shape[0] if ctx_k else 0
-        T = x.shape[0]
-        q_pos = np.arange(n_old, n_old + T)
-        k_pos = np.arange(n_old + T)
-        visible = np.concatenate([np.ones((T, n_old), bool), np.tril(np.ones((T, T), bool))], axis=1)
-        kvs = []
-        for li in range(self.cfg.num_hidden_layers):
-            q, k, v = self.qkv(li, x)
-            kvs.append((k, v))
-            K = np.concatenate([ctx_k[li], k]) if ctx_k else k
-            V = np.concatenate([ctx_v[li], v]) if ctx_v else v
-            x = self.finish_layer(li, x, self.attention(q, q_pos, K, V, k_pos, visible))
-        return x, kvs
-
-    def chunk(self, frame_id, tokens, retained, gen):
-        """retained: frame ids oldest -> newest, the new one last; gen: the engine's tokens (teacher forcing)."""
-        old = retained[:-1]
-        L = self.cfg.num_hidden_layers
-        ctx_k = [np.concatenate([self.prefix[li][0]] + [self.frames[f][li][0] for f in old]) for li in range(L)]
-        ctx_v = [np.concatenate([self.prefix[li][1]] + [self.frames[f][li][1] for f in old]) for li in range(L)]
-        x = np.concatenate([np.asarray(tokens, np.float64), self.embed(gen[:-1])])
-        out, kvs = self._run(x, ctx_k, ctx_v)
-        n = len(tokens)
-        self.frames[frame_id] = [(k[:n], v[:n]) for k, v in kvs]  # decode tokens are not retained
-        for f in list(self.frames):
-            if f not in retained:
-                del self.frames[f]
-        return self.logits(out[n - 1:])
+def reference_stream(cfg, w, budget_frames, policy):
+    """The reference's KV-cache semantics under its own KV manager, twin of make_engine's."""
+    return R.start_stream(cfg, w, make_kv(cfg, budget_frames, policy), INSTRUCTION, decode_tokens=8)
 
 
 def check_chunk(engine, ref_logits, result, tag="", tol=2e-5):
@@ -200,16 +108,16 @@ def test_full_model_matches_float64_forward_without_eviction(tied):
     cfg = small_cfg(layers=3, tied=tied)
     w = random_weights(cfg, seed=3)
     eng = make_engine(cfg, w, budget_frames=8)
-    ref = Ref64(cfg, w)
-    prefix = ref.embed(prefix_token_ids(INSTRUCTION))
+    ref = R.load_weights(cfg, w)
+    prefix = R.embed(ref, prefix_token_ids(INSTRUCTION))
     frames = frame_stream(5, cfg.hidden_size, seed=4)
     for fid, tok in enumerate(frames):
         res = eng.run_chunk(tok, fid)
         assert res.evicted_frames == []
         seq = np.concatenate([prefix] + [np.asarray(f, np.float64) for f in frames[:fid + 1]]
-                             + [ref.embed(res.token_ids[:-1])])
+                             + [R.embed(ref, res.token_ids[:-1])])
         n_ctx = len(prefix) + (fid + 1) * TPF
-        ref_logits = ref.full_forward(seq)[n_ctx - 1:]
+        ref_logits = full_forward(cfg, ref, seq)[n_ctx - 1:]
         assert ref_logits.shape == (eng.decode_tokens + 1, 256)
         check_chunk(eng, ref_logits, res, f"frame {fid}")
         assert res.token_ids.shape == (9,) and res.action_bins.shape == (7,) and res.action.dtype == np.float32
@@ -224,8 +132,8 @@ def test_after_many_evictions_equals_from_scratch_recompute(policy):
     cfg = small_cfg(layers=1)
     w = random_weights(cfg, seed=5)
     eng = make_engine(cfg, w, budget_frames=6, policy=policy)
-    ref = Ref64(cfg, w)
-    prefix = ref.embed(prefix_token_ids(INSTRUCTION))
+    ref = R.load_weights(cfg, w)
+    prefix = R.embed(ref, prefix_token_ids(INSTRUCTION))
     frames = frame_stream(40, cfg.hidden_size, seed=6, static_runs=(policy == "semantic"))
     evicted_not_oldest = 0
     rerotated = 0
@@ -240,9 +148,9 @@ def test_after_many_evictions_equals_from_scratch_recompute(policy):
         assert retained[-1] == fid and len(retained) <= 6
         assert eng.kv.occupancy_tokens <= eng.kv.budget_tokens
         seq = np.concatenate([prefix] + [np.asarray(frames[f], np.float64) for f in retained]
-                             + [ref.embed(res.token_ids[:-1])])
+                             + [R.embed(ref, res.token_ids[:-1])])
         n_ctx = len(prefix) + len(retained) * TPF
-        check_chunk(eng, ref.full_forward(seq)[n_ctx - 1:], res, f"{policy} frame {fid}")
+        check_chunk(eng, full_forward(cfg, ref, seq)[n_ctx - 1:], res, f"{policy} frame {fid}")
     if policy == "fifo":
         assert eng.kv.frames == list(range(34, 40))
         assert len(deltas) > 1  # the shared rotation offset was used instead of re-rotating every frame
@@ -256,11 +164,13 @@ def test_multilayer_stream_matches_kv_cache_reference(policy):
     cfg = small_cfg(layers=2)
     w = random_weights(cfg, seed=7)
     eng = make_engine(cfg, w, budget_frames=6, policy=policy)
-    ref = StreamRef64(cfg, w, prefix_token_ids(INSTRUCTION))
+    ref = reference_stream(cfg, w, budget_frames=6, policy=policy)
     frames = frame_stream(30, cfg.hidden_size, seed=8, static_runs=(policy == "semantic"))
     for fid, tok in enumerate(frames):
-        res = eng.run_chunk(tok, fid)
-        check_chunk(eng, ref.chunk(fid, tok, eng.kv.frames, res.token_ids), res, f"{policy} frame {fid}")
+        res, want = eng.run_chunk(tok, fid), R.reference_chunk(ref, tok, fid)
+        assert res.evicted_frames == want.evicted and eng.kv.frames == ref.kv.frames
+        check_chunk(eng, want.logits, res, f"{policy} frame {fid}")
+        assert np.array_equal(res.token_ids, want.token_ids), f"{policy} frame {fid}"
     if policy == "fifo":
         assert eng.kv.frames == list(range(24, 30))
 
@@ -269,8 +179,8 @@ def test_positions_stay_below_max_position_embeddings_in_a_long_stream():
     cfg = small_cfg(layers=1, max_pos=512)  # budget + decode = 7 + 4*32 (+25 unused) + 8 < 512
     w = random_weights(cfg, seed=9)
     eng = make_engine(cfg, w, budget_frames=4, policy="fifo")
-    ref = Ref64(cfg, w)
-    prefix = ref.embed(prefix_token_ids(INSTRUCTION))
+    ref = R.load_weights(cfg, w)
+    prefix = R.embed(ref, prefix_token_ids(INSTRUCTION))
     rng = np.random.default_rng(10)
     saw_reset = False
     prev_delta = 0
@@ -290,9 +200,9 @@ def test_positions_stay_below_max_position_embeddings_in_a_long_stream():
             allt = [rng2.standard_normal((TPF, cfg.hidden_size)).astype(np.float32) for _ in range(fid + 1)]
             toks.update({f: allt[f] for f in retained})
             seq = np.concatenate([prefix] + [np.asarray(toks[f], np.float64) for f in retained]
-                                 + [ref.embed(res.token_ids[:-1])])
+                                 + [R.embed(ref, res.token_ids[:-1])])
             n_ctx = len(prefix) + len(retained) * TPF
-            check_chunk(eng, ref.full_forward(seq)[n_ctx - 1:], res, f"frame {fid}")
+            check_chunk(eng, full_forward(cfg, ref, seq)[n_ctx - 1:], res, f"frame {fid}")
     assert saw_reset, "the rotation offset never wrapped: the test did not reach the bound"
 
 
@@ -315,15 +225,15 @@ def test_budget_shrink_relocates_frames_and_growth_reallocates():
     cfg = small_cfg(layers=1)
     w = random_weights(cfg, seed=13)
     eng = make_engine(cfg, w, budget_frames=8, policy="semantic")
-    ref = Ref64(cfg, w)
-    prefix = ref.embed(prefix_token_ids(INSTRUCTION))
+    ref = R.load_weights(cfg, w)
+    prefix = R.embed(ref, prefix_token_ids(INSTRUCTION))
     frames = frame_stream(20, cfg.hidden_size, seed=14, static_runs=True)
 
     def check(fid, res):
         retained = eng.kv.frames
         seq = np.concatenate([prefix] + [np.asarray(frames[f], np.float64) for f in retained]
-                             + [ref.embed(res.token_ids[:-1])])
-        check_chunk(eng, ref.full_forward(seq)[len(prefix) + len(retained) * TPF - 1:], res, f"frame {fid}")
+                             + [R.embed(ref, res.token_ids[:-1])])
+        check_chunk(eng, full_forward(cfg, ref, seq)[len(prefix) + len(retained) * TPF - 1:], res, f"frame {fid}")
 
     for fid in range(8):
         eng.run_chunk(frames[fid], fid)
@@ -393,12 +303,12 @@ def test_large_attention_scores_stay_exact():
             w[f"model.layers.{li}.self_attn.{n}.weight"] *= 6.0
             w[f"model.layers.{li}.self_attn.{n}.bias"] *= 6.0
     eng = make_engine(cfg, w, budget_frames=3)
-    ref = StreamRef64(cfg, w, prefix_token_ids(INSTRUCTION))
+    ref = reference_stream(cfg, w, budget_frames=3, policy="fifo")
     for fid, tok in enumerate(frame_stream(6, cfg.hidden_size, seed=20)):
-        res = eng.run_chunk(tok, fid)
-        ref_logits = ref.chunk(fid, tok, eng.kv.frames, res.token_ids)
+        res, want = eng.run_chunk(tok, fid), R.reference_chunk(ref, tok, fid)
         assert np.all(np.isfinite(eng.last_logits))
-        check_chunk(eng, ref_logits, res, f"frame {fid}", tol=3e-4)  # |scores| ~ 100: float32 rounding grows
+        check_chunk(eng, want.logits, res, f"frame {fid}", tol=3e-4)  # |scores| ~ 100: float32 rounding grows
+        assert np.array_equal(res.token_ids, want.token_ids), f"frame {fid}"
     q = np.abs(eng.k_norm[:, :, :eng.kv.occupancy_tokens]).max()
     assert q > 20  # keys this long make |q|*|k| exceed the no-shift bound
 
@@ -411,8 +321,8 @@ def test_one_hour_stream_at_10hz_keeps_positions_bounded_and_exact():
     cfg = small_cfg(layers=1, max_pos=512, hidden=32, heads=2, kv_heads=1, inter=64)
     w = random_weights(cfg, seed=11)
     eng = make_engine(cfg, w, budget_frames=4, policy="semantic")
-    ref = Ref64(cfg, w)
-    prefix = ref.embed(prefix_token_ids(INSTRUCTION))
+    ref = R.load_weights(cfg, w)
+    prefix = R.embed(ref, prefix_token_ids(INSTRUCTION))
 
     def frame(fid):  # regenerable: the checkpoints need the retained frames' tokens again
         rng = np.random.default_rng(fid)
@@ -429,9 +339,9 @@ def test_one_hour_stream_at_10hz_keeps_positions_bounded_and_exact():
             retained = eng.kv.frames
             assert retained[-1] == fid and eng.kv.occupancy_tokens <= eng.kv.budget_tokens
             seq = np.concatenate([prefix] + [np.asarray(frame(f), np.float64) for f in retained]
-                                 + [ref.embed(res.token_ids[:-1])])
+                                 + [R.embed(ref, res.token_ids[:-1])])
             n_ctx = len(prefix) + len(retained) * TPF
-            check_chunk(eng, ref.full_forward(seq)[n_ctx - 1:], res, f"frame {fid}")
+            check_chunk(eng, full_forward(cfg, ref, seq)[n_ctx - 1:], res, f"frame {fid}")
     assert max_pos_seen < cfg.max_position_embeddings, max_pos_seen
     assert wraps > 0, "the rotation offset never wrapped: the stream did not reach the bound"
     assert eng.kv.stats()["evictions"] == n_frames - 4
