@@ -3,7 +3,9 @@
 One chunk per control cycle. Cycles sit on a fixed grid (``CycleClock``, period ``period_ms``); the deadline
 of a chunk is its cycle's start + ``deadline_ms``. Per cycle:
 
-1. live parameter changes queued by ``update`` are applied (so a change never lands mid-chunk);
+1. live parameter changes queued by ``update`` are applied (so a change never lands mid-chunk): admission
+   settings, loop settings and the engine's KV settings (``engine.apply_kv_changes``) go through this one
+   queue, validated once in ``update`` and applied by the one thread that runs the chunks;
 2. the thread waits (only itself; the camera never waits) for an unread frame in the double buffer;
 3. the admission controller compares the estimated chunk time with the time left to this cycle's deadline
    minus the safety margin; a refusal is a fallback (the action publisher repeats / holds) and the cycle is over;
@@ -41,6 +43,8 @@ ADMITTED, REFUSED, ERROR, LATE = "admitted", "refused", "error", "late_discarded
 
 _ADMISSION_KEYS = ("deadline_ms", "safety_margin_ms", "ema_alpha", "cost_quantile")
 _LOOP_KEYS = ("saliency_threshold", "period_ms", "late_discard_ms")
+_KV_KEYS = ("kv_budget_tokens", "eviction_policy", "window_frames")  # applied by engine.apply_kv_changes
+LIVE_KEYS = _ADMISSION_KEYS + _LOOP_KEYS + _KV_KEYS  # everything update() takes
 
 
 def cosine_distance(a: np.ndarray, b: np.ndarray) -> float:
@@ -107,6 +111,8 @@ class InferenceLoop:
         self.dropped_while_paused = 0
         self.retried = 0  # refused-for-time frames retried at the next cycle's start
         self.callback_errors = 0
+        self.kv_changes_applied = 0
+        self.kv_last_evicted: list = []
         self.last_error = ""
         self.last_outcome = ""
         self.chunk_ms = LatencyStats()  # real duration of admitted chunks (encode + run_chunk), ms
@@ -141,20 +147,22 @@ class InferenceLoop:
             raise ValueError("; ".join(reasons))
 
     def update(self, **values: Any) -> None:
-        """Validate now (ValueError with reasons), apply at the start of the next cycle. Keys: deadline_ms,
-        safety_margin_ms, ema_alpha, cost_quantile, saliency_threshold, period_ms, late_discard_ms."""
-        unknown = [k for k in values if k not in _ADMISSION_KEYS + _LOOP_KEYS]
+        """Validate now (ValueError with reasons), apply at the start of the next cycle. Keys: ``LIVE_KEYS``."""
+        unknown = [k for k in values if k not in LIVE_KEYS]
         if unknown:
             raise ValueError(f"InferenceLoop.update: unknown parameter(s) {', '.join(unknown)}")
-        reasons = [r for k, v in values.items() if k in _ADMISSION_KEYS and (r := params.validate(k, v))]
+        reasons = [r for k, v in values.items() if k in _ADMISSION_KEYS + _KV_KEYS and (r := params.validate(k, v))]
         if reasons:
             raise ValueError("; ".join(reasons))
         self._check_loop_values({k: v for k, v in values.items() if k in _LOOP_KEYS})
         with self._lock:
             merged = {"deadline_ms": self.admission.deadline_ms, "safety_margin_ms": self.admission.safety_margin_ms,
                       **{k: v for k, v in self._pending.items() if k in _ADMISSION_KEYS}, **values}
-            reasons = params.validate_combination(
-                {"deadline_ms": float(merged["deadline_ms"]), "safety_margin_ms": float(merged["safety_margin_ms"])})
+            combo = {"deadline_ms": float(merged["deadline_ms"]), "safety_margin_ms": float(merged["safety_margin_ms"])}
+            kv = getattr(self.engine, "kv", None)
+            if "kv_budget_tokens" in values and kv is not None:
+                combo.update(kv_budget_tokens=values["kv_budget_tokens"], tokens_per_frame=kv.tokens_per_frame)
+            reasons = params.validate_combination(combo, getattr(self.engine, "prefix_tokens", 0) if kv else 0)
             if reasons:
                 raise ValueError("; ".join(reasons))
             self._pending.update(values)
@@ -170,6 +178,13 @@ class InferenceLoop:
             self.admission.update(**adm)
         except ValueError as exc:  # validated in update(); only a concurrent direct admission change gets here
             self._emit("update_rejected", {"values": adm, "reason": str(exc)})
+        kv = {k: v for k, v in pending.items() if k in _KV_KEYS}
+        if kv:
+            try:
+                self.kv_last_evicted = self.engine.apply_kv_changes(kv)
+                self.kv_changes_applied += 1
+            except Exception as exc:  # the engine refused (e.g. a budget its device buffers cannot hold)
+                self._emit("kv_update_failed", {"values": kv, "error": f"{type(exc).__name__}: {exc}"})
         if "saliency_threshold" in pending:
             self.saliency_threshold = float(pending["saliency_threshold"])
         if "late_discard_ms" in pending:
@@ -459,6 +474,7 @@ class InferenceLoop:
             "dropped_while_paused": self.dropped_while_paused,
             "retried": self.retried,
             "callback_errors": self.callback_errors,
+            "kv_changes_applied": self.kv_changes_applied,
             "last_error": self.last_error,
             "in_flight_ms": self.in_flight_ms(),
             "chunk_ms": self.chunk_ms.summary(),

@@ -77,5 +77,38 @@ class Engine(abc.ABC):
     def memory(self) -> dict[str, int]:
         """{'current_bytes': ..., 'peak_bytes': ...} of the backend's own allocations (device for cuda)."""
 
+    # ---- the rest of the contract: what the runtime reads and changes, defined once for every backend --------
+    # A backend keeps its ModelConfig as ``cfg`` and its core.kv.KVManager as ``kv``.
+    @property
+    def action_names(self) -> tuple[str, ...]:
+        """Names of the action dimensions, in order (the checkpoint's ``vla.action_names``)."""
+        return tuple(self.cfg.action_names)
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens of the pinned instruction prefix (they count against the KV budget)."""
+        return int(self.kv.prefix_tokens)
+
+    KV_CHANGES = ("kv_budget_tokens", "eviction_policy", "window_frames")
+
+    def apply_kv_changes(self, changes: dict) -> list[int]:
+        """Apply live KV settings between chunks, on the thread that runs the chunks (the inference loop calls
+        this from its cycle, never mid-chunk). ``kv_budget_tokens`` 0 means this backend's default. Returns the
+        frame ids a budget shrink evicted. ValueError for an unknown key or a value the KV manager refuses."""
+        from vla_edge_ros import params
+
+        unknown = [k for k in changes if k not in self.KV_CHANGES]
+        if unknown:
+            raise ValueError(f"not a live KV setting: {', '.join(unknown)}")
+        evicted: list[int] = []
+        if "eviction_policy" in changes:
+            self.kv.set_policy(changes["eviction_policy"])
+        if "window_frames" in changes:
+            self.kv.set_window(changes["window_frames"])
+        if "kv_budget_tokens" in changes:
+            budget = params.resolve_kv_budget(changes["kv_budget_tokens"], self.name, self.kv.tokens_per_frame)
+            evicted = list(self.kv.set_budget(budget) or [])
+        return evicted
+
     def close(self) -> None:
         """Free model and KV memory."""

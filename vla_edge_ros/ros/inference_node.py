@@ -42,71 +42,9 @@ from vla_edge_ros.ros import conversions, qos
 from vla_edge_ros.ros.param_bridge import ParamBridge
 
 INACTIVE_REASON = "inference_inactive"
-LOOP_PARAMS = ("deadline_ms", "safety_margin_ms", "ema_alpha", "cost_quantile", "saliency_threshold")
-KV_PARAMS = ("kv_budget_tokens", "eviction_policy", "window_frames")
-
-
-class KVTuningEngine:
-    """Wraps an Engine so live KV changes (budget, policy, window) are applied by the inference thread itself,
-    between chunks: the engine is not thread-safe and the parameter callback runs on the executor thread.
-    Everything else is delegated unchanged."""
-
-    def __init__(self, engine: Any):
-        self._engine = engine
-        self._kv_lock = threading.Lock()
-        self._kv_pending: dict[str, Any] = {}
-        self.kv_changes_applied = 0
-        self.kv_last_evicted: list = []
-        self.on_kv_error: Callable[[dict, Exception], None] | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def queue_kv_change(self, changes: dict) -> None:
-        with self._kv_lock:
-            self._kv_pending.update(changes)
-
-    def apply_kv_changes(self) -> None:
-        with self._kv_lock:
-            pending, self._kv_pending = self._kv_pending, {}
-        if not pending:
-            return
-        try:
-            setter = getattr(self._engine, "update_kv", None)
-            if callable(setter):
-                setter(**pending)
-            else:
-                kv = getattr(self._engine, "kv")
-                if "eviction_policy" in pending:
-                    kv.set_policy(pending["eviction_policy"])
-                if "window_frames" in pending:
-                    kv.set_window(pending["window_frames"])
-                if "kv_budget_tokens" in pending:  # 0: back to this backend's default
-                    budget = registry.resolve_kv_budget(pending["kv_budget_tokens"], getattr(self._engine, "name", ""),
-                                                        kv.tokens_per_frame)
-                    self.kv_last_evicted = list(kv.set_budget(budget) or [])
-            self.kv_changes_applied += 1
-        except Exception as exc:
-            if self.on_kv_error is not None:
-                self.on_kv_error(pending, exc)
-            else:
-                raise
-
-    def encode_frame(self, image):
-        return self._engine.encode_frame(image)
-
-    def run_chunk(self, vision_tokens, frame_id, salient=False):
-        self.apply_kv_changes()
-        return self._engine.run_chunk(vision_tokens, frame_id, salient)
-
-    def reset(self):
-        return self._engine.reset()
-
-    def memory(self):
-        return self._engine.memory()
-
-    def close(self):
-        return self._engine.close()
+# live parameters the inference loop applies between chunks (its one queue; the engine's KV settings included)
+LOOP_PARAMS = ("deadline_ms", "safety_margin_ms", "ema_alpha", "cost_quantile", "saliency_threshold",
+               "kv_budget_tokens", "eviction_policy", "window_frames")
 
 
 class InferenceNode(LifecycleNode):
@@ -214,11 +152,9 @@ class InferenceNode(LifecycleNode):
         t0 = time.monotonic()
         try:
             values = dict(self.params.values)
-            self.engine = KVTuningEngine(make_engine(values, self.get_logger().info))
-            self.engine.on_kv_error = lambda pending, exc: self._on_event(
-                "kv_update_failed", {"values": pending, "error": f"{type(exc).__name__}: {exc}"})
+            self.engine = make_engine(values, self.get_logger().info)
             self.backend = getattr(self.engine, "name", "?")
-            self.action_names = tuple(self._engine_action_names())
+            self.action_names = self.engine.action_names
             if self._on_action_names is not None:
                 self._on_action_names(self.action_names)
             self.admission = AdmissionController(values["deadline_ms"], values["safety_margin_ms"],
@@ -315,25 +251,10 @@ class InferenceNode(LifecycleNode):
         del loop, engine
         gc.collect()
 
-    def _engine_action_names(self) -> Sequence[str]:
-        for path in (("config", "action_names"), ("cfg", "action_names"), ("action_names",)):
-            obj: Any = self.engine
-            for attr in path:
-                obj = getattr(obj, attr, None)
-            if obj:
-                return obj
-        from vla_edge_ros.engine.config import DEFAULT_ACTION_NAMES
-
-        return DEFAULT_ACTION_NAMES
-
     def _prefix_tokens(self) -> int:
-        eng = self.engine
-        for path in (("kv", "prefix_tokens"), ("prefix_tokens",)):
-            obj: Any = eng
-            for attr in path:
-                obj = getattr(obj, attr, None)
-            if isinstance(obj, int):
-                return obj
+        """The pinned prefix the budget must hold: the engine's once it exists, else the instruction's bytes."""
+        if self.engine is not None:
+            return self.engine.prefix_tokens
         return len(self.params.get("instruction").encode("utf-8"))
 
     # ---- inference-thread callbacks -------------------------------------------------------------------
@@ -379,14 +300,12 @@ class InferenceNode(LifecycleNode):
             self.loop.update(period_ms=1000.0 / float(rate_hz))
 
     def _on_params(self, changes: dict) -> None:
-        loop, engine = self.loop, self.engine
+        loop = self.loop
         loop_changes = {k: v for k, v in changes.items() if k in LOOP_PARAMS}
-        kv_changes = {k: v for k, v in changes.items() if k in KV_PARAMS}
         if loop is not None and loop_changes:
-            loop.update(**loop_changes)  # raises ValueError -> the ParamBridge refuses with the reason
-        if engine is not None and kv_changes:
-            # Applied by the inference thread at the start of its next chunk (the engine is single-threaded).
-            engine.queue_kv_change(kv_changes)
+            # Queued in the loop and applied by the inference thread at its next cycle (the engine is
+            # single-threaded); raises ValueError -> the ParamBridge refuses with the reason.
+            loop.update(**loop_changes)
         # Unconfigured: the values are stored by the ParamBridge and used at the next configure.
 
     # ---- figures --------------------------------------------------------------------------------------
@@ -446,7 +365,7 @@ class InferenceNode(LifecycleNode):
                    "occupancy_tokens": kv_stats.get("occupancy_tokens", self.occupancy_tokens),
                    "max_occupancy_tokens": self.max_occupancy_tokens,
                    "evictions": kv_stats.get("evictions", 0),
-                   "live_changes_applied": getattr(self.engine, "kv_changes_applied", 0)},
+                   "live_changes_applied": self.loop.kv_changes_applied if self.loop is not None else 0},
             "kv_manager": kv_stats,
             "engine_memory": self._engine_memory(),
             "rss_mb": current_rss_mb(),
