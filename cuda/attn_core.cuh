@@ -1,6 +1,5 @@
-// Decode-attention building blocks shared by rope_attention.cu (stand-alone kernels) and decode_persistent.cu
-// (the persistent decode kernel): K/V chunk staging with RoPE at the key's logical position, and the
-// tensor-core decode body (conventions: the header of rope_attention.cu).
+// Attention building blocks of rope_attention.cu: K/V chunk staging with RoPE at the key's logical position, the
+// query fragments, and the pieces of the tensor-core decode block (conventions: the header of rope_attention.cu).
 #pragma once
 #include "common.cuh"
 
@@ -8,16 +7,7 @@
 #define DEC_KB 8      // keys per warp whose K/V loads are in flight together
 #define DEC_MAXG 8    // query heads per KV head supported by the decode kernel
 
-#define ATT_KC 64  // keys per shared-memory chunk
-// The attention code's threads and block barrier: the whole block by default; a kernel whose block is larger than
-// the attention's DEC_WARPS warps (decode_dataflow.cu) defines both before including this file, so that only its
-// first DEC_WARPS warps run the attention, synchronised by a named barrier.
-#ifndef ATT_SYNC
-#define ATT_SYNC() __syncthreads()
-#endif
-#ifndef ATT_NT
-#define ATT_NT blockDim.x
-#endif
+#define ATT_KC 64  // keys per shared-memory chunk = keys per split of both attention kernels
 
 // Stage keys [kc0, kc0 + ATT_KC) (those >= kend as zeros) of KV head kvh: keys RoPE-rotated at their logical
 // position j into sK [key][HD + 8] (bf16), values transposed into sVt [dim][ATT_KC + 8] (bf16).
@@ -25,30 +15,11 @@
 // loads of STAGE_B items before using any of them, so a chunk costs ~2 memory round trips, not one per item.
 // V items run key-fastest across a warp so the transposed 2-byte stores hit consecutive addresses.
 #define STAGE_B 4
-// Last step of a split merge, shared by the persistent and the dataflow decode kernels: NG groups' running
-// (max, denominator) in s_m / s_den (log2 domain, -inf for a group that saw no split) and numerator num(i) of
-// group i for this thread's output dim -> the merged attention output.
-template <int NG, typename Num>
-__device__ __forceinline__ float merge_split_groups(const float* s_m, const float* s_den, Num num) {
-    float MM = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < NG; ++i) MM = fmaxf(MM, s_m[i]);
-    float tn = 0.f, td = 0.f;
-#pragma unroll
-    for (int i = 0; i < NG; ++i) {
-        const float e = s_m[i] == -INFINITY ? 0.f : exp2f(s_m[i] - MM);
-        tn = fmaf(e, num(i), tn);
-        td = fmaf(e, s_den[i], td);
-    }
-    return tn / td;
-}
 
-// Cache loads: plain (the read-only path with const __restrict__: the stand-alone kernels) or, with CG, through L2
-// only (ld.global.cg: the persistent kernel, where other blocks wrote the data earlier in the same launch). CG
-// measured ~0.5 ms per chunk slower in the stand-alone decode attention, so it is not the default.
-template <bool CG, typename T>
-__device__ __forceinline__ T ld_kv(const T* __restrict__ p) {
-    if (CG) return __ldcg(p);
+// Cache and query loads through the read-only path (const __restrict__). Through L2 only (ld.global.cg) measured
+// ~0.5 ms per chunk slower in the decode attention.
+template <typename T>
+__device__ __forceinline__ T ld_ro(const T* __restrict__ p) {
     return *p;
 }
 
@@ -97,76 +68,63 @@ __device__ __forceinline__ void put_vt8(bf16_t* sVt, int key, int d, uint4 v) {
 }
 
 // Rows of keys kc0 .. kc0 + nrow - 1 (slot indices in sSlot[0 .. nrow)) into a staged chunk: rotated K in sK,
-// transposed V in sVt; rows nrow .. ATT_KC - 1 are zero (masked keys must not meet NaN garbage in P V).
-template <int HD, bool CG, bool DO_K, bool DO_V, int B>
+// transposed V in sVt; rows nrow .. ATT_KC - 1 are zero (masked keys must not meet NaN garbage in P V). The K and V
+// loads of a batch of B items each are in flight together (one round trip per batch; ~64 registers: the stagings
+// run before the PDL wait, when nothing else is live).
+template <int HD, int B>
 __device__ __forceinline__ void stage_kv_pass(bf16_t* sK, bf16_t* sVt, const int* sSlot, const bf16_t* __restrict__ kc,
         const bf16_t* __restrict__ vc, const float2* __restrict__ rope_cs, int kvh, int nkv, int kc0, int nrow) {
     constexpr int HALF = HD / 2;
     constexpr int NI = ATT_KC * (HD / 8);  // items of each kind: K (key, 4 dims of each half), V (key, 8 dims)
-    for (int base = threadIdx.x; base < NI; base += B * ATT_NT) {
+    for (int base = threadIdx.x; base < NI; base += B * blockDim.x) {
         uint2 lo[B], hi[B];
         float4 c01[B], c23[B];
         uint4 v[B];
 #pragma unroll
         for (int b = 0; b < B; ++b) {
-            const int it = base + b * ATT_NT;
-            if (DO_K) {
+            const int it = base + b * blockDim.x;
+            {
                 const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
                 const int slot = it < NI && key < nrow ? sSlot[key] : -1;
                 lo[b] = hi[b] = make_uint2(0u, 0u);
                 c01[b] = c23[b] = make_float4(0.f, 0.f, 0.f, 0.f);
                 if (slot >= 0) {
                     const bf16_t* kr = kc + (size_t)slot * nkv + kvh * HD;
-                    lo[b] = ld_kv<CG>(reinterpret_cast<const uint2*>(kr + d));
-                    hi[b] = ld_kv<CG>(reinterpret_cast<const uint2*>(kr + HALF + d));
+                    lo[b] = ld_ro(reinterpret_cast<const uint2*>(kr + d));
+                    hi[b] = ld_ro(reinterpret_cast<const uint2*>(kr + HALF + d));
                     c01[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(kc0 + key) * HALF + d);
                     c23[b] = *reinterpret_cast<const float4*>(rope_cs + (size_t)(kc0 + key) * HALF + d + 2);
                 }
             }
-            if (DO_V) {  // V items run key-fastest across a warp (the transposed 2-byte stores hit consecutive addresses)
+            {  // V items run key-fastest across a warp (the transposed 2-byte stores hit consecutive addresses)
                 const int key = it % ATT_KC, d = (it / ATT_KC) * 8;
                 const int slot = it < NI && key < nrow ? sSlot[key] : -1;
                 v[b] = make_uint4(0u, 0u, 0u, 0u);
-                if (slot >= 0) v[b] = ld_kv<CG>(reinterpret_cast<const uint4*>(vc + (size_t)slot * nkv + kvh * HD + d));
+                if (slot >= 0) v[b] = ld_ro(reinterpret_cast<const uint4*>(vc + (size_t)slot * nkv + kvh * HD + d));
             }
         }
 #pragma unroll
         for (int b = 0; b < B; ++b) {
-            const int it = base + b * ATT_NT;
+            const int it = base + b * blockDim.x;
             if (it >= NI) break;
-            if (DO_K) {
-                const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
-                put_k_rot4<HD>(sK, key, d, lo[b], hi[b], c01[b], c23[b]);
-            }
-            if (DO_V) put_vt8(sVt, it % ATT_KC, (it / ATT_KC) * 8, v[b]);
+            const int key = it / (HALF / 4), d = (it - key * (HALF / 4)) * 4;
+            put_k_rot4<HD>(sK, key, d, lo[b], hi[b], c01[b], c23[b]);
+            put_vt8(sVt, it % ATT_KC, (it / ATT_KC) * 8, v[b]);
         }
-    }
-}
-
-// FUSE: K and V loads of a batch in flight together (one round trip per batch; ~64 registers: for stagings
-// before the PDL wait, when nothing else is live); else a K pass, then a V pass.
-template <int HD, bool CG = false, bool FUSE = false>
-__device__ __forceinline__ void stage_kv_rows(bf16_t* sK, bf16_t* sVt, const int* sSlot, const bf16_t* __restrict__ kc,
-        const bf16_t* __restrict__ vc, const float2* __restrict__ rope_cs, int kvh, int nkv, int kc0, int nrow) {
-    if (FUSE) {
-        stage_kv_pass<HD, CG, true, true, STAGE_B>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, kc0, nrow);
-    } else {
-        stage_kv_pass<HD, CG, true, false, STAGE_B>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, kc0, nrow);
-        stage_kv_pass<HD, CG, false, true, 2 * STAGE_B>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, kc0, nrow);
     }
 }
 
 // Stage keys [kc0, kc0 + ATT_KC) of KV head kvh: slot indices to sSlot (one coalesced load), then the rows of keys
 // < kend. kslot > kend (the pre-wait staging): sSlot also gets the slot indices of keys [kend, kslot), whose rows
 // are staged later (stage_kv_keys) without a dependent slot lookup; their rows are zero here.
-template <int HD, bool CG = false, bool FUSE = false>
+template <int HD>
 __device__ __forceinline__ void stage_kv_chunk(bf16_t* sK, bf16_t* sVt, int* sSlot, const bf16_t* __restrict__ kc,
         const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const float2* __restrict__ rope_cs,
         int kvh, int nkv, int kc0, int kend, int kslot = -1) {
     if (threadIdx.x < ATT_KC)
         sSlot[threadIdx.x] = kc0 + (int)threadIdx.x < max(kend, kslot) ? key_slots[kc0 + threadIdx.x] : -1;
-    ATT_SYNC();
-    stage_kv_rows<HD, CG, FUSE>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, kc0, kend - kc0);
+    __syncthreads();
+    stage_kv_pass<HD, STAGE_B>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, kc0, kend - kc0);
 }
 
 // Items (key j in [j0, j1), dims d, d+1 of each half) of keys staged after the PDL wait, in one memory round trip:
@@ -177,12 +135,12 @@ template <int HD, int NB, typename E, typename Src, typename Put>
 __device__ __forceinline__ void stage_kv_items(int j0, int j1, const float2* __restrict__ rope_cs, Src src, Put put) {
     constexpr int HALF = HD / 2, P = HALF / 2;
     const int n = (j1 - j0) * P;
-    for (int base = threadIdx.x; base < n; base += NB * ATT_NT) {
+    for (int base = threadIdx.x; base < n; base += NB * blockDim.x) {
         E klo[NB], khi[NB], vlo[NB], vhi[NB];
         float4 cs[NB];
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
-            const int it = base + b * ATT_NT;
+            const int it = base + b * blockDim.x;
             if (it < n) {
                 const int j = j0 + it / P, d = (it % P) * 2;
                 const E* k;
@@ -197,7 +155,7 @@ __device__ __forceinline__ void stage_kv_items(int j0, int j1, const float2* __r
         }
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
-            const int it = base + b * ATT_NT;
+            const int it = base + b * blockDim.x;
             if (it < n) put(j0 + it / P, (it % P) * 2, klo[b], khi[b], vlo[b], vhi[b], cs[b]);
         }
     }
@@ -219,11 +177,6 @@ __device__ __forceinline__ void stage_kv_keys(bf16_t* sK, bf16_t* sVt, const int
         });
 }
 
-// Decode on tensor cores: the G query heads of KV head blockIdx.y are the rows of one m16 tile (rows >= G are
-// zero), keys [split*kps, min(L, +kps)) staged 64 at a time (rotated K, transposed V) as in the prefill; warp w
-// takes keys 16w..16w+15 of each chunk (two n8 tiles for S = QK^T, one k16 step for PV), online softmax per
-// warp, then the 4 warps merge in shared memory into one partial per (split, head).
-// Partials: part_o [split][Hq][HD], part_ml [split][Hq].
 // Shared memory of one decode-attention block: staged chunk (rotated K, transposed V) or the 4-warp merge.
 template <int HD>
 struct DecAttnSmem {
@@ -238,7 +191,7 @@ struct DecAttnSmem {
 // raw query loads (pre-RoPE; issued early, rotated later by q_frag_build) of rows row0 (m16 row g) and row1
 // (row g + 8), HD floats each in global or shared memory; a row whose flag ok0 / ok1 is false is zero (a constant
 // true folds away when inlined)
-template <int HD, bool CG>
+template <int HD>
 __device__ __forceinline__ void q_frag_load(const float* row0, bool ok0, const float* row1, bool ok1,
                                             float (&qv)[2][HD / 16][4]) {
     const int t = threadIdx.x & 3;
@@ -252,7 +205,7 @@ __device__ __forceinline__ void q_frag_load(const float* row0, bool ok0, const f
             for (int hh = 0; hh < 2; ++hh) {
                 const int d = ks * 16 + hh * 8 + 2 * t;
                 float2 a = make_float2(0.f, 0.f);
-                if (ok) a = ld_kv<CG>(reinterpret_cast<const float2*>(row + d));
+                if (ok) a = ld_ro(reinterpret_cast<const float2*>(row + d));
                 qv[r][ks][2 * hh] = a.x;
                 qv[r][ks][2 * hh + 1] = a.y;
             }
@@ -287,14 +240,14 @@ __device__ __forceinline__ void q_frag_build(const float (&qv)[2][HD / 16][4], c
     }
 }
 
-// The pieces of a decode-attention block (attn_decode_mma_body below, attn_decode_pre_* of rope_attention.cu, the
-// persistent kernel): m16 row r = query head r of the KV head's group (rows >= G are zero: G <= 8).
+// The pieces of the decode-attention block (attn_decode_* of rope_attention.cu): m16 row r = query head r of the KV
+// head's group (rows >= G are zero: G <= 8).
 
 // the G heads of one KV head, qg = its first head
-template <int HD, bool CG>
+template <int HD>
 __device__ __forceinline__ void dec_load_q(const float* __restrict__ qg, int G, float (&qv)[2][HD / 16][4]) {
     const int g = (threadIdx.x & 31) >> 2;
-    q_frag_load<HD, CG>(qg + g * HD, g < G, qg + (g + 8) * HD, g + 8 < G, qv);
+    q_frag_load<HD>(qg + g * HD, g < G, qg + (g + 8) * HD, g + 8 < G, qv);
 }
 
 // S = Q K^T over NT n8 tiles of staged keys (rows row0 .. row0 + 8 NT - 1 of sK, rotated, [key][HD + 8] bf16)
@@ -385,7 +338,7 @@ __device__ __forceinline__ void dec_merge(float* merge, int G, DecState<HD>& st,
     st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, 2);
     st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, 1);
     st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, 2);
-    ATT_SYNC();  // every warp is past its last read of the staged chunk that `merge` overlays
+    __syncthreads();  // every warp is past its last read of the staged chunk that `merge` overlays
     float* s_o = merge;                       // [NW][DEC_MAXG][HD]
     float* s_m = s_o + NW * DEC_MAXG * HD;    // [NW][DEC_MAXG]
     float* s_l = s_m + NW * DEC_MAXG;
@@ -404,8 +357,8 @@ __device__ __forceinline__ void dec_merge(float* merge, int G, DecState<HD>& st,
             }
         }
     }
-    ATT_SYNC();
-    for (int it = threadIdx.x; it < G * HD; it += ATT_NT) {
+    __syncthreads();
+    for (int it = threadIdx.x; it < G * HD; it += blockDim.x) {
         const int h = it / HD, d = it - h * HD;
         float M = -INFINITY;
 #pragma unroll
@@ -420,66 +373,4 @@ __device__ __forceinline__ void dec_merge(float* merge, int G, DecState<HD>& st,
         }
         store(h, d, num, M, den);
     }
-}
-
-// bx = key split, kvh = KV head (blockIdx.x / .y of the stand-alone kernel; a virtual block of the persistent
-// decode kernel). smem: DecAttnSmem<HD>::BYTES, 16-byte aligned; sSlot: ATT_KC ints. CG: q and the cache are
-// read through L2 (the persistent kernel: other blocks wrote them earlier in the same launch). q_cs: the query
-// position's RoPE row if the caller has it at hand (else read from rope_cs). fresh_from >= 0: the caller staged
-// the first chunk already (stage_kv_chunk with kend = fresh_from and kslot = the chunk's end, before waiting for
-// its producers), keys >= fresh_from are staged here in one round trip (single-chunk splits only: kps == ATT_KC).
-// DEFER_Q: rotate the query after the first chunk is staged (its loads overlap the staging; costs ~64 registers
-// held across it); the persistent kernel, short of registers, rotates first.
-template <int HD, bool DEFER_Q = true, bool CG = false>
-__device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q, const bf16_t* __restrict__ kc,
-        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const int* __restrict__ meta, int step,
-        const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* part_o,
-        float2* part_ml, unsigned char* smem, int* sSlot, int bx, int kvh, const float2* q_cs = nullptr,
-        int fresh_from = -1) {
-    constexpr int KS = HD / 16;
-    constexpr int HALF = HD / 2;
-    bf16_t* sK = reinterpret_cast<bf16_t*>(smem);
-    bf16_t* sVt = sK + ATT_KC * (HD + 8);
-
-    const int L = meta[3] + step;
-    const int kbeg = bx * kps;
-    if (kbeg >= L) return;
-    const int kend = min(L, kbeg + kps);
-    const int nkv = n_kvh * HD;
-    const int warp = threadIdx.x >> 5;
-    const float2* qcs = q_cs != nullptr ? q_cs : rope_cs + (size_t)(L - 1) * HALF;
-
-    // query: raw loads issued here; with DEFER_Q the rotation runs after the first chunk is staged, so both
-    // latencies overlap
-    uint32_t qa[KS][4];
-    float qv[2][KS][4];
-    dec_load_q<HD, CG>(q + (size_t)kvh * G * HD, G, qv);
-    if (!DEFER_Q) q_frag_build<HD>(qv, qcs, qcs, qscale, qa);
-    DecState<HD> st;
-    st.init();
-
-    for (int kc0 = kbeg; kc0 < kend; kc0 += ATT_KC) {
-        if (fresh_from >= 0 && kc0 == kbeg) {
-            // the caller staged this chunk's keys below fresh_from (rows written before its producers ran); the
-            // newer keys (written since) are added now, if any are ours
-            const int j0 = max(kc0, fresh_from), j1 = min(kend, kc0 + ATT_KC);
-            ATT_SYNC();  // the caller's staging (zero rows from fresh_from on) is complete in every thread
-            if (j0 < j1) stage_kv_keys<HD, 2>(sK, sVt, sSlot, kc, vc, rope_cs, kvh, nkv, j0, j1, kc0);
-            ATT_SYNC();
-        } else {
-            ATT_SYNC();
-            stage_kv_chunk<HD, CG>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kc0, kend);
-            ATT_SYNC();
-        }
-        if (DEFER_Q && kc0 == kbeg) q_frag_build<HD>(qv, qcs, qcs, qscale, qa);
-        dec_attend16<HD>(sK, sVt, warp * 16, kc0, kend, qa, st);
-    }
-
-    // merge the 4 warps (shared memory reused) into this split's partial
-    const int Hq = n_kvh * G;
-    dec_merge<HD, DEC_WARPS>(reinterpret_cast<float*>(smem), G, st, [&](int h, int d, float num, float M, float den) {
-        const size_t row = (size_t)bx * Hq + kvh * G + h;
-        part_o[row * HD + d] = num;
-        if (d == 0) part_ml[row] = make_float2(M, den);
-    });
 }

@@ -48,57 +48,25 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// Two bf16 rows r0, r1 of klen <= KMAX columns (shared memory, 16-byte aligned) against the fp32 vector sx (shared
-// memory; its loads shared by both rows), lane l taking columns 8l + 256u: warp sums in every lane.
-template <int KMAX>
-__device__ __forceinline__ void dot2_rows_smem(const bf16_t* r0, const bf16_t* r1, const float* sx, int klen,
-                                               float& acc0, float& acc1) {
-    const int lane = threadIdx.x & 31;
-    acc0 = 0.f;
-    acc1 = 0.f;
-#pragma unroll
-    for (int u = 0; u < KMAX / 256; ++u) {
-        const int c = lane * 8 + 256 * u;
-        if (c < klen) {
-            const uint4 w0 = *reinterpret_cast<const uint4*>(r0 + c);
-            const uint4 w1 = *reinterpret_cast<const uint4*>(r1 + c);
-            const float4 a = *reinterpret_cast<const float4*>(sx + c);
-            const float4 b = *reinterpret_cast<const float4*>(sx + c + 4);
-            acc0 += dot8_bf16(w0, a, b);
-            acc1 += dot8_bf16(w1, a, b);
-        }
-    }
-    acc0 = warp_sum(acc0);
-    acc1 = warp_sum(acc1);
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// Sum over the nw warps that call it (threads 0 .. 32 nw - 1), synchronised by sync(); every one of them gets the
-// result.
-template <typename Sync>
-__device__ __forceinline__ float warps_sum(float v, float* scratch /* >= 33 floats */, int nw, Sync sync) {
+// Sum over the nw warps of the block (all of them: blockDim.x == 32 nw); every thread gets the result.
+__device__ __forceinline__ float warps_sum(float v, float* scratch /* >= 33 floats */, int nw) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = warp_sum(v);
-    sync();
+    __syncthreads();
     if (lane == 0) scratch[warp] = v;
-    sync();
+    __syncthreads();
     if (warp == 0) {
         float t = lane < nw ? scratch[lane] : 0.f;
         t = warp_sum(t);
         if (lane == 0) scratch[32] = t;
     }
-    sync();
+    __syncthreads();
     return scratch[32];
 }
 
 // Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
 __device__ __forceinline__ float block_sum(float v, float* scratch /* >= 33 floats */) {
-    return warps_sum(v, scratch, blockDim.x >> 5, [] { __syncthreads(); });
+    return warps_sum(v, scratch, blockDim.x >> 5);
 }
 
 // D = A(16x16 bf16, row) * B(16x8 bf16, col) + D, fp32 accumulate (sm_80+ tensor cores).
@@ -138,7 +106,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Timeline (benchmark builds only, -DVLA_TIMELINE): thread 0 of the first and the last block of a grid stamps
 // %globaltimer into the grid's row of vla_tl (row = %gridid % VLA_TL_ROWS): [gridid, first block's start, first
 // and last of the two blocks' pass of the wait]. Two blocks only: same-address atomics from every block of a
-// 1500-block grid would serialise and distort what they measure. The host (CudaEngine.timeline) orders the
+// 1500-block grid would serialise and distort what they measure. The host (bench/gpu_profile.py) orders the
 // rows by grid id, i.e. by launch.
 #ifdef VLA_TIMELINE
 #define VLA_TL_ROWS 4096
@@ -183,7 +151,7 @@ __constant__ unsigned vla_late_trigger;
 __device__ __forceinline__ bool vla_late(int fam) { return fam >= 0 && ((vla_late_trigger >> fam) & 1u); }
 // griddepcontrol is sm_90 PTX. Built for an older GPU (Jetson Orin sm_87, A100 sm_80, RTX 30/40 / L4 sm_86 / sm_89)
 // both compile to nothing, which is exactly their meaning without the launch attribute (the host launches those
-// GPUs without it: CudaEngine.pdl). VLA_SM90 also gates the dataflow decode kernel (TMA bulk copies, mbarriers).
+// GPUs without it: engine/cuda/arch.py).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define VLA_SM90 1
 #else

@@ -6,10 +6,15 @@
 // (one 16-byte load) of its weight row and of its activation rows, and feeds words {2h, 2h+1} of them to the
 // two k16 halves h = 0, 1 of a 32-wide k step. A and B use the same permutation, so the sum is unchanged.
 //
-// Block: WPB warps; warp w owns 16 weight rows (two n8 tiles) x all 32 tokens (two m16 tiles).
-// grid.x = ceil(N / (16 * WPB)), grid.y = K splits of length ks_len (multiple of 32).
+// Two forms: gemm32_* (a fixed set of 16-row groups per block, split-K over grid.y; the named fallback where
+// gemm32v4's 144 KB of shared memory does not fit, and the QKV / o GEMMs everywhere) and gemm32v4_* (a balanced grid
+// of one block per SM, K split inside the block: the gate/up and down GEMMs on the H200).
+//
+// gemm32_*: GEMM_WARPS warps; warp w owns 16 weight rows (two n8 tiles) x all 32 tokens (two m16 tiles).
+// grid.x = ceil(N / (16 * GEMM_WARPS)), grid.y = K splits of length ks_len (multiple of 32).
 #include "common.cuh"
 
+#define GEMM_WARPS 8         // warps per block of gemm32_* (4 measured slower on the H200: docs/KERNEL_NOTES.md)
 #define GEMM_KC 256          // K chunk staged in shared memory
 #define GEMM_SA 36           // row stride of the staged chunk in 16-byte words: 32 + 4 (== 4 mod 8: no conflicts)
 
@@ -117,137 +122,18 @@ __device__ __forceinline__ void gemm32_body(const bf16_t* __restrict__ A, int ld
 }
 
 // C[32][ldc] += A * W^T (split-K over grid.y; C pre-initialised: bias, or the residual stream itself)
-extern "C" __global__ void __launch_bounds__(128) gemm32_atomic_w4(const bf16_t* A, int lda, const bf16_t* W, int N,
-                                                                   int K, int ks_len, float* C, int ldc) {
-    gemm32_body<4, GEMM_ATOMIC>(A, lda, W, N, K, ks_len, C, ldc, nullptr);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemm32_atomic_w8(const bf16_t* A, int lda, const bf16_t* W, int N,
-                                                                   int K, int ks_len, float* C, int ldc) {
-    gemm32_body<8, GEMM_ATOMIC>(A, lda, W, N, K, ks_len, C, ldc, nullptr);
+extern "C" __global__ void __launch_bounds__(32 * GEMM_WARPS, 2) gemm32_atomic(const bf16_t* A, int lda,
+        const bf16_t* W, int N, int K, int ks_len, float* C, int ldc) {
+    gemm32_body<GEMM_WARPS, GEMM_ATOMIC>(A, lda, W, N, K, ks_len, C, ldc, nullptr);
 }
 // act[32][N/2] = silu(gate) * up, W = interleaved gate/up rows (blocks of 8), full K (grid.y == 1)
-extern "C" __global__ void __launch_bounds__(128) gemm32_silu_w4(const bf16_t* A, int lda, const bf16_t* W, int N,
-                                                                 int K, bf16_t* act) {
-    gemm32_body<4, GEMM_SILU>(A, lda, W, N, K, K, nullptr, 0, act);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemm32_silu_w8(const bf16_t* A, int lda, const bf16_t* W, int N,
-                                                                 int K, bf16_t* act) {
-    gemm32_body<8, GEMM_SILU>(A, lda, W, N, K, K, nullptr, 0, act);
+extern "C" __global__ void __launch_bounds__(32 * GEMM_WARPS, 2) gemm32_silu(const bf16_t* A, int lda,
+        const bf16_t* W, int N, int K, bf16_t* act) {
+    gemm32_body<GEMM_WARPS, GEMM_SILU>(A, lda, W, N, K, K, nullptr, 0, act);
 }
 
-// ---- version 2: the block's whole activation slice A[32][kbeg..kend) is staged once (dynamic shared memory,
-// row stride sa 16-byte words with sa % 8 == 4), then the weight rows stream through two register buffers of
-// GEMM2_U k32-steps each: the loads of the next buffer are in flight while the current one feeds the mma.
-// One __syncthreads per block instead of two per 256-wide chunk. The first weight batch is issued before the
-// staging so its latency overlaps the activation loads.
-#define GEMM2_U 4
-
-template <int WPB>
-__device__ __forceinline__ void gemm2_load(uint4 (&b)[GEMM2_U][2], const bf16_t* W0, const bf16_t* W1, int k0,
-                                           int klen, bool active) {
-#pragma unroll
-    for (int u = 0; u < GEMM2_U; ++u)
-        if (active && k0 + 32 * u < klen) {
-            b[u][0] = ldg_stream16(W0 + k0 + 32 * u);
-            b[u][1] = ldg_stream16(W1 + k0 + 32 * u);
-        }
-}
-
-__device__ __forceinline__ void gemm2_mma(float (&acc)[2][2][4], const uint4 (&b)[GEMM2_U][2], const uint4* sA,
-                                          int sa, int k0, int klen, int g, int t) {
-#pragma unroll
-    for (int u = 0; u < GEMM2_U; ++u) {
-        if (k0 + 32 * u < klen) mma_k32(acc, b[u], sA, sa, (k0 + 32 * u) / 8 + t, g);
-    }
-}
-
-template <int WPB, int MODE>
-__device__ __forceinline__ void gemm32v2_body(const bf16_t* __restrict__ A, int lda, const bf16_t* __restrict__ W,
-                                              int N, int K, int ks_len, int sa, float* __restrict__ C, int ldc,
-                                              bf16_t* __restrict__ act) {
-    extern __shared__ uint4 sA[];  // [32][sa]
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int nw = blockIdx.x * (WPB * 16) + warp * 16;
-    const bool active = nw < N;
-    const int kbeg = blockIdx.y * ks_len;
-    const int klen = min(K, kbeg + ks_len) - kbeg;
-    if (klen <= 0) return;  // uniform over the block
-    const int nrow = active ? nw + g : 0;
-    const bf16_t* W0 = W + (size_t)nrow * K + kbeg + t * 8;
-    const bf16_t* W1 = W0 + (size_t)8 * K;
-    uint4 bA[GEMM2_U][2], bB[GEMM2_U][2];
-    gemm2_load<WPB>(bA, W0, W1, 0, klen, active);
-    pdl_trigger(FAM_GEMM);
-    pdl_wait(FAM_GEMM);
-    const int nq = klen >> 3;
-    for (int i = threadIdx.x; i < 32 * nq; i += blockDim.x) {
-        const int r = i / nq, q = i - r * nq;
-        sA[r * sa + q] = *reinterpret_cast<const uint4*>(A + (size_t)r * lda + kbeg + q * 8);
-    }
-    __syncthreads();
-    if (!active) return;
-    float acc[2][2][4] = {};
-    constexpr int STEP = 32 * GEMM2_U;
-    for (int k0 = 0; k0 < klen; k0 += 2 * STEP) {
-        gemm2_load<WPB>(bB, W0, W1, k0 + STEP, klen, true);
-        gemm2_mma(acc, bA, sA, sa, k0, klen, g, t);
-        gemm2_load<WPB>(bA, W0, W1, k0 + 2 * STEP, klen, true);
-        gemm2_mma(acc, bB, sA, sa, k0 + STEP, klen, g, t);
-    }
-    if (MODE == GEMM_ATOMIC) {
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int col = nw + j * 8 + 2 * t;
-                const int r0 = mi * 16 + g;
-                if (gridDim.y == 1) {
-                    C[(size_t)r0 * ldc + col] += acc[mi][j][0];
-                    C[(size_t)r0 * ldc + col + 1] += acc[mi][j][1];
-                    C[(size_t)(r0 + 8) * ldc + col] += acc[mi][j][2];
-                    C[(size_t)(r0 + 8) * ldc + col + 1] += acc[mi][j][3];
-                } else {
-                    atomicAdd(C + (size_t)r0 * ldc + col, acc[mi][j][0]);
-                    atomicAdd(C + (size_t)r0 * ldc + col + 1, acc[mi][j][1]);
-                    atomicAdd(C + (size_t)(r0 + 8) * ldc + col, acc[mi][j][2]);
-                    atomicAdd(C + (size_t)(r0 + 8) * ldc + col + 1, acc[mi][j][3]);
-                }
-            }
-    } else {
-        const int I = N >> 1;
-        const int col = (nw >> 4) * 8 + 2 * t;
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-            const int r0 = mi * 16 + g;
-            *reinterpret_cast<uint32_t*>(act + (size_t)r0 * I + col) =
-                pack_bf16x2(silu(acc[mi][0][0]) * acc[mi][1][0], silu(acc[mi][0][1]) * acc[mi][1][1]);
-            *reinterpret_cast<uint32_t*>(act + (size_t)(r0 + 8) * I + col) =
-                pack_bf16x2(silu(acc[mi][0][2]) * acc[mi][1][2], silu(acc[mi][0][3]) * acc[mi][1][3]);
-        }
-    }
-}
-
-// dynamic shared memory: 32 * sa * 16 bytes, sa = ks_len / 8 rounded up to == 4 (mod 8)
-extern "C" __global__ void __launch_bounds__(128) gemm32s_atomic_w4(const bf16_t* A, int lda, const bf16_t* W, int N,
-                                                                    int K, int ks_len, int sa, float* C, int ldc) {
-    gemm32v2_body<4, GEMM_ATOMIC>(A, lda, W, N, K, ks_len, sa, C, ldc, nullptr);
-}
-extern "C" __global__ void __launch_bounds__(256) gemm32s_atomic_w8(const bf16_t* A, int lda, const bf16_t* W, int N,
-                                                                    int K, int ks_len, int sa, float* C, int ldc) {
-    gemm32v2_body<8, GEMM_ATOMIC>(A, lda, W, N, K, ks_len, sa, C, ldc, nullptr);
-}
-extern "C" __global__ void __launch_bounds__(128) gemm32s_silu_w4(const bf16_t* A, int lda, const bf16_t* W, int N,
-                                                                  int K, int sa, bf16_t* act) {
-    gemm32v2_body<4, GEMM_SILU>(A, lda, W, N, K, K, sa, nullptr, 0, act);
-}
-extern "C" __global__ void __launch_bounds__(256) gemm32s_silu_w8(const bf16_t* A, int lda, const bf16_t* W, int N,
-                                                                  int K, int sa, bf16_t* act) {
-    gemm32v2_body<8, GEMM_SILU>(A, lda, W, N, K, K, sa, nullptr, 0, act);
-}
-
-// ---- version 4: balanced grid, split K inside the block, weights double-buffered in registers across row groups.
-// The v1/v2 grids give each block a fixed set of 16-row groups over its K range: 140 gate/up blocks on 132 SMs
+// ---- gemm32v4: balanced grid, split K inside the block, weights double-buffered in registers across row groups.
+// The gemm32_* grids give each block a fixed set of 16-row groups over its K range: 140 gate/up blocks on 132 SMs
 // (8 SMs do two), one weight chunk in flight per warp between mma phases, and the down GEMM 22 K splits x 32
 // tokens x 1536 fp32 atomics. Here grid = (R row-group ranges, S K splits) with R x S <= SMs: block (r, s)
 // owns a balanced range of 16-row groups and the K range s (k32 steps balanced over S); its NW warps split that
@@ -386,3 +272,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm32v4_silu(const bf16_t*
                                                                    int K, bf16_t* act) {
     gemm32v4_body<GEMM_SILU>(A, lda, W, N, K, nullptr, 0, act);
 }
+
+// What the host reads from the compiled module (engine/cuda/kernels.py LAUNCH_CONSTANTS), in this order.
+__constant__ int vla_launch[4] = {GEMM_WARPS, G4_NW, G4_U, G4_SMEM};

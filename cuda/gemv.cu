@@ -148,12 +148,12 @@ __device__ __forceinline__ void gemv_start(float* sx, GemvRows<RPW>& R, int K, b
 // Fused RMSNorm + QKV (+bias). Rows [0, nq) -> q_out (fp32, pre-RoPE); [nq, nq+nkv) -> K cache, [nq+nkv, nq+2nkv)
 // -> V cache, both bf16 and pre-RoPE, at slot key_slots[meta[3] + step - 1] (decode step `step`, 1-based).
 // Two rows per warp: grid.x = ceil((nq + 2 nkv) / 16).
-// kv_prefetch: before the wait, the grid asks L2 for this layer's K/V rows of the n_ctx keys older than the pass
-// (one 128-byte line per thread and round), so the decode attention that follows finds them there.
+// Before the wait, the grid asks L2 for this layer's K/V rows of the n_ctx keys older than the pass (one 128-byte
+// line per thread and round), so the decode attention that follows finds them there (without: +0.07 ms per chunk).
 extern "C" __global__ void __launch_bounds__(256) gemv_qkv(const float* __restrict__ x,
         const bf16_t* __restrict__ normw, float eps, const bf16_t* __restrict__ W, const float* __restrict__ bias,
         int K, int nq, int nkv, float* __restrict__ q_out, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
-        const int* __restrict__ key_slots, const int* __restrict__ meta, int step, int kv_prefetch) {
+        const int* __restrict__ key_slots, const int* __restrict__ meta, int step) {
     extern __shared__ float sx[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int ntot = nq + 2 * nkv;
@@ -168,7 +168,6 @@ extern "C" __global__ void __launch_bounds__(256) gemv_qkv(const float* __restri
     const float b = writer ? bias[n] : 0.f;
     const int slot = writer && n >= nq ? key_slots[meta[3] + step - 1] : 0;
     gemv_start<2, FAM_QKV>(sx, R, K, valid, x, normw, eps, nullptr, [&]() {
-        if (!kv_prefetch) return;
         const int lines = nkv / 64;  // 128-byte lines per cache row (nkv bf16)
         const int total = meta[3] * 2 * lines;
         for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
@@ -258,3 +257,6 @@ extern "C" __global__ void __launch_bounds__(256) gemv_logits(const float* __res
     gemv_finish(sx, R, K, acc);
     if (lane == 0) logits[n] = acc[0];
 }
+
+// What the host reads from the compiled module (engine/cuda/kernels.py LAUNCH_CONSTANTS), in this order.
+__constant__ int vla_launch[1] = {GEMV_WARPS};

@@ -7,25 +7,10 @@
 // Decode step s (1-based) sees L = meta[3] + s keys and sits at position meta[3] + s - 1.
 // rope_cs: float2 (cos, sin) [positions][HD/2], HF rotate_half convention.
 // Softmax runs in the log2 domain: queries are pre-scaled by log2(e)/sqrt(HD).
-// Split-K (flash-decoding): grid.x splits the keys in runs of kps; attn_combine merges the partials.
+// Split-K (flash-decoding): grid.x splits the keys in runs of ATT_KC (64: one staged chunk per split block, the keys
+// older than the pass staged before the PDL wait); attn_combine* merge the partials.
 #include "common.cuh"
 #include "attn_core.cuh"
-
-// K/V of the T prefill tokens (fp32 QKV GEMM output, bias included) -> cache rows key_slots[p0 + t].
-extern "C" __global__ void kv_store_prefill(const float* __restrict__ qkv, int ld, int nq, int nkv,
-                                            bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
-                                            const int* __restrict__ key_slots, const int* __restrict__ meta) {
-    pdl_trigger();
-    const int t = blockIdx.x;
-    if (t >= meta[2]) return;
-    const int slot = key_slots[meta[1] + t];  // host-written: read before the wait
-    pdl_wait();
-    const float* row = qkv + (size_t)t * ld + nq;
-    for (int i = threadIdx.x; i < nkv; i += blockDim.x) {
-        kc[(size_t)slot * nkv + i] = f32_to_bf16(row[i]);
-        vc[(size_t)slot * nkv + i] = f32_to_bf16(row[nkv + i]);
-    }
-}
 
 // Keys [j0, j1) of this prefill chunk (j >= p0: token j - p0, K/V read from the fp32 QKV output, bias included) into
 // rows j - kc0 of a staged chunk, and into the cache (bf16, pre-RoPE) at slot sSlot[j - kc0]: each (key, KV head)
@@ -55,13 +40,14 @@ __device__ __forceinline__ void stage_kv_fresh(bf16_t* sK, bf16_t* sVt, const in
 }
 
 // Prefill: 32 query rows per head (tokens; rows >= T are padding and ignored downstream) x G heads of one KV
-// head, against keys [split*kps, min(L, +kps)), causal by position (key j visible to token t iff j <= p0 + t).
+// head, against keys [split*ATT_KC, min(L, +ATT_KC)), causal by position (key j visible to token t iff j <= p0 + t).
 // 2G warps; warp w = m16 tile: head w/2, tokens (w&1)*16 .. +15. Tensor cores for QK^T and PV.
 // Partials: part_o [split][Hq*32][HD] (unnormalised), part_ml [split][Hq*32] (max, sum), row = qh*32 + token.
-template <int HD, bool FRESH>
-__device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv, int ld, bf16_t* kc, bf16_t* vc, const int* __restrict__ key_slots, const int* __restrict__ meta,
-        const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* __restrict__ part_o,
-        float2* __restrict__ part_ml, bf16_t* sK, bf16_t* sVt, int* sSlot) {
+template <int HD>
+__device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv, int ld, bf16_t* kc, bf16_t* vc,
+        const int* __restrict__ key_slots, const int* __restrict__ meta, const float2* __restrict__ rope_cs, int G,
+        int n_kvh, float qscale, float* __restrict__ part_o, float2* __restrict__ part_ml, bf16_t* sK, bf16_t* sVt,
+        int* sSlot) {
     constexpr int KS = HD / 16;       // k16 steps over the head dim
     constexpr int HALF = HD / 2;
     constexpr int NT_O = HD / 8;      // n8 tiles of the output
@@ -69,23 +55,22 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
 
     const int L = meta[0], p0 = meta[1];
     const int kvh = blockIdx.y;
-    const int kbeg = blockIdx.x * kps;
+    const int kbeg = blockIdx.x * ATT_KC;
     pdl_trigger(FAM_ATTN_PF);
     if (kbeg >= L) return;
-    const int kend = min(L, kbeg + kps);
+    const int kend = min(L, kbeg + ATT_KC);
     const int nkv = n_kvh * HD;
-    // Single-chunk splits (kps == ATT_KC): the keys older than this chunk (j < p0: cache rows written before the
-    // prefill graph started; key_slots and meta are host-written) are staged BEFORE the PDL wait, while the QKV GEMM
-    // still runs; this chunk's own keys come from the QKV output after it (stage_kv_fresh, which also stores them
-    // in the cache: no separate K/V store kernel).
-    if (FRESH) stage_kv_chunk<HD, false, true>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kbeg, min(kend, p0), kend);
+    // The keys older than this chunk (j < p0: cache rows written before the prefill graph started; key_slots and
+    // meta are host-written) are staged BEFORE the PDL wait, while the QKV GEMM still runs; this chunk's own keys
+    // come from the QKV output after it (stage_kv_fresh, which also stores them in the cache: no separate K/V store
+    // kernel).
+    stage_kv_chunk<HD>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kbeg, min(kend, p0), kend);
     pdl_wait(FAM_ATTN_PF);
     vla_pf_stamp(0);  // (benchmark builds: phases wait, own-keys staging, query fragments, S/softmax/PV, stores)
-    if (FRESH) {  // before the query fragments (registers: 168 at 384 threads) and in its own round trip
-        __syncthreads();  // the pre-wait staging (zero rows from p0 on) is complete in every thread
-        if (max(kbeg, p0) < kend)
-            stage_kv_fresh<HD>(sK, sVt, sSlot, qkv, ld, kc, vc, rope_cs, kvh, n_kvh, G, max(kbeg, p0), kend, kbeg, p0);
-    }
+    // before the query fragments (registers: 168 at 384 threads) and in its own round trip
+    __syncthreads();  // the pre-wait staging (zero rows from p0 on) is complete in every thread
+    if (max(kbeg, p0) < kend)
+        stage_kv_fresh<HD>(sK, sVt, sSlot, qkv, ld, kc, vc, rope_cs, kvh, n_kvh, G, max(kbeg, p0), kend, kbeg, p0);
     vla_pf_stamp(1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -98,7 +83,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     uint32_t qa[KS][4];
     {
         float qv[2][KS][4];
-        q_frag_load<HD, false>(qkv + (size_t)tok0 * ld + qh * HD, true, qkv + (size_t)tok1 * ld + qh * HD, true, qv);
+        q_frag_load<HD>(qkv + (size_t)tok0 * ld + qh * HD, true, qkv + (size_t)tok1 * ld + qh * HD, true, qv);
         q_frag_build<HD>(qv, rope_cs + (size_t)pos0 * HALF, rope_cs + (size_t)pos1 * HALF, qscale, qa);
     }
     vla_pf_stamp(2);
@@ -109,11 +94,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
 #pragma unroll 1
-    for (int kc0 = kbeg; kc0 < kend; kc0 += ATT_KC) {
-        if (!FRESH) {  // (FRESH: the single chunk was staged above)
-            __syncthreads();
-            stage_kv_chunk<HD>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kc0, kend);
-        }
+    for (int kc0 = kbeg; kc0 < kend; kc0 += ATT_KC) {  // one iteration: the split's single chunk, staged above
         __syncthreads();
 
         // ---- S = Q K^T (16 rows x 64 keys per warp)
@@ -184,202 +165,32 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     vla_pf_stamp(4);
 }
 
-// The prefill kernels: attn_prefill_hd* (any multiple-of-64 split length, every key from the cache, after a
-// kv_store_prefill launch) and attn_prefill_pre_hd* (kps == ATT_KC only: old keys staged before the PDL wait, this
-// chunk's K/V from the QKV output and stored in the cache here). Two kernels: one holding both paths spills.
-#define ATTN_PREFILL_KERNEL(NAME, HD, THREADS, FRESH)                                                             \
+// grid (ceil(L / ATT_KC), n_kvh), 64 G threads (2G warps: G <= 6 for head_dim 128, <= 8 for 64: register file).
+#define ATTN_PREFILL_KERNEL(NAME, HD, THREADS)                                                                    \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(const float* qkv, int ld, bf16_t* kc, bf16_t* vc,      \
-            const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, int kps, float qscale,  \
+            const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, float qscale,           \
             float* part_o, float2* part_ml) {                                                                      \
         __shared__ __align__(16) bf16_t sK[ATT_KC * (HD + 8)];                                                     \
         __shared__ __align__(16) bf16_t sVt[HD * (ATT_KC + 8)];                                                    \
         __shared__ int sSlot[ATT_KC];                                                                              \
-        attn_prefill_body<HD, FRESH>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, FRESH ? ATT_KC : kps,    \
-                                     qscale, part_o, part_ml, sK, sVt, sSlot);                                     \
+        attn_prefill_body<HD>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, qscale, part_o, part_ml, sK,   \
+                              sVt, sSlot);                                                                         \
     }
-ATTN_PREFILL_KERNEL(attn_prefill_hd128, 128, 384, false)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_hd128, 128, 384, true)
-ATTN_PREFILL_KERNEL(attn_prefill_hd64, 64, 512, false)
-ATTN_PREFILL_KERNEL(attn_prefill_pre_hd64, 64, 512, true)
+ATTN_PREFILL_KERNEL(attn_prefill_hd128, 128, 384)
+ATTN_PREFILL_KERNEL(attn_prefill_hd64, 64, 512)
 
-
-// Decode: one query token (G heads of KV head blockIdx.y) against keys [split*kps, min(L, +kps)).
-// Lane l holds DPL = HD/32 dims: base (l & 15) * DPL in the low half, + HALF for lanes 16..31; the RoPE partner
-// of a lane's dims sits in lane l ^ 16. 4 warps interleave keys; the block merges them into one partial.
-// Partials: part_o [split][Hq][HD], part_ml [split][Hq].
-template <int HD>
-__device__ __forceinline__ void attn_decode_body(const float* __restrict__ q, const bf16_t* __restrict__ kc,
-        const bf16_t* __restrict__ vc, const int* __restrict__ key_slots, const int* __restrict__ meta, int step,
-        const float2* __restrict__ rope_cs, int G, int n_kvh, int kps, float qscale, float* __restrict__ part_o,
-        float2* __restrict__ part_ml) {
-    constexpr int DPL = HD / 32;
-    constexpr int HALF = HD / 2;
-    __shared__ float s_o[DEC_WARPS][DEC_MAXG][HD];
-    __shared__ float s_m[DEC_WARPS][DEC_MAXG], s_l[DEC_WARPS][DEC_MAXG];
-    const int L = meta[3] + step;
-    const int qpos = L - 1;
-    const int kvh = blockIdx.y;
-    const int kbeg = blockIdx.x * kps;
-    if (kbeg >= L) return;
-    const int kend = min(L, kbeg + kps);
-    const int nkv = n_kvh * HD;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const bool upper = lane >= 16;
-    const int cidx = (lane & 15) * DPL;           // rope table index of this lane's dims
-    const int dim0 = cidx + (upper ? HALF : 0);   // first dim held by this lane
-
-    // rotated, scaled query for each head of the group
-    float qr[DEC_MAXG][DPL];
-#pragma unroll
-    for (int h = 0; h < DEC_MAXG; ++h) {
-        if (h < G) {
-            const float* qh = q + (size_t)(kvh * G + h) * HD;
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) {
-                const float2 cs = rope_cs[(size_t)qpos * HALF + cidx + i];
-                const float a = qh[cidx + i], b = qh[cidx + HALF + i];
-                qr[h][i] = (upper ? (b * cs.x + a * cs.y) : (a * cs.x - b * cs.y)) * qscale;
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) qr[h][i] = 0.f;
-        }
-    }
-    float m[DEC_MAXG], l[DEC_MAXG], acc[DEC_MAXG][DPL];
-#pragma unroll
-    for (int h = 0; h < DEC_MAXG; ++h) {
-        m[h] = -INFINITY; l[h] = 0.f;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[h][i] = 0.f;
-    }
-    for (int base = kbeg + warp; base < kend; base += DEC_WARPS * DEC_KB) {
-        // slots of this batch (lane b loads key base + 4b), then all K/V loads in flight together
-        int my_slot = 0;
-        if (lane < DEC_KB && base + DEC_WARPS * lane < kend) my_slot = key_slots[base + DEC_WARPS * lane];
-        float kraw[DEC_KB][DPL], vraw[DEC_KB][DPL];
-#pragma unroll
-        for (int b = 0; b < DEC_KB; ++b) {
-            const int slot = __shfl_sync(0xffffffffu, my_slot, b);
-            const bool ok = base + DEC_WARPS * b < kend;
-            const size_t off = (size_t)slot * nkv + kvh * HD + dim0;
-            if (DPL == 4) {
-                uint2 kk = ok ? *reinterpret_cast<const uint2*>(kc + off) : make_uint2(0u, 0u);
-                uint2 vv = ok ? *reinterpret_cast<const uint2*>(vc + off) : make_uint2(0u, 0u);
-                kraw[b][0] = bf16_lo(kk.x); kraw[b][1] = bf16_hi(kk.x);
-                kraw[b][DPL > 2 ? 2 : 0] = bf16_lo(kk.y); kraw[b][DPL > 3 ? 3 : 0] = bf16_hi(kk.y);
-                vraw[b][0] = bf16_lo(vv.x); vraw[b][1] = bf16_hi(vv.x);
-                vraw[b][DPL > 2 ? 2 : 0] = bf16_lo(vv.y); vraw[b][DPL > 3 ? 3 : 0] = bf16_hi(vv.y);
-            } else {
-                uint32_t kk = ok ? *reinterpret_cast<const uint32_t*>(kc + off) : 0u;
-                uint32_t vv = ok ? *reinterpret_cast<const uint32_t*>(vc + off) : 0u;
-                kraw[b][0] = bf16_lo(kk); kraw[b][1] = bf16_hi(kk);
-                vraw[b][0] = bf16_lo(vv); vraw[b][1] = bf16_hi(vv);
-            }
-        }
-#pragma unroll
-        for (int b = 0; b < DEC_KB; ++b) {
-            const int j = base + DEC_WARPS * b;
-            if (j >= kend) break;  // uniform over the warp
-            float kr[DPL];
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) {
-                const float partner = __shfl_xor_sync(0xffffffffu, kraw[b][i], 16);
-                const float2 cs = rope_cs[(size_t)j * HALF + cidx + i];
-                kr[i] = upper ? (kraw[b][i] * cs.x + partner * cs.y) : (kraw[b][i] * cs.x - partner * cs.y);
-            }
-#pragma unroll
-            for (int h = 0; h < DEC_MAXG; ++h) {
-                if (h < G) {
-                    float sc = 0.f;
-#pragma unroll
-                    for (int i = 0; i < DPL; ++i) sc = fmaf(qr[h][i], kr[i], sc);
-                    sc = warp_sum(sc);
-                    const float mn = fmaxf(m[h], sc);
-                    const float cr = exp2f(m[h] - mn), p = exp2f(sc - mn);
-                    m[h] = mn;
-                    l[h] = l[h] * cr + p;
-#pragma unroll
-                    for (int i = 0; i < DPL; ++i) acc[h][i] = fmaf(p, vraw[b][i], acc[h][i] * cr);
-                }
-            }
-        }
-    }
-    // merge the warps of the block
-#pragma unroll
-    for (int h = 0; h < DEC_MAXG; ++h) {
-        if (h < G) {
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) s_o[warp][h][dim0 + i] = acc[h][i];
-            if (lane == 0) { s_m[warp][h] = m[h]; s_l[warp][h] = l[h]; }
-        }
-    }
-    __syncthreads();
-    const int Hq = n_kvh * G;
-    for (int it = threadIdx.x; it < G * HD; it += blockDim.x) {
-        const int h = it / HD, d = it - h * HD;
-        float M = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < DEC_WARPS; ++w) M = fmaxf(M, s_m[w][h]);
-        float num = 0.f, den = 0.f;
-#pragma unroll
-        for (int w = 0; w < DEC_WARPS; ++w) {
-            const float e = s_m[w][h] == -INFINITY ? 0.f : exp2f(s_m[w][h] - M);
-            num = fmaf(e, s_o[w][h][d], num);
-            den = fmaf(e, s_l[w][h], den);
-        }
-        const size_t row = (size_t)blockIdx.x * Hq + kvh * G + h;
-        part_o[row * HD + d] = num;
-        if (d == 0) part_ml[row] = make_float2(M, den);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(128) attn_decode_hd128(const float* q, const bf16_t* kc, const bf16_t* vc,
-        const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh, int kps,
-        float qscale, float* part_o, float2* part_ml) {
-    pdl_trigger();
-    pdl_wait();
-    attn_decode_body<128>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
-}
-extern "C" __global__ void __launch_bounds__(128) attn_decode_hd64(const float* q, const bf16_t* kc, const bf16_t* vc,
-        const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh, int kps,
-        float qscale, float* part_o, float2* part_ml) {
-    pdl_trigger();
-    pdl_wait();
-    attn_decode_body<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
-}
-
-// The stand-alone decode kernel, any split length: everything after the PDL wait.
-template <int HD>
-__device__ __forceinline__ void attn_decode_mma_kernel(const float* q, const bf16_t* kc, const bf16_t* vc,
-        const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh, int kps,
-        float qscale, float* part_o, float2* part_ml) {
-    __shared__ __align__(16) unsigned char smem[DecAttnSmem<HD>::BYTES];
-    __shared__ int sSlot[ATT_KC];
-    pdl_trigger(FAM_ATTN);
-    pdl_wait(FAM_ATTN);
-    attn_decode_mma_body<HD>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml,
-                             smem, sSlot, blockIdx.x, blockIdx.y);
-}
-extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd128(const float* q, const bf16_t* kc,
-        const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
-        int kps, float qscale, float* part_o, float2* part_ml) {
-    attn_decode_mma_kernel<128>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
-}
-extern "C" __global__ void __launch_bounds__(128) attn_decode_mma_hd64(const float* q, const bf16_t* kc,
-        const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
-        int kps, float qscale, float* part_o, float2* part_ml) {
-    attn_decode_mma_kernel<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, kps, qscale, part_o, part_ml);
-}
-
-// Single-chunk splits (kps == ATT_KC, the default): before the PDL wait (while the QKV GEMV still runs) the split
+// Decode: one query token (G heads of KV head blockIdx.y) against keys [split * ATT_KC, min(L, +ATT_KC)), on tensor
+// cores: the G heads are the rows of one m16 tile (rows >= G are zero), warp w takes keys 16w .. 16w + 15 of the
+// chunk, online softmax per warp, the 4 warps merged in shared memory into one partial per (split, head).
+// Partials: part_o [split][Hq][HD], part_ml [split][Hq]. Before the PDL wait (while the QKV GEMV still runs) the split
 // stages its keys older than this decode pass (j < n_ctx = meta[3]: written by the prefill or earlier chunks,
 // complete before the decode started: its first kernel is launched without a programmatic edge; slots and RoPE
 // rows are host-written constants), the slot indices of the rest and the query position's RoPE row. After it:
 // the query (through shared memory, so no query registers live across the staging) and this pass's keys in one
-// round trip, then the chunk. Lean on registers (~half of attn_decode_mma's): more of its blocks fit beside the
-// QKV GEMV, so they are resident, and staged, when its wait opens.
+// round trip, then the chunk. Lean on registers (96: the query goes through shared memory): more of its blocks fit
+// beside the QKV GEMV, so they are resident, and staged, when its wait opens.
 template <int HD>
-__device__ __forceinline__ void attn_decode_pre_kernel(const float* __restrict__ q, const bf16_t* kc, const bf16_t* vc,
+__device__ __forceinline__ void attn_decode_body(const float* __restrict__ q, const bf16_t* kc, const bf16_t* vc,
         const int* __restrict__ key_slots, const int* __restrict__ meta, int step, const float2* __restrict__ rope_cs,
         int G, int n_kvh, float qscale, float* part_o, float2* part_ml) {
     constexpr int KS = HD / 16, HALF = HD / 2;
@@ -394,7 +205,7 @@ __device__ __forceinline__ void attn_decode_pre_kernel(const float* __restrict__
     const int n_ctx = meta[3], L = n_ctx + step, kbeg = blockIdx.x * ATT_KC, kvh = blockIdx.y, nkv = n_kvh * HD;
     if (kbeg >= L) return;
     const int kend = min(L, kbeg + ATT_KC);
-    stage_kv_chunk<HD, false, true>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kbeg, min(n_ctx, kend), kend);
+    stage_kv_chunk<HD>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kbeg, min(n_ctx, kend), kend);
     for (int d = threadIdx.x; d < HALF; d += blockDim.x) sQcs[d] = rope_cs[(size_t)(L - 1) * HALF + d];
     pdl_wait(FAM_ATTN);
     float qt[QPT];
@@ -413,7 +224,7 @@ __device__ __forceinline__ void attn_decode_pre_kernel(const float* __restrict__
     uint32_t qa[KS][4];
     {
         float qv[2][KS][4];
-        dec_load_q<HD, false>(sQ, G, qv);
+        dec_load_q<HD>(sQ, G, qv);
         q_frag_build<HD>(qv, sQcs, sQcs, qscale, qa);
     }
     DecState<HD> st;
@@ -426,26 +237,25 @@ __device__ __forceinline__ void attn_decode_pre_kernel(const float* __restrict__
         if (d == 0) part_ml[row] = make_float2(M, den);
     });
 }
-// kps: must be ATT_KC (64); kept in the signature so every decode-attention kernel takes the same arguments
-extern "C" __global__ void __launch_bounds__(128) attn_decode_pre_hd128(const float* q, const bf16_t* kc,
+// grid (ceil(L / ATT_KC), n_kvh), 32 DEC_WARPS threads
+extern "C" __global__ void __launch_bounds__(32 * DEC_WARPS) attn_decode_hd128(const float* q, const bf16_t* kc,
         const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
-        int kps, float qscale, float* part_o, float2* part_ml) {
-    attn_decode_pre_kernel<128>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, qscale, part_o, part_ml);
+        float qscale, float* part_o, float2* part_ml) {
+    attn_decode_body<128>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, qscale, part_o, part_ml);
 }
-extern "C" __global__ void __launch_bounds__(128) attn_decode_pre_hd64(const float* q, const bf16_t* kc,
+extern "C" __global__ void __launch_bounds__(32 * DEC_WARPS) attn_decode_hd64(const float* q, const bf16_t* kc,
         const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
-        int kps, float qscale, float* part_o, float2* part_ml) {
-    attn_decode_pre_kernel<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, qscale, part_o, part_ml);
+        float qscale, float* part_o, float2* part_ml) {
+    attn_decode_body<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, qscale, part_o, part_ml);
 }
 
 #define CMB_GROUPS 8  // split groups per combine block (blockDim.x == 32 * CMB_GROUPS)
 
-// Merge split partials. Row r = qh * T + token (T = 32 prefill, 1 decode). Block: 32 dims x CMB_GROUPS split
-// groups (each group walks every CMB_GROUPS-th split); grid.x = nrows * HD / 32. Active splits: ceil(L / kps),
-// L = meta[meta_idx] + add. Output [token][Hq * HD], fp32 and/or bf16.
-// ONE_PASS (attn_combine_1p, the default): every thread loads the (max, sum, value) of CMB_MAXS of its splits at
-// once, before using any, and merges them online: one L2 round trip per CMB_GROUPS * CMB_MAXS splits. Else
-// (attn_combine): a loop for the maximum, then one for the sums.
+// Merge split partials. Row r = qh * T + token (T = 32 prefill, 1 decode). Block: 32 VEC dims x CMB_GROUPS split
+// groups (each group walks every CMB_GROUPS-th split); grid.x = nrows * HD / (32 VEC). Active splits:
+// ceil(L / kps), L = meta[meta_idx] + add. Output [token][Hq * HD], fp32 and/or bf16.
+// One pass: every thread loads the (max, sum, value) of CMB_MAXS of its splits at once, before using any, and merges
+// them online: one L2 round trip per CMB_GROUPS * CMB_MAXS splits (a max loop, then a sum loop: +0.04 ms per chunk).
 #define CMB_MAXS 12
 // VEC dims per thread (float VEC-vector loads of the partials): grid.x = nrows * HD / (32 * VEC). The prefill's
 // merge (384 rows x 65 splits x 128 dims, 12.8 MB) with VEC = 1 is 1536 blocks in ~1.5 waves; VEC = 4: 384 blocks,
@@ -461,7 +271,7 @@ __device__ __forceinline__ float cmb_get(const typename CmbVec<VEC>::T& v, int i
 
 // merge_row: row r, dims d = dblk * 32 * VEC + lane * VEC + k of every split (L keys: nsplit = ceil(L / kps));
 // store(d, value) runs in the threads of split group 0 only (every thread returns from here).
-template <bool ONE_PASS, int VEC, typename Store>
+template <int VEC, typename Store>
 __device__ __forceinline__ void merge_row(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
                                           int nrows, int HD, int r, int dblk, int L, int kps, Store store) {
     typedef typename CmbVec<VEC>::T VT;
@@ -474,62 +284,47 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_o, cons
     float Mg = -INFINITY, num[VEC], den = 0.f;  // this group's max and its sums relative to it
 #pragma unroll
     for (int k = 0; k < VEC; ++k) num[k] = 0.f;
-    if (ONE_PASS) {
-        for (int base = sg; base < nsplit; base += CMB_GROUPS * CMB_MAXS) {
-            float m[CMB_MAXS], l[CMB_MAXS];
-            VT o[CMB_MAXS];
+    for (int base = sg; base < nsplit; base += CMB_GROUPS * CMB_MAXS) {
+        float m[CMB_MAXS], l[CMB_MAXS];
+        VT o[CMB_MAXS];
 #pragma unroll
-            for (int i = 0; i < CMB_MAXS; ++i) {
-                const int sp = base + i * CMB_GROUPS;
-                m[i] = -INFINITY;
-                l[i] = 0.f;
-                o[i] = VT{};
-                if (sp < nsplit) {
-                    const float2 ml = part_ml[(size_t)sp * nrows + r];
-                    m[i] = ml.x;
-                    l[i] = ml.y;
-                    o[i] = po[(((size_t)sp * nrows + r) * HD + d) / VEC];
-                }
+        for (int i = 0; i < CMB_MAXS; ++i) {
+            const int sp = base + i * CMB_GROUPS;
+            m[i] = -INFINITY;
+            l[i] = 0.f;
+            o[i] = VT{};
+            if (sp < nsplit) {
+                const float2 ml = part_ml[(size_t)sp * nrows + r];
+                m[i] = ml.x;
+                l[i] = ml.y;
+                o[i] = po[(((size_t)sp * nrows + r) * HD + d) / VEC];
             }
-            float M = Mg;
-#pragma unroll
-            for (int i = 0; i < CMB_MAXS; ++i) M = fmaxf(M, m[i]);
-            const float c = Mg == -INFINITY ? 0.f : exp2f(Mg - M);
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) num[k] *= c;
-            den *= c;
-#pragma unroll
-            for (int i = 0; i < CMB_MAXS; ++i) {
-                const float e = m[i] == -INFINITY ? 0.f : exp2f(m[i] - M);
-#pragma unroll
-                for (int k = 0; k < VEC; ++k) num[k] = fmaf(e, cmb_get<VEC>(o[i], k), num[k]);
-                den = fmaf(e, l[i], den);
-            }
-            Mg = M;
         }
-    } else {
-        for (int s = sg; s < nsplit; s += CMB_GROUPS) Mg = fmaxf(Mg, part_ml[(size_t)s * nrows + r].x);
+        float M = Mg;
+#pragma unroll
+        for (int i = 0; i < CMB_MAXS; ++i) M = fmaxf(M, m[i]);
+        const float c = Mg == -INFINITY ? 0.f : exp2f(Mg - M);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) num[k] *= c;
+        den *= c;
+#pragma unroll
+        for (int i = 0; i < CMB_MAXS; ++i) {
+            const float e = m[i] == -INFINITY ? 0.f : exp2f(m[i] - M);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) num[k] = fmaf(e, cmb_get<VEC>(o[i], k), num[k]);
+            den = fmaf(e, l[i], den);
+        }
+        Mg = M;
     }
     if (lane == 0) s_m[sg] = Mg;
     __syncthreads();
     float M = -INFINITY;
 #pragma unroll
     for (int i = 0; i < CMB_GROUPS; ++i) M = fmaxf(M, s_m[i]);
-    if (ONE_PASS) {
-        const float c = Mg == -INFINITY ? 0.f : exp2f(Mg - M);
+    const float c = Mg == -INFINITY ? 0.f : exp2f(Mg - M);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) num[k] *= c;
-        den *= c;
-    } else {
-        for (int s = sg; s < nsplit; s += CMB_GROUPS) {
-            const float2 ml = part_ml[(size_t)s * nrows + r];
-            const float e = ml.x == -INFINITY ? 0.f : exp2f(ml.x - M);
-            const VT ov = po[(((size_t)s * nrows + r) * HD + d) / VEC];
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) num[k] = fmaf(e, cmb_get<VEC>(ov, k), num[k]);
-            den = fmaf(e, ml.y, den);
-        }
-    }
+    for (int k = 0; k < VEC; ++k) num[k] *= c;
+    den *= c;
 #pragma unroll
     for (int k = 0; k < VEC; ++k) s_num[sg][lane * VEC + k] = num[k];
     if (lane == 0) s_den[sg] = den;
@@ -545,7 +340,7 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ part_o, cons
     for (int k = 0; k < VEC; ++k) store(d + k, num[k] / den);
 }
 
-template <bool ONE_PASS, int VEC>
+template <int VEC>
 __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
         int nrows, int HD, int T, int Hq, const int* __restrict__ meta, int meta_idx, int add, int kps,
         float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {
@@ -556,76 +351,22 @@ __device__ __forceinline__ void attn_combine_body(const float* __restrict__ part
     const int r = blockIdx.x / per_row;
     const int qh = r / T, tok = r - qh * T;
     const size_t o = (size_t)tok * Hq * HD + (size_t)qh * HD;
-    merge_row<ONE_PASS, VEC>(part_o, part_ml, nrows, HD, r, blockIdx.x - r * per_row, L, kps,
-                             [&](int d, float y) {
-                                 if (out_f32 != nullptr) out_f32[o + d] = y;
-                                 if (out_bf16 != nullptr) out_bf16[o + d] = f32_to_bf16(y);
-                             });
+    merge_row<VEC>(part_o, part_ml, nrows, HD, r, blockIdx.x - r * per_row, L, kps, [&](int d, float y) {
+        if (out_f32 != nullptr) out_f32[o + d] = y;
+        if (out_bf16 != nullptr) out_bf16[o + d] = f32_to_bf16(y);
+    });
 }
-// attn_combine (two passes), attn_combine_1p (one pass, the decode's), _v2 / _v4 (one pass, VEC dims per thread, HD a
-// multiple of 32 * VEC: the prefill's)
-#define COMBINE_KERNEL(NAME, ONE_PASS, VEC)                                                                        \
-    extern "C" __global__ void __launch_bounds__(256) NAME(const float* __restrict__ part_o,                       \
+// attn_combine (one dim per thread: the decode's), attn_combine_v2 / _v4 (2 / 4 dims per thread, HD a multiple of
+// 32 VEC: the prefill's, v4 for head_dim 128, v2 for 64)
+#define COMBINE_KERNEL(NAME, VEC)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * CMB_GROUPS) NAME(const float* __restrict__ part_o,           \
             const float2* __restrict__ part_ml, int nrows, int HD, int T, int Hq, const int* __restrict__ meta,     \
             int meta_idx, int add, int kps, float* __restrict__ out_f32, bf16_t* __restrict__ out_bf16) {          \
-        attn_combine_body<ONE_PASS, VEC>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32,     \
-                                         out_bf16);                                                                \
+        attn_combine_body<VEC>(part_o, part_ml, nrows, HD, T, Hq, meta, meta_idx, add, kps, out_f32, out_bf16);   \
     }
-COMBINE_KERNEL(attn_combine, false, 1)
-COMBINE_KERNEL(attn_combine_1p, true, 1)
-COMBINE_KERNEL(attn_combine_1p_v2, true, 2)
-COMBINE_KERNEL(attn_combine_1p_v4, true, 4)
+COMBINE_KERNEL(attn_combine, 1)
+COMBINE_KERNEL(attn_combine_v2, 2)
+COMBINE_KERNEL(attn_combine_v4, 4)
 
-// Decode: the split merge of head h = blockIdx.y and its share of the o_proj GEMV in one kernel,
-// x[n] += W_o[n][h*HD .. h*HD + HD) . merge(h) for the block's rows (o_proj split over K by head: each block merges
-// only its own head's 64-odd partials, one L2 round trip with the one-pass loads, instead of a merge kernel whose
-// completion the o_proj GEMV waits for). Before the PDL wait: the block's W_o rows (MO_U 16-byte words per lane).
-// grid = (ceil(N / MO_ROWS(HD)), Hq), 256 threads.
-#define MO_WARPS 8
-#define MO_U 8
-template <int HD>
-struct MergeOproj {
-    static constexpr int LPR = HD / 8;                     // lanes per weight row (8 bf16 each)
-    static constexpr int RPS = 32 / LPR;                   // rows per warp and step
-    static constexpr int ROWS = MO_WARPS * MO_U * RPS;     // rows per block
-};
-
-template <int HD>
-__device__ __forceinline__ void attn_merge_oproj_body(const float* __restrict__ part_o,
-        const float2* __restrict__ part_ml, int Hq, const int* __restrict__ meta, int step, int kps,
-        const bf16_t* __restrict__ Wo, int N, float* __restrict__ x) {
-    typedef MergeOproj<HD> MO;
-    __shared__ __align__(16) float s_o[HD];
-    const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int K = Hq * HD;
-    const int c = (lane % MO::LPR) * 8;  // this lane's 8 columns of the head
-    const int n0 = blockIdx.x * MO::ROWS + warp * MO_U * MO::RPS + lane / MO::LPR;
-    uint4 w[MO_U];
-#pragma unroll
-    for (int u = 0; u < MO_U; ++u) {
-        const int n = n0 + u * MO::RPS;
-        if (n < N) w[u] = ldg_stream16(Wo + (size_t)n * K + h * HD + c);
-    }
-    pdl_trigger(FAM_COMBINE);
-    const int L = meta[3] + step;  // host-written: read before the wait
-    pdl_wait(FAM_COMBINE);
-    merge_row<true, HD / 32>(part_o, part_ml, Hq, HD, h, 0, L, kps, [&](int d, float y) { s_o[d] = y; });
-    __syncthreads();
-    const float4 a = *reinterpret_cast<const float4*>(s_o + c), b = *reinterpret_cast<const float4*>(s_o + c + 4);
-#pragma unroll
-    for (int u = 0; u < MO_U; ++u) {
-        const int n = n0 + u * MO::RPS;
-        float acc = n < N ? dot8_bf16(w[u], a, b) : 0.f;
-#pragma unroll
-        for (int o = MO::LPR / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane % MO::LPR == 0 && n < N) atomicAdd(x + n, acc);
-    }
-}
-extern "C" __global__ void __launch_bounds__(256) attn_merge_oproj_hd128(const float* part_o, const float2* part_ml,
-        int Hq, const int* meta, int step, int kps, const bf16_t* Wo, int N, float* x) {
-    attn_merge_oproj_body<128>(part_o, part_ml, Hq, meta, step, kps, Wo, N, x);
-}
-extern "C" __global__ void __launch_bounds__(256) attn_merge_oproj_hd64(const float* part_o, const float2* part_ml,
-        int Hq, const int* meta, int step, int kps, const bf16_t* Wo, int N, float* x) {
-    attn_merge_oproj_body<64>(part_o, part_ml, Hq, meta, step, kps, Wo, N, x);
-}
+// What the host reads from the compiled module (engine/cuda/kernels.py LAUNCH_CONSTANTS), in this order.
+__constant__ int vla_launch[4] = {ATT_KC, DEC_WARPS, DEC_MAXG, CMB_GROUPS};

@@ -5,21 +5,20 @@ GPU tests (marked ``gpu``, skipped without PyCUDA / a GPU):
   the Qwen2.5-1.5B and 0.5B geometries: cosine >= 0.999 of the final hidden state of the 32 prefill rows and of
   each of the 8 decode steps, and of the action-row logits;
 * against the numpy reference backend on the tiny geometry with eviction (semantic and fifo), a budget
-  shrink (K/V relocation) and graphs on and off.
-CPU tests: the VRAM budget check and tracker, the gate/up interleave, the split planner, backend probing.
+  shrink (K/V relocation), graphs on and off, PDL on and off, and tuning variants.
+CPU tests: the VRAM budget check and tracker, the gate/up interleave, backend probing (the launch planner:
+test_cuda_plan.py).
 """
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import pytest
 
 from vla_edge_ros.engine.config import ModelConfig, qwen2_5_0_5b_dict, qwen2_5_1_5b_dict, tiny_default_dict
-from vla_edge_ros.engine.cuda_backend import (G4_NW, G4_U, cuda_available, cuda_status, gemm4_grid,
-                                              interleave_gate_up, split_len)
+from vla_edge_ros.engine.cuda import cuda_available, cuda_status
+from vla_edge_ros.engine.cuda.buffers import interleave_gate_up
+from vla_edge_ros.engine.cuda.vram import VramTracker, check_budget
 from vla_edge_ros.engine.interface import EngineError
-from vla_edge_ros.engine.vram import VramTracker, check_budget
 
 INSTRUCTION = "pick up the red block"  # 21 bytes -> 21 pinned prefix tokens
 
@@ -70,41 +69,6 @@ def test_interleave_gate_up_layout():
     np.testing.assert_array_equal(w[24:32], up[8:16])
     with pytest.raises(EngineError):
         interleave_gate_up(gate[:12], up[:12])
-
-
-def test_split_len_covers_k_in_quanta():
-    for K in (256, 896, 1536, 4864, 8960):
-        for rb in (1, 18, 24, 192, 280):
-            ks = split_len(K, rb, 264, 32, 256)
-            assert ks % 32 == 0 and ks >= min(256, K)
-            assert (K + ks - 1) // ks * ks >= K
-
-
-@pytest.mark.parametrize("N,K,n_sm,max_splits", [(17920, 1536, 132, 1), (2048, 1536, 132, 1), (1536, 8960, 132, 0),
-                                                  (896, 4864, 132, 0), (9728, 896, 114, 1), (1536, 8960, 16, 0),
-                                                  (32, 64, 132, 0)])
-def test_gemm4_grid_fits_the_sms_and_the_kernel(N, K, n_sm, max_splits):
-    """gemm32v4's grid: at most one block per SM, every split's K range within what a block's warps hold
-    (G4_NW x G4_U k32 steps), every row group and step covered, no block larger than needed by more than 2 %."""
-    R, S = gemm4_grid(N, K, n_sm, max_splits)
-    nrg, nsteps = N // 16, K // 32
-    assert 1 <= R <= nrg and 1 <= S <= nsteps and R * S <= n_sm
-    assert -(-nsteps // S) <= G4_NW * G4_U
-    if max_splits:
-        assert S <= max_splits
-    work = -(-nrg // R) * -(-nsteps // S)
-    best = min(-(-nrg // max(1, min(nrg, n_sm // s))) * -(-nsteps // s)
-               for s in range(-(-nsteps // (G4_NW * G4_U)), (max_splits or min(n_sm, nsteps)) + 1))
-    assert work <= best * 1.02
-
-
-def test_gemm4_grid_refuses_what_the_kernel_cannot_do():
-    with pytest.raises(EngineError):
-        gemm4_grid(2 * 8960, 3072, 132, max_splits=1)  # SiLU epilogue: K must fit one block
-    with pytest.raises(EngineError):
-        gemm4_grid(1000, 1536, 132)  # N not a multiple of 16
-    with pytest.raises(EngineError):
-        gemm4_grid(1536, 8960, 4)  # 280 k32 steps need 6 splits
 
 
 def test_probe_never_raises_and_explains():
@@ -176,7 +140,7 @@ def cosine(a, b) -> float:
 
 def make_engine(cfg_dict, ckpt, budget, policy="fifo", use_graphs=True, instruction=INSTRUCTION, **kw):
     from vla_edge_ros.core.kv.manager import KVManager
-    from vla_edge_ros.engine.cuda_backend import CudaEngine
+    from vla_edge_ros.engine.cuda import CudaEngine
     cfg = ModelConfig.from_json(cfg_dict)
     kv = KVManager(budget, cfg.n_patches, len(instruction.encode()), policy=policy, embed_dim=cfg.hidden_size)
     return cfg, kv, CudaEngine(cfg, ckpt, kv, instruction=instruction, decode_tokens=8, max_vram_gb=16.0,
@@ -184,21 +148,19 @@ def make_engine(cfg_dict, ckpt, budget, policy="fifo", use_graphs=True, instruct
 
 
 @gpu
-@pytest.mark.parametrize("geometry,decode_kernel,arch", [
-    ("1.5b", "layered", ""), ("0.5b", "layered", ""), ("1.5b", "persistent", ""), ("0.5b", "persistent", ""),
-    ("1.5b", "dataflow", ""), ("0.5b", "dataflow", ""),
+@pytest.mark.parametrize("geometry,arch", [
+    ("1.5b", ""), ("0.5b", ""),
     # the build for pre-Hopper GPUs (A100 sm_80, Jetson Orin sm_87): PTX for that architecture, compiled by the
-    # driver for this GPU, so the code without PDL runs here (engine/gpu_arch.py)
-    ("1.5b", "layered", "compute_80"), ("0.5b", "layered", "compute_87")])
-def test_whole_model_matches_hf(torch_cuda, tmp_path, monkeypatch, geometry, decode_kernel, arch):
+    # driver for this GPU, so the code without PDL runs here (engine/cuda/arch.py)
+    ("1.5b", "compute_80"), ("0.5b", "compute_87")])
+def test_whole_model_matches_hf(torch_cuda, tmp_path, monkeypatch, geometry, arch):
     torch = torch_cuda
     monkeypatch.setenv("VLA_CUDA_ARCH", arch)
     cfg_dict = qwen2_5_1_5b_dict() if geometry == "1.5b" else qwen2_5_0_5b_dict()
     tensors = random_checkpoint(torch, cfg_dict, tmp_path / geometry, seed=1 if geometry == "1.5b" else 2)
     n_frames = 6
     budget = 288  # 21 prefix + 8 frames (+11 spare): no eviction, so HF's causal recompute is the exact reference
-    cfg, kv, eng = make_engine(cfg_dict, tmp_path / geometry, budget, tuning={"decode_kernel": decode_kernel})
-    assert eng.persistent == (decode_kernel != "layered") and eng.dataflow == (decode_kernel == "dataflow")
+    cfg, kv, eng = make_engine(cfg_dict, tmp_path / geometry, budget)
     assert (eng.arch.target, eng.pdl) == (("ptx", False) if arch else ("cubin", True))
     try:
         rng = np.random.default_rng()
@@ -227,7 +189,7 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, monkeypatch, geometry, dec
         for i in range(1, 9):
             report.append((f"decode {i} hidden", cosine(fin_dec[i - 1], hs[n_ctx + i - 1])))
             report.append((f"decode {i} action logits", cosine(logits[i], ref_logits[n_ctx + i - 1])))
-        print(f"\n[{geometry}, {decode_kernel} decode{', ' + arch if arch else ''}] cosine vs HF transformers (fp32):")
+        print(f"\n[{geometry}{', ' + arch if arch else ''}] cosine vs HF transformers (fp32):")
         for name, c in report:
             print(f"  {name:28s} {c:.6f}")
         bad = [(n, c) for n, c in report if not c >= 0.999]
@@ -240,9 +202,8 @@ def test_whole_model_matches_hf(torch_cuda, tmp_path, monkeypatch, geometry, dec
 
 
 @gpu
-def test_pre_hopper_build_runs_the_tiny_model_and_refuses_dataflow(torch_cuda, tmp_path, monkeypatch):
-    """Built for sm_87 (Jetson Orin): no PDL, the layered decode vs NumpyEngine over eviction; the dataflow
-    decode (TMA, sm_90 only) refused with a message that says so, not a kernel that silently does nothing."""
+def test_pre_hopper_build_runs_the_tiny_model(torch_cuda, tmp_path, monkeypatch):
+    """Built for sm_87 (Jetson Orin): no PDL, vs NumpyEngine over eviction."""
     from vla_edge_ros.core.kv.manager import KVManager
     from vla_edge_ros.engine.checkpoint import load_checkpoint
     from vla_edge_ros.engine.numpy_backend import NumpyEngine
@@ -250,10 +211,8 @@ def test_pre_hopper_build_runs_the_tiny_model_and_refuses_dataflow(torch_cuda, t
     cfg_dict = tiny_default_dict()
     random_checkpoint(torch_cuda, cfg_dict, tmp_path / "tiny", seed=4)
     budget = 21 + 11 + 32 * 4
-    with pytest.raises(EngineError, match="needs sm_90"):
-        make_engine(cfg_dict, tmp_path / "tiny", budget, tuning={"decode_kernel": "dataflow"})
     cfg, kv, eng = make_engine(cfg_dict, tmp_path / "tiny", budget, policy="semantic")
-    assert not eng.pdl and eng.arch.build_cc == (8, 7) and not eng.arch.dataflow
+    assert not eng.pdl and eng.arch.build_cc == (8, 7) and not eng.arch.pdl
     ref = NumpyEngine(cfg, load_checkpoint(tmp_path / "tiny", cfg), KVManager(budget, 32, 21, policy="semantic",
                       embed_dim=cfg.hidden_size), instruction=INSTRUCTION, decode_tokens=8)
     try:
@@ -269,22 +228,15 @@ def test_pre_hopper_build_runs_the_tiny_model_and_refuses_dataflow(torch_cuda, t
 
 
 @gpu
-@pytest.mark.parametrize("policy,use_graphs,pdl,decode_kernel,extra", [
-    ("semantic", True, True, "persistent", {}), ("fifo", False, True, "persistent", {}),
-    ("sliding_window", True, False, "persistent", {}), ("semantic", True, True, "layered", {}),
-    ("semantic", True, True, "dataflow", {}), ("fifo", False, True, "dataflow", {}),
-    ("sliding_window", True, False, "dataflow", {"attn_decode_kps": 128}),
-    ("sliding_window", False, False, "layered", {}), ("fifo", True, True, "layered", {}),
-    ("fifo", True, True, "layered", {"combine": "one_pass", "kv_l2_prefetch": True, "attn_decode_kps": 128,
-                                     "attn_prefill_kps": 128}),
-    ("semantic", True, True, "layered", {"late_trigger": "qkv,attn,combine,resid,gateup,gemm,rmsnorm,attn_pf",
-                                         "combine": "one_pass", "kv_l2_prefetch": True}),
-    ("fifo", True, True, "layered", {"merge_oproj": True, "gemm_v4": "qkv,o,gateup,down", "combine_prefill_vec": 1}),
-    ("semantic", True, True, "layered", {"gemm_v4": "", "combine_prefill_vec": 2, "combine_decode_vec": 4})])
-def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_graphs, pdl, decode_kernel, extra):
+@pytest.mark.parametrize("policy,use_graphs,pdl,extra", [
+    ("semantic", True, True, {}), ("fifo", True, True, {}), ("fifo", False, True, {}),
+    ("sliding_window", True, False, {}), ("sliding_window", False, False, {}),
+    ("semantic", True, True, {"late_trigger": "qkv,attn,combine,resid,gateup,gemm,rmsnorm,attn_pf"}),
+    ("fifo", True, True, {"gemm_v4": "qkv,o,gateup,down"}),
+    ("semantic", True, True, {"gemm_v4": "", "late_trigger": ""})])
+def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_graphs, pdl, extra):
     """Tiny geometry, budget of 4 frames, 9 frames: eviction, slot reuse and a budget shrink, vs NumpyEngine.
-    extra: tuning variants (the one-pass split merge, the K/V L2 prefetch, two-chunk splits, the merge fused with
-    o_proj, every prefill GEMM on gemm32v4 or none, the merges' dims per thread)."""
+    extra: tuning variants (every trigger late or none, every prefill GEMM on gemm32v4 or none of them)."""
     from vla_edge_ros.core.kv.manager import KVManager
     from vla_edge_ros.engine.checkpoint import load_checkpoint
     from vla_edge_ros.engine.numpy_backend import NumpyEngine
@@ -293,9 +245,8 @@ def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_g
     random_checkpoint(torch, cfg_dict, tmp_path / "tiny", seed=3)
     budget = 21 + 11 + 32 * 4  # 160
     cfg, kv, eng = make_engine(cfg_dict, tmp_path / "tiny", budget, policy=policy, use_graphs=use_graphs,
-                               tuning={"pdl": pdl, "decode_kernel": decode_kernel, **extra})
-    assert eng.pdl == pdl and eng.persistent == (decode_kernel != "layered")
-    assert eng.dataflow == (decode_kernel == "dataflow")
+                               tuning={"pdl": pdl, **extra})
+    assert eng.pdl == pdl
     weights = load_checkpoint(tmp_path / "tiny", cfg)
     kv_np = KVManager(budget, 32, 21, policy=policy, embed_dim=cfg.hidden_size)
     ref = NumpyEngine(cfg, weights, kv_np, instruction=INSTRUCTION, decode_tokens=8)
@@ -322,8 +273,8 @@ def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_g
                     assert top2[1] - top2[0] < 1e-2 * np.std(ref.last_logits[i]), (f, i, got.token_ids, want.token_ids)
                     break
             assert got.prefill_ms > 0 and got.decode_ms > 0
-        print(f"\n[tiny {policy}, graphs {use_graphs}, pdl {pdl}, {decode_kernel} decode] worst logits cosine vs "
-              f"numpy: {worst:.6f}")
+        print(f"\n[tiny {policy}, graphs {use_graphs}, pdl {pdl}, {extra or 'default tuning'}] worst logits cosine "
+              f"vs numpy: {worst:.6f}")
         mem = eng.memory()
         assert 0 < mem["current_bytes"] <= mem["peak_bytes"]
     finally:
@@ -331,31 +282,24 @@ def test_matches_numpy_backend_with_eviction(torch_cuda, tmp_path, policy, use_g
 
 
 @gpu
-@pytest.mark.parametrize("decode_kernel", ["persistent", "dataflow"])
-def test_persistent_decode_flags_a_grid_that_is_not_resident(torch_cuda, tmp_path, decode_kernel):
-    """A persistent grid larger than what fits at once cannot pass its spin barriers (dataflow: its phase
-    counters): the kernel must give up (~1 s), flag the chunk and leave the engine usable after a reset, never
-    hang the GPU."""
-    torch = torch_cuda
+def test_retune_replans_and_keeps_the_results(torch_cuda, tmp_path):
+    """retune re-plans and re-captures: the same frame on an empty cache gives the same logits with PDL off and
+    every GEMM on gemm32v4 as with the defaults; an unknown or removed tuning key is refused by name."""
     cfg_dict = tiny_default_dict()
-    random_checkpoint(torch, cfg_dict, tmp_path / "tiny", seed=4)
-    cfg, kv, eng = make_engine(cfg_dict, tmp_path / "tiny", 21 + 11 + 32 * 4, tuning={"decode_kernel": decode_kernel})
+    random_checkpoint(torch_cuda, cfg_dict, tmp_path / "tiny", seed=6)
+    cfg, kv, eng = make_engine(cfg_dict, tmp_path / "tiny", 21 + 11 + 32 * 4)
     try:
-        assert eng.persistent
         x = (0.05 * np.random.default_rng(0).standard_normal((32, cfg.hidden_size))).astype(np.float32)
         eng.run_chunk(x, 0)
         good = eng.last_logits.copy()
-        eng.retune(pd_grid=eng.pd_grid * 8)
-        t0 = time.perf_counter()
-        with pytest.raises(EngineError, match="grid barrier"):
-            eng.run_chunk(x, 1)
-        assert time.perf_counter() - t0 < 30.0
-        assert eng.needs_reset
-        eng.retune(pd_grid=0)
+        eng.retune(pdl=False, gemm_v4="qkv,o,gateup,down")
+        assert not eng.pdl and eng.plan.gemm_qkv.kernel == "gemm32v4_atomic"
         eng.reset()
-        eng.run_chunk(x, 2)
-        for i in range(len(good)):  # the same frame on an empty cache again: the same logits
+        eng.run_chunk(x, 1)
+        for i in range(len(good)):
             assert cosine(eng.last_logits[i], good[i]) >= 0.9999, i
+        with pytest.raises(EngineError, match="unknown tuning key"):
+            eng.retune(decode_kernel="dataflow")
     finally:
         eng.close()
 
@@ -384,7 +328,7 @@ def test_refuses_over_vram_budget(torch_cuda, tmp_path):
     random_checkpoint(torch, cfg_dict, tmp_path / "tiny", seed=5)
     with pytest.raises(EngineError, match="max_vram_gb"):
         from vla_edge_ros.core.kv.manager import KVManager
-        from vla_edge_ros.engine.cuda_backend import CudaEngine
+        from vla_edge_ros.engine.cuda import CudaEngine
         cfg = ModelConfig.from_json(cfg_dict)
         kv = KVManager(21 + 11 + 32 * 4, 32, 21, embed_dim=cfg.hidden_size)
         CudaEngine(cfg, tmp_path / "tiny", kv, instruction=INSTRUCTION, max_vram_gb=0.001, log=lambda m: None)

@@ -1,9 +1,9 @@
-"""engine/gpu_arch.py: what the kernels are built with on each GPU generation (no GPU needed)."""
+"""engine/cuda/arch.py: what the kernels are built with on each GPU generation (no GPU needed)."""
 from __future__ import annotations
 
 import pytest
 
-from vla_edge_ros.engine.gpu_arch import fit_shared_memory, plan_arch
+from vla_edge_ros.engine.cuda.arch import fit_shared_memory, plan_arch
 from vla_edge_ros.engine.interface import EngineError
 
 
@@ -11,17 +11,17 @@ from vla_edge_ros.engine.interface import EngineError
                                      ((8, 7), False), ((8, 9), False)])
 def test_device_build_uses_sm90_features_only_on_sm90(cc, sm90):
     a = plan_arch(cc)
-    assert (a.pdl, a.dataflow) == (sm90, sm90)
+    assert a.pdl == sm90
     assert a.build_cc == cc and a.nvcc_arch is None and a.target == "cubin"
     assert ("without" in a.describe()) == (not sm90)
 
 
 def test_ptx_override_builds_the_older_path_on_a_newer_device():
     a = plan_arch((9, 0), "compute_80")
-    assert (a.nvcc_arch, a.target, a.build_cc, a.pdl, a.dataflow) == ("compute_80", "ptx", (8, 0), False, False)
-    assert "compute_80 ptx" in a.describe()
+    assert (a.nvcc_arch, a.target, a.build_cc, a.pdl) == ("compute_80", "ptx", (8, 0), False)
+    assert "compute_80 ptx" in a.describe() and "without programmatic dependent launch" in a.describe()
     a = plan_arch((9, 0), " compute_90 ")
-    assert a.target == "ptx" and a.pdl and a.dataflow
+    assert a.target == "ptx" and a.pdl
     assert plan_arch((8, 7), "sm_87") == plan_arch((8, 7))  # the device's own cubin
 
 
@@ -42,5 +42,5 @@ def test_gemm_v4_moves_off_when_its_shared_memory_does_not_fit():
     assert fit_shared_memory(uses, 147456, 232448) == (uses, "")    # H100 / H200: 227 KB
     assert fit_shared_memory(uses, 147456, 166912) == (uses, "")    # A100 / Jetson Orin: 163 KB
     kept, note = fit_shared_memory(uses, 147456, 101376)            # RTX 30/40, L4: 99 KB
-    assert kept == set() and "down, gateup" in note and "101376" in note
+    assert kept == set() and "down, gateup" in note and "101376" in note and "split-K gemm32" in note
     assert fit_shared_memory(set(), 147456, 101376) == (set(), "")

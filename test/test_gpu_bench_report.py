@@ -1,8 +1,9 @@
 """The GPU benchmark's report logic runs without a GPU: the speed-goal verdict of issue 4 and the report text,
-on result dictionaries shaped like the benchmark's own JSON (figures here are made up, not measurements)."""
+on result dictionaries shaped like the benchmark's own JSON (figures here are made up, not measurements), and the
+profiling tools' recording launcher."""
 from __future__ import annotations
 
-from vla_edge_ros.bench.gpu_chunk_bench import goal_verdict, print_report
+from vla_edge_ros.bench.gpu_report import goal_verdict, print_report
 
 
 def _res(median, p99, compiled_median=None):
@@ -37,7 +38,7 @@ def test_report_prints_the_verdict(capsys):
 
 
 def _decode_rows(names, gap, layers=28, steps=8):
-    """Rows shaped like CudaEngine.timeline: a 3-kernel prefill, then per decode step embed, `names` per layer with
+    """Rows shaped like gpu_profile.timeline: a 3-kernel prefill, then per decode step embed, `names` per layer with
     release-to-release gaps `gap` (us), logits and argmax; every kernel started 3 us before its release, its last
     block released 0.5 us after its first."""
     rows, t = [("rmsnorm_rows_bf16", 0.0, 1.0, 2.0)] * 3, 10.0
@@ -50,54 +51,26 @@ def _decode_rows(names, gap, layers=28, steps=8):
 
 
 def test_timeline_summary_attributes_each_gap_to_its_kernel():
-    """Rows shaped like CudaEngine.timeline: each decode kernel's critical time is the gap from its release to the
+    """Rows shaped like gpu_profile.timeline: each decode kernel's critical time is the gap from its release to the
     next kernel's release, averaged over the middle layers of steps 2..; o_proj and down are told apart."""
-    from vla_edge_ros.bench.gpu_chunk_bench import timeline_summary
-    names = ["gemv_qkv", "attn_decode_pre_hd128", "attn_combine", "gemv_resid", "gemv_gateup", "gemv_resid"]
+    from vla_edge_ros.bench.gpu_report import timeline_summary
+    names = ["gemv_qkv", "attn_decode_hd128", "attn_combine", "gemv_resid", "gemv_gateup", "gemv_resid"]
     gap = [2.0, 8.0, 5.0, 1.0, 16.0, 6.5]
     got = {k: (crit, lead, spread, n) for k, crit, lead, spread, n in timeline_summary(_decode_rows(names, gap), 28)}
-    assert set(got) == {"gemv_qkv", "attn_decode_pre_hd128", "attn_combine", "gemv_resid o_proj", "gemv_gateup",
+    assert set(got) == {"gemv_qkv", "attn_decode_hd128", "attn_combine", "gemv_resid o_proj", "gemv_gateup",
                         "gemv_resid down"}
-    for k, g in zip(["gemv_qkv", "attn_decode_pre_hd128", "attn_combine", "gemv_resid o_proj", "gemv_gateup",
+    for k, g in zip(["gemv_qkv", "attn_decode_hd128", "attn_combine", "gemv_resid o_proj", "gemv_gateup",
                      "gemv_resid down"], gap):
         crit, lead, spread, n = got[k]
         assert abs(crit - g) < 1e-9 and abs(lead - 3.0) < 1e-9 and abs(spread - 0.5) < 1e-9
         assert n == 7 * 26  # steps 2..8, layers 1..26
 
 
-def test_timeline_summary_with_the_merge_and_o_proj_fused():
-    """Five decode kernels per layer (attn_merge_oproj): the one gemv_resid of a layer is the down projection."""
-    from vla_edge_ros.bench.gpu_chunk_bench import timeline_summary
-    names = ["gemv_qkv", "attn_decode_pre_hd128", "attn_merge_oproj_hd128", "gemv_gateup", "gemv_resid"]
-    gap = [2.0, 8.0, 5.0, 16.0, 6.5]
-    got = {k: crit for k, crit, lead, spread, n in timeline_summary(_decode_rows(names, gap), 28)}
-    assert got == {"gemv_qkv": 2.0, "attn_decode_pre_hd128": 8.0, "attn_merge_oproj_hd128": 5.0, "gemv_gateup": 16.0,
-                   "gemv_resid down": 6.5}
-
-
-def test_late_trigger_mask_matches_the_kernel_families():
-    from vla_edge_ros.engine.cuda_backend import LATE_TRIGGER_FAMILIES, late_trigger_mask
-    from vla_edge_ros.engine.interface import EngineError
-    assert late_trigger_mask("") == 0
-    assert late_trigger_mask("qkv") == 1
-    assert late_trigger_mask("attn, combine") == 0b110
-    assert late_trigger_mask(",".join(LATE_TRIGGER_FAMILIES)) == (1 << len(LATE_TRIGGER_FAMILIES)) - 1
-    import pytest
-    with pytest.raises(EngineError, match="unknown kernel family"):
-        late_trigger_mask("attn,nope")
-    # the enum in cuda/common.cuh lists the same families in the same order
-    import re
-    from vla_edge_ros.engine.cuda_backend import CUDA_DIR
-    enum = re.search(r"enum VlaFamily \{([^}]*)\}", (CUDA_DIR / "common.cuh").read_text()).group(1)
-    fams = [m.group(1).lower() for m in re.finditer(r"FAM_(\w+) = \d+", enum)]
-    assert fams == list(LATE_TRIGGER_FAMILIES)
-
-
 def test_pf_phase_summary_names_the_slowest_blocks():
     """Per-block phase ends of the prefill attention: medians / maxima relative to the release, and the slowest
     blocks as (split, kv head), a block that never stored (NaN) last."""
     import numpy as np
-    from vla_edge_ros.bench.gpu_chunk_bench import PF_PHASES, pf_phase_summary
+    from vla_edge_ros.bench.gpu_report import PF_PHASES, pf_phase_summary
     nsplit, n_kvh, release = 4, 2, 100.0
     ph = np.tile(release + np.arange(1.0, 6.0), (nsplit * n_kvh, 1))  # every block: phase i ends at release + i + 1
     ph[3 + nsplit * 1, 1:] += 10.0  # split 3 of kv head 1: staging its own keys takes 10 us more
@@ -113,3 +86,24 @@ def test_pf_phase_summary_names_the_slowest_blocks():
     ph2 = np.concatenate([ph, ph + 0.5])
     assert pf_phase_summary(ph2, release, nsplit, n_kvh, slowest=2)[-1].endswith(
         "(split, kv head, z: stored at, us): (3, 1, 1: 15.50), (3, 1, 0: 15.00)")
+
+
+def test_recording_launcher_forwards_only_the_families_asked_for():
+    """The profiling tools' launcher records every launch in order and passes on only the families asked for (or
+    none: dry), with the arguments and the serial flag untouched."""
+    from vla_edge_ros.bench.gpu_profile import RecordingLauncher
+    from vla_edge_ros.engine.cuda.plan import Launch
+    got = []
+
+    def inner(launch, *args, serial=False):
+        got.append((launch.kernel, args, serial))
+    seq = [Launch("gemv_qkv", (1, 1), (256, 1, 1)), Launch("attn_decode_hd128", (1, 1), (128, 1, 1)),
+           Launch("attn_combine", (1, 1), (256, 1, 1)), Launch("attn_decode_hd64", (1, 1), (128, 1, 1))]
+    for only, skip, dry, want in ((None, (), False, [0, 1, 2, 3]), ({"attn_decode"}, (), False, [1, 3]),
+                                  (None, {"attn_decode"}, False, [0, 2]), (None, (), True, [])):
+        got.clear()
+        rec = RecordingLauncher(inner, only=only, skip=skip, dry=dry)
+        for i, launch in enumerate(seq):
+            rec(launch, i, 2.5, serial=i == 0)
+        assert rec.names == [s.kernel for s in seq]
+        assert got == [(seq[i].kernel, (i, 2.5), i == 0) for i in want] and rec.forwarded == len(want)

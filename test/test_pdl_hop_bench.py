@@ -41,7 +41,7 @@ def test_odd_hop_counts_are_refused_before_any_gpu_work(capsys):
 
 
 def test_without_a_usable_gpu_it_says_why_and_exits_2(capsys):
-    from vla_edge_ros.engine.cuda_backend import cuda_status
+    from vla_edge_ros.engine.cuda.probe import cuda_status
     if cuda_status()[0]:
         pytest.skip("a usable GPU is present")
     assert main(["--hops", "4"]) == 2

@@ -15,13 +15,14 @@ Usage (on the GPU machine):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import sys
 import time
 
 import numpy as np
 
+from vla_edge_ros.bench.gpu_report import print_report
 from vla_edge_ros.engine.config import ModelConfig, qwen2_5_0_5b_dict, qwen2_5_1_5b_dict
 
 INSTRUCTION = "pick up the object"  # 18 bytes
@@ -77,8 +78,9 @@ def bytes_per_chunk(cfg: ModelConfig, n_ctx: int, decode_tokens: int) -> dict:
 
 
 def run_ours(cfg, weights_np, args, log) -> dict:
+    from vla_edge_ros.bench import gpu_profile
     from vla_edge_ros.core.kv.manager import KVManager
-    from vla_edge_ros.engine.cuda_backend import CudaEngine
+    from vla_edge_ros.engine.cuda import CudaEngine
     prefix = len(INSTRUCTION.encode())
     kv = KVManager(args.budget, cfg.n_patches, prefix, policy=args.policy, embed_dim=cfg.hidden_size)
     t0 = time.perf_counter()
@@ -118,33 +120,16 @@ def run_ours(cfg, weights_np, args, log) -> dict:
     if args.tune:
         eng.retune(**json.loads(args.tune))
     out["main"] = measure(args.chunks)
-    out["main"]["tuning"] = dict(eng.tuning)
-    base = dict(eng.tuning)
-    from vla_edge_ros.engine.cuda_backend import LATE_TRIGGER_FAMILIES
+    base = dataclasses.asdict(eng.tuning)
+    out["main"]["tuning"] = base
+    from vla_edge_ros.engine.cuda.plan import LATE_TRIGGER_FAMILIES
 
     def late_but(*skip: str) -> dict:  # every kernel family's PDL trigger late except `skip`
         return {"late_trigger": ",".join(f for f in LATE_TRIGGER_FAMILIES if f not in skip)}
 
-    variants = [  # each applied on top of the default tuning
-        ("dataflow decode", {"decode_kernel": "dataflow"}),
-        ("persistent decode (v5)", {"decode_kernel": "persistent"}),
-        ("persistent, 1 block/SM", {"decode_kernel": "persistent", "pd_blocks_per_sm": 1}),
+    variants = [  # each applied on top of the default tuning (the removed kernels' variants: docs/KERNEL_NOTES.md)
         ("PDL off", {"pdl": False}),
-        ("run-2 kernels (simt decode attn, wpb 4)", {"decode_attn": "simt", "gemm_wpb": 4, "gemm_silu_wpb": 4}),
         ("graphs off", {"use_graphs": False}),
-        ("gemm v2 (whole A slice)", {"gemm_version": 2}),
-        ("gemm v2, PDL off", {"gemm_version": 2, "pdl": False}),
-        ("gemm wpb 4", {"gemm_wpb": 4}),
-        ("silu wpb 4", {"gemm_silu_wpb": 4}),
-        ("prefill kps 128", {"attn_prefill_kps": 128}),
-        ("prefill kps 256", {"attn_prefill_kps": 256}),
-        ("decode kps 128", {"attn_decode_kps": 128}),
-        ("combine two pass", {"combine": "two_pass"}),
-        ("prefill combine vec 1", {"combine_prefill_vec": 1}),
-        ("prefill combine vec 2", {"combine_prefill_vec": 2}),
-        ("decode combine vec 2", {"combine_decode_vec": 2}),
-        ("decode combine vec 4", {"combine_decode_vec": 4}),
-        ("K/V L2 prefetch off", {"kv_l2_prefetch": False}),
         ("late trigger none", {"late_trigger": ""}),
         ("late trigger qkv,attn,combine", {"late_trigger": "qkv,attn,combine"}),
         ("gemm v4 off (v9 GEMMs)", {"gemm_v4": ""}),
@@ -152,7 +137,6 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("gemm v4 gateup only", {"gemm_v4": "gateup"}),
         ("gemm v4 down only", {"gemm_v4": "down"}),
         ("late trigger all (v9)", late_but()),
-        ("merge + o_proj fused", {"merge_oproj": True}),
         *((f"late trigger all but {f}", late_but(f)) for f in ("combine", "attn", "qkv", "rmsnorm", "attn_pf", "gemm")),
         ("gemv min_ks 1024", {"gemv_min_ks": 1024}),
         ("gemv 1 split", {"gemv_target_blocks": 1}),
@@ -161,9 +145,8 @@ def run_ours(cfg, weights_np, args, log) -> dict:
         ("gemv target 576 blocks", {"gemv_target_blocks": 576}),
     ]
     if args.variants == "short":
-        variants = variants[:3] + [v for v in variants if v[0] in ("graphs off", "decode kps 128", "prefill kps 128",
-                                                        "combine two pass", "K/V L2 prefetch off",
-                                                        "late trigger none")]
+        variants = [v for v in variants if v[0] in ("PDL off", "graphs off", "late trigger none",
+                                                    "gemm v4 off (v9 GEMMs)")]
     if args.variant_filter:
         keys = [k.strip() for k in args.variant_filter.split(",") if k.strip()]
         variants = [v for v in variants if any(k in v[0] for k in keys)]
@@ -176,23 +159,9 @@ def run_ours(cfg, weights_np, args, log) -> dict:
                 out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
         eng.retune(**{**base, "use_graphs": True})
         out["main_repeat"] = measure(args.chunks)  # same version twice: the spread is the noise
-    out["decode_phase_share"] = eng.decode_phase_profile(chunks=10, run_chunk=chunk)
-    try:
-        out["dataflow_phase_us"] = eng.dataflow_phase_profile(chunks=10, run_chunk=chunk)
-        try:
-            eng.retune(decode_kernel="dataflow")
-            chunk()
-            trace = eng.dataflow_tile_trace()
-        finally:
-            eng.retune(**{**base, "use_graphs": True})
-        if trace is not None:
-            out["dataflow_tile_trace_us"] = [[[None if np.isnan(v) else round(float(v), 3) for v in r] for r in b]
-                                             for b in trace]
-    except Exception as exc:  # a failing dataflow kernel must not lose the rest of the figures
-        out["dataflow_phase_us"] = {"error": f"{type(exc).__name__}: {exc}"}
-    out["kernel_ms"] = eng.time_kernels(reps=10)
+    out["kernel_ms"] = gpu_profile.time_kernels(eng, reps=10)
     if args.ablate:
-        out["ablation_ms"] = eng.time_ablations(reps=10)
+        out["ablation_ms"] = gpu_profile.time_ablations(eng, reps=10)
     out["peak_vram_bytes"] = eng.memory()["peak_bytes"]
     out["tracked_bytes"] = eng.memory()["current_bytes"]
     eng.close()
@@ -200,20 +169,17 @@ def run_ours(cfg, weights_np, args, log) -> dict:
 
 
 def run_timeline(cfg, weights_np, args, log) -> dict:
-    """One chunk's kernel timeline from an engine built with VLA_CUDA_TIMELINE=1 (its own engine: the stamps cost
-    a few atomics per block), after the cache is full and 20 warm-up chunks."""
+    """One chunk's kernel timeline from an engine built with VLA_TIMELINE (its own engine: the stamps cost a few
+    atomics per block), after the cache is full and 20 warm-up chunks."""
+    from vla_edge_ros.bench import gpu_profile
     from vla_edge_ros.core.kv.manager import KVManager
-    from vla_edge_ros.engine.cuda_backend import CudaEngine
-    os.environ["VLA_CUDA_TIMELINE"] = "1"
-    try:
-        kv = KVManager(args.budget, cfg.n_patches, len(INSTRUCTION.encode()), policy=args.policy,
-                       embed_dim=cfg.hidden_size)
-        eng = CudaEngine(cfg, weights_np, kv, instruction=INSTRUCTION, decode_tokens=args.decode_tokens,
-                         max_vram_gb=args.max_vram_gb, log=log)
-        if args.tune:
-            eng.retune(**json.loads(args.tune))
-    finally:
-        os.environ.pop("VLA_CUDA_TIMELINE", None)
+    from vla_edge_ros.engine.cuda import CudaEngine
+    kv = KVManager(args.budget, cfg.n_patches, len(INSTRUCTION.encode()), policy=args.policy,
+                   embed_dim=cfg.hidden_size)
+    eng = CudaEngine(cfg, weights_np, kv, instruction=INSTRUCTION, decode_tokens=args.decode_tokens,
+                     max_vram_gb=args.max_vram_gb, log=log, defines=("VLA_TIMELINE",))
+    if args.tune:
+        eng.retune(**json.loads(args.tune))
     rng = np.random.default_rng(1)
     fid = [0]
 
@@ -226,57 +192,11 @@ def run_timeline(cfg, weights_np, args, log) -> dict:
             chunk()
         for _ in range(20):
             chunk()
-        rows = eng.timeline(chunk)
-        ph = eng.timeline_pf_phases
-        return {"rows": rows, "pf_phases": None if ph is None else ph.tolist(), "n_kvh": eng.n_kvh,
-                "nsplit": eng.nsplit_pf}
+        rows, ph = gpu_profile.timeline(eng, chunk)
+        return {"rows": rows, "pf_phases": None if ph is None else ph.tolist(), "n_kvh": cfg.num_key_value_heads,
+                "nsplit": eng.kvc.nsplit}
     finally:
         eng.close()
-
-
-PF_PHASES = ("wait", "own keys staged", "query fragments", "S / softmax / PV", "partials stored")
-
-
-def pf_phase_summary(phases, release_us: float, nsplit: int, n_kvh: int, slowest: int = 4) -> list[str]:
-    """Lines describing the last prefill attention launch's per-block phase ends (engine.timeline_pf_phases:
-    (blocks, 5) us, NaN = not reached; block b = split + nsplit * (kv head + n_kvh * z), z the token half of the
-    token-split kernel): per phase the median and the max over blocks of (end - the grid's release), then the
-    slowest blocks at the last phase as (split, kv head[, z])."""
-    a = np.asarray(phases, dtype=np.float64) - release_us
-    out = []
-    for i, name in enumerate(PF_PHASES):
-        col = a[:, i]
-        out.append(f"  {name:20s} median {np.nanmedian(col):7.2f}  max {np.nanmax(col):7.2f}  "
-                   f"(n={int(np.sum(~np.isnan(col)))})")
-    last = a[:, -1]
-    order = [int(b) for b in np.argsort(-np.where(np.isnan(last), -np.inf, last), kind="stable")[:slowest]]
-    z = len(a) > nsplit * n_kvh
-
-    def where(b: int) -> str:
-        return f"{b % nsplit}, {b // nsplit % n_kvh}" + (f", {b // (nsplit * n_kvh)}" if z else "")
-    out.append(f"  slowest blocks (split, kv head{', z' if z else ''}: stored at, us): " + ", ".join(
-        f"({where(b)}: {last[b]:.2f})" for b in order))
-    return out
-
-
-def timeline_summary(rows: list, layers: int) -> list[tuple[str, float, float, float, int]]:
-    """Per kernel name in the decode pass's middle (steps 2.., layers 1..L-2): mean time from its first block's
-    release (PDL wait passed) to the next kernel's, mean lead (release - start of its first block), mean release
-    spread (last - first block), count. For the layered decode (kernels per layer: six, or five with the merge and
-    o_proj fused); gemv_resid is o_proj unless it is the layer's last kernel (down)."""
-    dec0 = next(i for i, r in enumerate(rows) if r[0] == "embed_gather")
-    per_step = (len(rows) - dec0) // max(1, sum(1 for r in rows if r[0] == "embed_gather"))
-    kpl = (per_step - 3) // layers  # embed, then kpl per layer, then logits, argmax
-    acc: dict[str, list] = {}
-    for i in range(dec0 + per_step, len(rows) - 1):
-        pos = (i - dec0) % per_step
-        layer = (pos - 1) // kpl
-        if not 1 <= layer <= layers - 2:
-            continue
-        n, start, rel, rel_last = rows[i]
-        key = n if n != "gemv_resid" else ("gemv_resid down" if (pos - 1) % kpl == kpl - 1 else "gemv_resid o_proj")
-        acc.setdefault(key, []).append((rows[i + 1][2] - rel, rel - start, rel_last - rel))
-    return [(k, *np.mean(np.asarray(v), axis=0).tolist(), len(v)) for k, v in acc.items()]
 
 
 def run_loop(cfg, weights_np, args, log) -> dict:
@@ -287,7 +207,7 @@ def run_loop(cfg, weights_np, args, log) -> dict:
     from vla_edge_ros.core.double_buffer import DoubleBuffer
     from vla_edge_ros.core.inference_loop import InferenceLoop
     from vla_edge_ros.core.kv.manager import KVManager
-    from vla_edge_ros.engine.cuda_backend import CudaEngine
+    from vla_edge_ros.engine.cuda import CudaEngine
     kv = KVManager(args.budget, cfg.n_patches, len(INSTRUCTION.encode()), policy="semantic",
                    embed_dim=cfg.hidden_size)
     eng = CudaEngine(cfg, weights_np, kv, instruction=INSTRUCTION, decode_tokens=args.decode_tokens,
@@ -449,7 +369,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variant-filter", default="",
                     help="comma-separated substrings: time only the variants whose name contains one")
     ap.add_argument("--timeline", action="store_true",
-                    help="also stamp one chunk's kernels (an engine built with VLA_CUDA_TIMELINE=1) and print the "
+                    help="also stamp one chunk's kernels (an engine built with VLA_TIMELINE) and print the "
                          "decode pass's per-kernel critical time")
     ap.add_argument("--tune", default="", help='JSON tuning applied before the main figure, e.g. {"pdl": false}')
     ap.add_argument("--json", default="")
@@ -508,150 +428,6 @@ def _main(args, parts, torch, cuda) -> int:
             json.dump(res, f, indent=1)
     return 0
 
-
-GOAL_MEDIAN_MS, GOAL_P99_MS, GOAL_VS_COMPILED = 7.0, 8.0, 3.0  # issue 4's speed goal
-
-
-def goal_verdict(res: dict) -> list[tuple[str, bool | None]]:
-    """Issue 4's three speed criteria on the wall-clock figures (what a robot waits for; the GPU-event times are
-    lower): median <= 7 ms, p99 <= 8 ms, and >= 3x the compiled HF median measured in the same run. None where
-    the run lacks the figure (HF compiled not measured or failed)."""
-    m = (res.get("ours") or {}).get("main")
-    if not m:
-        return []
-    out: list[tuple[str, bool | None]] = [
-        (f"median {m['host_median_ms']:.2f} ms <= {GOAL_MEDIAN_MS:g} ms", m["host_median_ms"] <= GOAL_MEDIAN_MS),
-        (f"p99 {m['host_p99_ms']:.2f} ms <= {GOAL_P99_MS:g} ms", m["host_p99_ms"] <= GOAL_P99_MS)]
-    h = res.get("hf_compiled")
-    if h and "error" not in h:
-        ratio = h["median_ms"] / m["host_median_ms"]
-        out.append((f"{ratio:.2f}x HF compiled >= {GOAL_VS_COMPILED:g}x", ratio >= GOAL_VS_COMPILED))
-    else:
-        out.append((f"vs HF compiled: not measured in this run (>= {GOAL_VS_COMPILED:g}x required)", None))
-    return out
-
-
-def print_report(res: dict) -> None:
-    b = res["bytes"]
-    if "loop" in res:
-        print("\n== InferenceLoop (no ROS), backend cuda, 60 Hz synthetic camera, 30 Hz cycles, deadline 33 ms ==")
-        print(json.dumps(res["loop"], indent=1, default=str))
-    print(f"\n== gpu_chunk_bench: {res['device']}, Qwen2.5-{res['geometry']} geometry, bf16, "
-          f"context {res['n_ctx']} tokens (budget {res['budget']}) ==")
-    print(f"copy bandwidth (d2d, read+write): {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s; bytes per chunk "
-          f"{b['chunk'] / 1e9:.2f} GB (weights {b['weights_per_pass'] / 1e9:.3f} GB/pass x 9 + KV); "
-          f"floor {res['floor_ms']:.2f} ms/chunk")
-    rows = []
-    o = res.get("ours")
-    if o:
-        m = o["main"]
-        rows.append(("ours (PyCUDA, graphs)", m["gpu_median_ms"], m["gpu_p99_ms"], m["host_median_ms"],
-                     m["host_p99_ms"]))
-        if "main_repeat" in o:
-            r = o["main_repeat"]
-            rows.append(("ours, repeated", r["gpu_median_ms"], r["gpu_p99_ms"], r["host_median_ms"], r["host_p99_ms"]))
-    for k, name in (("hf_eager", "HF eager (DynamicCache)"), ("hf_compiled", "HF StaticCache+compile(r-o)")):
-        h = res.get(k)
-        if h and "error" not in h:
-            rows.append((name, float("nan"), float("nan"), h["median_ms"], h["p99_ms"]))
-        elif h:
-            print(f"{name}: FAILED {h['error']}")
-    print(f"\n{'':32s} {'gpu med':>9s} {'gpu p99':>9s} {'wall med':>9s} {'wall p99':>9s}   (ms per chunk)")
-    for r in rows:
-        print(f"{r[0]:32s} {r[1]:9.3f} {r[2]:9.3f} {r[3]:9.3f} {r[4]:9.3f}")
-    if o:
-        m = o["main"]
-        print(f"\nours: prefill {m['prefill_median_ms']:.3f} ms + decode {m['decode_median_ms']:.3f} ms "
-              f"({m['decode_median_ms'] / res.get('decode_tokens', 8):.3f} ms/step); floor / ours(gpu median) = "
-              f"{res['floor_ms'] / m['gpu_median_ms']:.1%}; wall median {m['host_median_ms']:.3f} ms")
-        for k, name in (("hf_eager", "HF eager"), ("hf_compiled", "HF compiled")):
-            h = res.get(k)
-            if h and "error" not in h:
-                print(f"speed-up vs {name}: {h['median_ms'] / m['host_median_ms']:.1f}x (wall medians)")
-        if m.get("host_split_median_ms"):
-            print("wall-clock split (host medians, ms): " + ", ".join(
-                f"{k} {v:.3f}" for k, v in m["host_split_median_ms"].items()))
-        print(f"peak VRAM (tracked): {o['peak_vram_bytes'] / 2**30:.3f} GiB; engine setup {o['setup_s']:.1f} s")
-        verdict = goal_verdict(res)
-        met = all(v is True for _, v in verdict)
-        print("speed goal (wall clock): " + "; ".join(f"{t}: {'yes' if v else ('?' if v is None else 'NO')}"
-                                                     for t, v in verdict) + f" -> {'MET' if met else 'NOT MET'}")
-        km = o["kernel_ms"]
-        tot = sum(km.values())
-        print(f"\nper-kernel family (isolated graphs, ms per chunk; sum {tot:.3f} vs chunk {m['gpu_median_ms']:.3f}):")
-        for k, v in sorted(km.items(), key=lambda kv: -kv[1]):
-            print(f"  {k:16s} {v:8.3f} ms  {v / tot:6.1%}")
-        tl = res.get("timeline") or {}
-        if "error" in tl:
-            print(f"\ntimeline: ERROR {tl['error']}")
-        elif tl:
-            print("\ndecode timeline (us, mean over steps 2.. and the middle layers): release -> next release, "
-                  "launched ahead of its release, release spread over blocks")
-            for k, crit, lead, spread, n in timeline_summary(tl["rows"], res["geometry_layers"]):
-                print(f"  {k:20s} {crit:7.2f} {lead:7.2f} {spread:7.2f}   (n={n})")
-            rows = tl["rows"]
-            dec0 = next(i for i, r in enumerate(rows) if r[0] == "embed_gather")
-            print(f"prefill {rows[dec0][2] - rows[0][1]:.1f} us, decode {rows[-1][2] - rows[dec0][2]:.1f} us (to the "
-                  "last kernel's release); one layer of decode step 4 (start / release / last release, us):")
-            per_step = (len(rows) - dec0) // sum(1 for r in rows if r[0] == "embed_gather")
-            kpl = (per_step - 3) // res["geometry_layers"]
-            i0 = dec0 + 3 * per_step + 1 + kpl * 10
-            for n, a, b, c in rows[i0:i0 + kpl + 1]:
-                print(f"  {n:20s} {a:10.2f} {b:10.2f} {c:10.2f}")
-            pf_layer = dec0 // res["geometry_layers"]  # the prefill's launches per layer (+ 3 after the last)
-            i0 = pf_layer * (res["geometry_layers"] // 2)
-            print("one prefill layer (start / release / last release / release -> next release, us):")
-            for k in range(i0, min(i0 + pf_layer, dec0 - 1)):
-                n, a, b, c = rows[k]
-                print(f"  {n:20s} {a:10.2f} {b:10.2f} {c:10.2f} {rows[k + 1][2] - b:8.2f}")
-            if tl.get("pf_phases"):
-                last_attn = max(k for k in range(dec0) if rows[k][0].startswith("attn_prefill"))
-                print("the last prefill attention's blocks, phase ends (us after its release; next kernel's release "
-                      f"at {rows[last_attn + 1][2] - rows[last_attn][2]:.2f}):")
-                for line in pf_phase_summary(tl["pf_phases"], rows[last_attn][2], tl["nsplit"], tl["n_kvh"]):
-                    print(line)
-        ab = o.get("ablation_ms") or {}
-        if ab:
-            print(f"\nin-chain cost per family (one graph per chunk {ab['full']:.3f} ms minus the graph without "
-                  "the family, ms per chunk):")
-            for k, v in sorted(((k, v) for k, v in ab.items() if k != "full"), key=lambda kv: -kv[1]):
-                print(f"  {k:16s} {v:8.3f} ms")
-        share = o.get("decode_phase_share") or {}
-        if share:
-            pv = o["variants"].get("persistent decode (v5)", {})
-            step_ms = pv.get("decode_median_ms", m["decode_median_ms"]) / res.get("decode_tokens", 8)
-            print(f"\npersistent decode, share of a step by phase (block 0's clock at each barrier exit, barrier wait "
-                  f"included; us per layer at its {step_ms:.3f} ms/step):")
-            for k, v in share.items():
-                print(f"  {k:10s} {v:6.1%}  {v * step_ms * 1e3 / res['geometry_layers']:7.2f} us")
-        tr = o.get("dataflow_tile_trace_us")
-        if tr:
-            nan = float("nan")
-            for b, who in enumerate(("block 0", "last block")):
-                print(f"\ndataflow tile trace, {who}, last layer (us after the first stamp): tile issued ready "
-                      "dot-done")
-                for i in range(len(tr[b][0])):
-                    v = [tr[b][k][i] for k in range(len(tr[b]))]
-                    if any(x is not None for x in v):
-                        print(f"  {i:3d} " + " ".join(f"{x if x is not None else nan:7.2f}" for x in v))
-        dfp = o.get("dataflow_phase_us") or {}
-        if dfp:
-            if "error" in dfp:
-                print(f"\ndataflow decode phase profile: ERROR {dfp['error']}")
-            else:
-                print("\ndataflow decode, us per layer by phase (block 0's %globaltimer after each counter wait; "
-                      f"start to x ready {dfp['start']:.2f} us):")
-                for k, v in dfp.items():
-                    if k != "start":
-                        print(f"  {k:10s} {v:7.2f} us")
-                print(f"  {'layer':10s} {sum(v for k, v in dfp.items() if k != 'start'):7.2f} us")
-        if o["variants"]:
-            print("\nvariants (gpu median / p99 ms, wall median):")
-            for k, v in o["variants"].items():
-                if "error" in v:
-                    print(f"  {k:18s} ERROR {v['error']}")
-                else:
-                    print(f"  {k:18s} {v['gpu_median_ms']:8.3f} {v['gpu_p99_ms']:8.3f} {v['host_median_ms']:8.3f}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 def run_on_gpu(tool: str, body: Callable[[Any], int]) -> int:
     """body(pycuda.driver) with the primary context pushed; its exit status, or 2 without a usable GPU."""
-    from vla_edge_ros.engine.cuda_backend import cuda_status
+    from vla_edge_ros.engine.cuda.probe import cuda_status
     ok, why = cuda_status()
     if not ok:
         print(f"{tool}: no usable GPU: {why}", file=sys.stderr)

@@ -62,15 +62,16 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args, cuda) -> int:
     from pycuda.compiler import compile as nvcc_compile
 
-    from vla_edge_ros.engine.cuda_backend import CUDA_DIR
-    from vla_edge_ros.engine.graphs import CudaGraph, PdlLauncher
+    from vla_edge_ros.engine.cuda.graphs import CudaGraph, PdlLauncher
+    from vla_edge_ros.engine.cuda.kernels import BENCH_KERNELS
+    from vla_edge_ros.engine.cuda.probe import CUDA_DIR
     launcher = None
     try:
         cubin = nvcc_compile((CUDA_DIR / "bench_hop.cu").read_text(encoding="utf-8"), no_extern_c=True,
                              include_dirs=[str(CUDA_DIR)], options=["-O3", "-std=c++17"])
         launcher = PdlLauncher()
         mod = launcher.load(cubin)
-        fns = {name: launcher.function(mod, name, "PPi") for name in ("hop_copy", "hop_vector")}
+        fns = {k.name: launcher.function(mod, k.name, k.sig) for k in BENCH_KERNELS}
         stream = cuda.Stream()
         ev0, ev1 = cuda.Event(), cuda.Event()
         rows = []

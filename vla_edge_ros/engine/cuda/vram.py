@@ -1,4 +1,4 @@
-"""One tracker for every device allocation of the CUDA backend, and the start-up VRAM budget check.
+"""One tracker for every device allocation of the CUDA engine, and the start-up VRAM budget check.
 
 Every buffer the backend puts on the GPU goes through :meth:`VramTracker.alloc` (named, so a refusal or a leak
 can be told apart), which keeps current and peak bytes. ``check_budget`` runs before the first allocation: the

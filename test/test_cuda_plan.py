@@ -1,0 +1,277 @@
+"""engine/cuda/plan.py, kernels.py and forward.py without a GPU: the launch plan for each geometry and device class,
+the refusals, the kernel table against the .cu sources, and the forward sequence through a recording launcher."""
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+import types
+
+import pytest
+
+from vla_edge_ros.engine.config import ModelConfig, qwen2_5_0_5b_dict, qwen2_5_1_5b_dict, tiny_default_dict
+from vla_edge_ros.engine.cuda import forward
+from vla_edge_ros.engine.cuda.kernels import (BENCH_KERNELS, BY_NAME, KERNEL_FILES, KERNELS, LAUNCH_CONSTANTS)
+from vla_edge_ros.engine.cuda.plan import (LATE_TRIGGER_FAMILIES, DeviceLimits, LaunchConstants, Tuning, gemm4_grid,
+                                           late_trigger_mask, memory_plan, plan, split_len)
+from vla_edge_ros.engine.cuda.probe import CUDA_DIR
+from vla_edge_ros.engine.interface import EngineError
+
+GEOMETRIES = {"1.5b": qwen2_5_1_5b_dict, "0.5b": qwen2_5_0_5b_dict, "tiny": tiny_default_dict}
+H200 = dict(sm_count=132, smem_optin=232448, pdl=True)
+ORIN = dict(sm_count=16, smem_optin=166912, pdl=False)   # Jetson AGX Orin (sm_87)
+RTX40 = dict(sm_count=58, smem_optin=101376, pdl=False)  # RTX 4070 / L4 class (sm_89)
+PREFILL_REGS = {128: 168, 64: 126}  # registers of attn_prefill_hd{128,64} as compiled for sm_90 (ptxas -v)
+
+
+def cfg_of(name: str, **over) -> ModelConfig:
+    return ModelConfig.from_json({**GEOMETRIES[name](), **over})
+
+
+def limits(device: dict, cfg: ModelConfig) -> DeviceLimits:
+    return DeviceLimits(**device, prefill_attn_regs=PREFILL_REGS.get(cfg.head_dim, 0))
+
+
+def covers(launch, N: int, K: int, rows_per_block: int) -> None:
+    """Blocks x rows cover N, splits x split length cover K (split-K) with no split empty."""
+    assert launch.grid[0] * rows_per_block >= N > (launch.grid[0] - 1) * rows_per_block
+    if launch.ks:
+        assert launch.grid[1] * launch.ks >= K > (launch.grid[1] - 1) * launch.ks
+
+
+# ------------------------------------------------------------------------------------------------- plan
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+def test_h200_default_plan(geometry):
+    cfg = cfg_of(geometry)
+    p = plan(cfg, Tuning(), limits(H200, cfg))
+    H, I, HD, G = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    assert p.pdl and p.keys_per_split == 64
+    # the gate/up and down GEMMs on gemm32v4 (one block per SM), qkv and o split-K
+    assert (p.gemm_gateup.kernel, p.gemm_down.kernel) == ("gemm32v4_silu", "gemm32v4_atomic")
+    assert p.gemm_gateup.grid[1] == 1 and p.gemm_gateup.grid[0] * p.gemm_gateup.grid[1] <= 132
+    assert p.gemm_down.grid[0] * p.gemm_down.grid[1] <= 132
+    assert p.raise_smem == {"gemm32v4_silu": 147456, "gemm32v4_atomic": 147456}
+    nqkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * HD
+    for launch, N, K in ((p.gemm_qkv, nqkv, H), (p.gemm_o, H, cfg.num_attention_heads * HD)):
+        assert launch.kernel == "gemm32_atomic" and launch.ks % 32 == 0
+        covers(launch, N, K, 128)
+    for launch, K in ((p.gemv_o, cfg.num_attention_heads * HD), (p.gemv_down, I)):
+        assert launch.kernel == "gemv_resid" and launch.ks % 256 == 0 and launch.smem == 4 * launch.ks
+        covers(launch, H, K, 16)
+    assert p.gemv_qkv.grid == (math.ceil(nqkv / 16), 1) and p.gemv_gateup.grid == (math.ceil(I / 8), 1)
+    # attention: per head_dim, 2G warps in the prefill; the prefill's merge with 4 dims per thread where HD allows
+    assert p.attn_prefill.kernel == f"attn_prefill_hd{HD}" and p.attn_prefill.block == (64 * G, 1, 1)
+    assert p.attn_decode.kernel == f"attn_decode_hd{HD}" and p.attn_decode.block == (128, 1, 1)
+    assert p.merge_prefill.kernel == ("attn_combine_v4" if HD == 128 else "attn_combine_v2")
+    assert p.merge_prefill.grid[0] * 256 // 8 * (4 if HD == 128 else 2) == cfg.num_attention_heads * 32 * HD
+    assert p.merge_decode.kernel == "attn_combine"
+    assert p.splits(4104) == 65 and p.splits(64) == 1
+    assert p.late_trigger_mask == late_trigger_mask(Tuning().late_trigger) and not p.late_trigger_mask & 1
+    assert p.notes == ()
+
+
+@pytest.mark.parametrize("device,v4", [(ORIN, True), (RTX40, False)])
+def test_pre_hopper_plans(device, v4):
+    """No PDL below sm_90; on 99 KB parts the gemm32v4 GEMMs move to the split-K gemm32 and the plan says so."""
+    cfg = cfg_of("1.5b")
+    p = plan(cfg, Tuning(), limits(device, cfg))
+    assert not p.pdl
+    assert (p.gemm_gateup.kernel == "gemm32v4_silu") == v4 and (p.gemm_down.kernel == "gemm32v4_atomic") == v4
+    if not v4:
+        assert p.gemm_gateup.kernel == "gemm32_silu" and p.gemm_down.kernel == "gemm32_atomic"
+        covers(p.gemm_down, cfg.hidden_size, cfg.intermediate_size, 128)
+        assert p.raise_smem == {} and len(p.notes) == 1 and "101376" in p.notes[0]
+    else:
+        assert p.gemm_gateup.grid[0] <= 16 and p.notes == ()
+
+
+def test_tuning_moves_gemms_and_pdl():
+    cfg = cfg_of("1.5b")
+    h200 = limits(H200, cfg)
+    p = plan(cfg, Tuning(gemm_v4=("qkv", "o", "gateup", "down"), pdl=False), h200)
+    assert {p.gemm_qkv.kernel, p.gemm_o.kernel, p.gemm_down.kernel} == {"gemm32v4_atomic"} and not p.pdl
+    p = plan(cfg, Tuning.from_mapping({"gemm_v4": "", "late_trigger": ""}), h200)
+    assert p.gemm_gateup.kernel == "gemm32_silu" and p.gemm_down.kernel == "gemm32_atomic"
+    assert p.late_trigger_mask == 0 and p.raise_smem == {}
+    assert not plan(cfg, Tuning(), limits({**H200, "pdl": False}, cfg)).pdl  # the driver cannot, the tuning wants
+    # a gate/up whose K does not fit one gemm32v4 block (hidden > 1536) stays on gemm32_silu
+    wide = cfg_of("1.5b", hidden_size=2048, num_attention_heads=16, num_key_value_heads=4)
+    assert plan(wide, Tuning(), h200).gemm_gateup.kernel == "gemm32_silu"
+
+
+def test_tuning_refuses_unknown_values():
+    with pytest.raises(EngineError, match="unknown 'nope'"):
+        Tuning(gemm_v4=("gateup", "nope"))
+    with pytest.raises(EngineError, match="late_trigger"):
+        Tuning.from_mapping({"late_trigger": "attn,nope"})
+    with pytest.raises(EngineError, match="unknown tuning key"):
+        Tuning().with_changes(decode_kernel="persistent")  # removed alternatives are refused by name
+    with pytest.raises(EngineError, match="positive integer"):
+        Tuning(gemv_min_ks=0)
+    with pytest.raises(EngineError, match="true or false"):
+        Tuning(pdl="yes")
+    assert Tuning.from_mapping({"gemm_v4": "down, gateup"}).gemm_v4 == ("down", "gateup")
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"hidden_size": 1152, "num_attention_heads": 12}, "head_dim=96"),
+    ({"num_attention_heads": 18, "num_key_value_heads": 2, "hidden_size": 2304}, "9 query heads per KV head"),
+    ({"intermediate_size": 8968}, "intermediate_size=8968 is not a multiple of 32"),
+    # Qwen2.5-3B and up: 8 query heads per KV head at head_dim 128 = 512 threads x 168 registers > 64 K
+    ({"hidden_size": 2048, "num_attention_heads": 16}, "512 threads x 168 registers"),
+])
+def test_geometries_the_kernels_cannot_run_are_refused_by_name(over, match):
+    cfg = cfg_of("1.5b", **over)
+    with pytest.raises(EngineError, match=match):
+        plan(cfg, Tuning(), limits(H200, cfg))
+
+
+def test_shared_memory_beyond_the_device_is_refused():
+    with pytest.raises(EngineError, match="gemv_resid needs .* bytes of shared memory"):
+        cfg = cfg_of("1.5b", intermediate_size=65536)  # down's single split: 256 KB of input vector
+        plan(cfg, Tuning(gemv_target_blocks=1), limits(H200, cfg))
+
+
+def test_split_len_covers_k_in_quanta():
+    for K in (256, 896, 1536, 4864, 8960):
+        for rb in (1, 18, 24, 192, 280):
+            ks = split_len(K, rb, 264, 32, 256)
+            assert ks % 32 == 0 and ks >= min(256, K)
+            assert (K + ks - 1) // ks * ks >= K
+
+
+@pytest.mark.parametrize("N,K,n_sm,max_splits", [(17920, 1536, 132, 1), (2048, 1536, 132, 1), (1536, 8960, 132, 0),
+                                                  (896, 4864, 132, 0), (9728, 896, 114, 1), (1536, 8960, 16, 0),
+                                                  (32, 64, 132, 0)])
+def test_gemm4_grid_fits_the_sms_and_the_kernel(N, K, n_sm, max_splits):
+    """At most one block per SM, every split's K range within what a block's warps hold (G4_NW x G4_U k32 steps),
+    every row group and step covered, no block larger than needed by more than 2 %."""
+    c = LaunchConstants()
+    R, S = gemm4_grid(N, K, n_sm, max_splits)
+    nrg, nsteps = N // 16, K // 32
+    assert 1 <= R <= nrg and 1 <= S <= nsteps and R * S <= n_sm
+    assert -(-nsteps // S) <= c.G4_NW * c.G4_U
+    if max_splits:
+        assert S <= max_splits
+    work = -(-nrg // R) * -(-nsteps // S)
+    best = min(-(-nrg // max(1, min(nrg, n_sm // s))) * -(-nsteps // s)
+               for s in range(-(-nsteps // (c.G4_NW * c.G4_U)), (max_splits or min(n_sm, nsteps)) + 1))
+    assert work <= best * 1.02
+
+
+def test_gemm4_grid_refuses_what_the_kernel_cannot_do():
+    with pytest.raises(EngineError):
+        gemm4_grid(2 * 8960, 3072, 132, max_splits=1)  # SiLU epilogue: K must fit one block
+    with pytest.raises(EngineError):
+        gemm4_grid(1000, 1536, 132)  # N not a multiple of 16
+    with pytest.raises(EngineError):
+        gemm4_grid(1536, 8960, 4)  # 280 k32 steps need 6 splits
+
+
+def test_late_trigger_mask_matches_the_kernel_families():
+    assert late_trigger_mask("") == 0 and late_trigger_mask(()) == 0
+    assert late_trigger_mask("qkv") == 1
+    assert late_trigger_mask("attn, combine") == 0b110 == late_trigger_mask(("attn", "combine"))
+    assert late_trigger_mask(LATE_TRIGGER_FAMILIES) == (1 << len(LATE_TRIGGER_FAMILIES)) - 1
+    with pytest.raises(EngineError, match="unknown kernel family"):
+        late_trigger_mask("attn,nope")
+    enum = re.search(r"enum VlaFamily \{([^}]*)\}", (CUDA_DIR / "common.cuh").read_text()).group(1)
+    assert [m.group(1).lower() for m in re.finditer(r"FAM_(\w+) = \d+", enum)] == list(LATE_TRIGGER_FAMILIES)
+
+
+def test_memory_plan_grows_with_the_kv_budget():
+    cfg = cfg_of("1.5b")
+    small, big = memory_plan(cfg, 1024, 8), memory_plan(cfg, 4096, 8)
+    assert small["model"] == big["model"] > 2.6e9 * 1.1  # bf16 weights incl. the embedding
+    assert big["kv"] == 2 * 28 * (4096 + 8) * 256 * 2 and small["kv"] < big["kv"] and small["scratch"] < big["scratch"]
+
+
+# ------------------------------------------------------------------------------------------------- kernel table
+def _defines() -> dict[str, int]:
+    """Integer values of the #defines of cuda/ (expressions of other defines evaluated)."""
+    raw = {}
+    for p in sorted(CUDA_DIR.glob("*.cu*")):
+        for m in re.finditer(r"^#define (\w+) ([0-9A-Z_ ()*+/-]+?)\s*(?://.*)?$", p.read_text(), re.M):
+            raw[m.group(1)] = m.group(2)
+
+    def value(name: str, depth: int = 0) -> int:
+        expr = re.sub(r"[A-Z_][A-Z0-9_]*", lambda t: str(value(t.group(0), depth + 1)), raw[name])
+        return int(eval(expr, {"__builtins__": {}}))  # digits and + - * / ( ) only (the regex above)
+    return {k: value(k) for k in raw}
+
+
+def test_launch_constants_defaults_are_the_sources_values():
+    """LaunchConstants (what the host plans with before the modules are loaded, and on CPU) = the .cu defines, and
+    each file's vla_launch array lists exactly the names the host reads (kernels.LAUNCH_CONSTANTS), in order."""
+    d, c = _defines(), LaunchConstants()
+    for name in LaunchConstants.__dataclass_fields__:
+        assert getattr(c, name) == d[name], name
+    for fname, names in LAUNCH_CONSTANTS.items():
+        m = re.search(r"__constant__ int vla_launch\[(\d+)\] = \{([^}]*)\};", (CUDA_DIR / fname).read_text())
+        assert m, fname
+        assert int(m.group(1)) == len(names) and tuple(x.strip() for x in m.group(2).split(",")) == names
+
+
+def _preprocessed(fname: str) -> str:
+    cpp = shutil.which("cpp")
+    if cpp is None:
+        pytest.skip("no C preprocessor")
+    return subprocess.run([cpp, "-P", "-I", str(CUDA_DIR), "-D__CUDA_ARCH__=900", str(CUDA_DIR / fname)],
+                          capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("fname", sorted(set(KERNEL_FILES + tuple(k.file for k in BENCH_KERNELS))))
+def test_kernel_table_matches_the_sources(fname):
+    """Every extern "C" kernel of a file is in the table with its file, and its signature has one letter per
+    parameter of the right kind (pointer / int / float): no kernel is compiled that the host does not know."""
+    src = _preprocessed(fname)
+    found = {}
+    for m in re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(([^)]*)\)', src):
+        params = [p.strip() for p in m.group(2).split(",")]
+        found[m.group(1)] = "".join("P" if "*" in p else ("f" if p.split()[-2] == "float" else "i") for p in params)
+    want = {k.name: k.sig for k in KERNELS + BENCH_KERNELS if k.file == fname}
+    assert found == want
+
+
+# ------------------------------------------------------------------------------------------------- forward
+def _fake_buffers(cfg: ModelConfig, slots: int):
+    ptr = iter(range(1 << 20, 1 << 44, 1 << 20))
+    NS = types.SimpleNamespace
+    w = NS(layers=[NS(**{k: next(ptr) for k in ("wqkv", "bqkv", "wo", "wgu", "wd", "ln1", "ln2")})
+                   for _ in range(cfg.num_hidden_layers)], embed=next(ptr), final_norm=next(ptr), head_rows=next(ptr))
+    a = NS(**{n: next(ptr) for n in ("x_pre h_bf qkv attn_bf act_bf final_h x_dec q_dec attn_dec act_dec "
+                                     "final_h_dec logits tok_buf meta").split()})
+    kc, vc = next(ptr), next(ptr)
+    kv = NS(nsplit=math.ceil(slots / 64), key_slots=next(ptr), rope=next(ptr), part_o_pf=next(ptr),
+            part_ml_pf=next(ptr), part_o_dec=next(ptr), part_ml_dec=next(ptr),
+            layer=lambda i: (kc + i * slots * 512, vc + i * slots * 512))
+    return w, a, kv
+
+
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+def test_forward_launches_match_the_table_and_the_layered_sequence(geometry):
+    cfg = cfg_of(geometry)
+    p = plan(cfg, Tuning(), limits(H200, cfg))
+    w, a, kv = _fake_buffers(cfg, 4104)
+    rec = []
+
+    def k(launch, *args, serial=False):
+        sig = BY_NAME[launch.kernel].sig
+        assert len(args) == len(sig), launch.kernel
+        for c, v in zip(sig, args):
+            assert isinstance(v, float) if c == "f" else isinstance(v, int), (launch.kernel, c, v)
+        assert all(g >= 1 for g in launch.grid), launch
+        rec.append((launch.kernel, serial))
+    forward.chunk(k, p, cfg, w, a, kv, 8)
+    L, HD = cfg.num_hidden_layers, cfg.head_dim
+    prefill = [n for n, _ in rec[:8 * L + 3]]
+    assert prefill[:8] == ["rmsnorm_rows_bf16", "gemm32_atomic", f"attn_prefill_hd{HD}", p.merge_prefill.kernel,
+                           "gemm32_atomic", "rmsnorm_rows_bf16", "gemm32v4_silu", "gemm32v4_atomic"]
+    assert prefill[-3:] == ["rmsnorm_rows_f32", "gemv_logits", "argmax_tokens"]
+    step = [n for n, _ in rec[8 * L + 3:8 * L + 3 + 6 * L + 3]]
+    assert step[:7] == ["embed_gather", "gemv_qkv", f"attn_decode_hd{HD}", "attn_combine", "gemv_resid",
+                        "gemv_gateup", "gemv_resid"] and step[-2:] == ["gemv_logits", "argmax_tokens"]
+    assert len(rec) == 8 * L + 3 + 8 * (6 * L + 3)
+    # only the first launch of the prefill and of the decode start without a programmatic edge
+    assert [i for i, (_, s) in enumerate(rec) if s] == [0, 8 * L + 3]

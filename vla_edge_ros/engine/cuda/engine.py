@@ -1,0 +1,375 @@
+"""CudaEngine: the Engine interface on the GPU: kernels compiled at start-up, weights uploaded once, one chunk = two
+CUDA graph replays (the prefill pass, then the decode steps) on one stream.
+
+Set-up order: refuse what cannot run (geometry, VRAM budget) before any allocation; compile; plan the launches
+(plan.py) from the compiled kernels' constants and the device's limits; upload; prefill the pinned instruction
+prefix eagerly; capture the two graphs. A chunk: the KV manager admits the frame, the host writes the frame's rows,
+the slot list and ``meta`` by async copies, replays both graphs and reads back the tokens and logits. The greedy
+chain stays on the device (each step's argmax feeds the next step's embedding gather).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.cuda import forward
+from vla_edge_ros.engine.cuda.arch import plan_arch
+from vla_edge_ros.engine.cuda.buffers import (Activations, DeviceMemory, KVCache, Weights, as_bf16_bits,
+                                              f32_to_bf16_bits)
+from vla_edge_ros.engine.cuda.kernels import CompiledKernels, Launcher
+from vla_edge_ros.engine.cuda.plan import (BLOCK, T_CHUNK, DeviceLimits, Launch, LaunchPlan, Tuning, check_geometry,
+                                           memory_plan, plan)
+from vla_edge_ros.engine.cuda.probe import cuda_status
+from vla_edge_ros.engine.cuda.vram import check_budget
+from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
+
+
+class CudaEngine(Engine):
+    name = "cuda"
+    host_profile_ms: dict[str, float] = {}  # the last chunk's host-time split: admit, inputs, launch, wait
+
+    def __init__(self, cfg: ModelConfig, checkpoint: str | Path | Mapping[str, np.ndarray], kv,
+                 instruction: str = "", decode_tokens: int = 8, max_vram_gb: float = 8.0,
+                 log: Callable[[str], None] = print, use_graphs: bool = True,
+                 tuning: Tuning | Mapping[str, Any] | None = None, defines: Sequence[str] = ()):
+        """tuning: plan.Tuning (or a mapping of its fields); defines: compile-time macros for benchmark builds
+        (e.g. VLA_TIMELINE), added to $VLA_CUDA_DEFINES. $VLA_CUDA_ARCH=compute_80 builds the pre-Hopper path."""
+        ok, why = cuda_status()
+        if not ok:
+            raise EngineError(f"CUDA backend unavailable: {why}")
+        import pycuda.driver as cuda
+        self._cuda, self.cfg, self.kv, self.log = cuda, cfg, kv, log
+        self.use_graphs = bool(use_graphs)
+        self.tuning = tuning if isinstance(tuning, Tuning) else Tuning.from_mapping(tuning)
+        self.decode_tokens, self.max_vram_gb = int(decode_tokens), float(max_vram_gb)
+        self.defines = tuple(defines) + tuple(os.environ.get("VLA_CUDA_DEFINES", "").split())
+        if self.decode_tokens < cfg.action_dims:
+            raise EngineError(f"decode_tokens={decode_tokens} is smaller than the {cfg.action_dims} action dimensions")
+        if kv.tokens_per_frame != cfg.n_patches:
+            raise EngineError(f"tokens_per_frame={kv.tokens_per_frame} must equal the patch embedder's "
+                              f"{cfg.n_patches} tokens (patch_grid {list(cfg.patch_grid)})")
+        if kv.tokens_per_frame > T_CHUNK:
+            raise EngineError(f"tokens_per_frame={kv.tokens_per_frame}: the CUDA prefill handles at most "
+                              f"{T_CHUNK} tokens per frame")
+        self.prefix_ids = np.frombuffer(instruction.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        if kv.prefix_tokens != len(self.prefix_ids):
+            raise EngineError(f"KV manager pins {kv.prefix_tokens} prefix tokens but the instruction encodes to "
+                              f"{len(self.prefix_ids)} bytes")
+        from vla_edge_ros.core.action_tokenizer import ActionTokenizer
+        self.tokenizer = ActionTokenizer(cfg.vocab_size, cfg.action_q01, cfg.action_q99, cfg.n_action_bins)
+        dev = cuda.Device(0)
+        self.device_name = dev.name()
+        self.arch = plan_arch(dev.compute_capability(), os.environ.get("VLA_CUDA_ARCH", ""))
+        self._sm_count = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+        self._smem_optin = dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        check_geometry(cfg, DeviceLimits(self._sm_count, self._smem_optin, self.arch.pdl))  # before any work
+        self._graphs: dict[str, Any] = {}
+        self._ctx = dev.retain_primary_context()
+        self._ctx.push()
+        try:
+            self._setup(checkpoint)
+        except BaseException:
+            try:
+                self._release()
+            finally:
+                self._ctx.pop()
+            raise
+        self._ctx.pop()
+
+    @contextlib.contextmanager
+    def _active(self):
+        """The engine's (primary) context current on the calling thread for the duration."""
+        self._ctx.push()
+        try:
+            yield
+        finally:
+            self._ctx.pop()
+
+    # ---- set-up ------------------------------------------------------------------------------------------
+    def _setup(self, checkpoint) -> None:
+        cuda, cfg = self._cuda, self.cfg
+        t0 = time.perf_counter()
+        capacity = int(self.kv.budget_tokens)
+        sizes = memory_plan(cfg, capacity, self.decode_tokens)
+        total = check_budget(sizes["model"], sizes["kv"], sizes["scratch"], self.max_vram_gb)
+        self.mem = DeviceMemory(cuda, int(self.max_vram_gb * 2**30))
+        w = self._load_weights(checkpoint)
+        t1 = time.perf_counter()
+        self.kernels = CompiledKernels(cuda, self.arch.nvcc_arch, self.arch.target, self.defines, self.log)
+        HD = cfg.head_dim
+        self.limits = DeviceLimits(self._sm_count, self._smem_optin, self.arch.pdl and self.kernels.pdl_ready,
+                                   prefill_attn_regs=self.kernels.num_regs(f"attn_prefill_hd{HD}"),
+                                   constants=self.kernels.constants())
+        self._plan()
+        t2 = time.perf_counter()
+        self.weights = Weights(self.mem, cfg, w, self.prefix_ids)
+        del w
+        self.act = Activations(self.mem, cfg, self.decode_tokens)
+        self.kvc = KVCache(self.mem, cfg, self.decode_tokens, self.plan.keys_per_split)
+        self.kvc.allocate(capacity)
+        self.stream = cuda.Stream()
+        self.ev = [cuda.Event() for _ in range(4)]
+        self.launcher = Launcher(self.kernels, self.stream, self.plan.pdl)
+        t3 = time.perf_counter()
+        self._prefill_prefix()
+        self._capture()
+        self.stream.synchronize()
+        t4 = time.perf_counter()
+        self.last_logits: np.ndarray | None = None
+        self.log(f"cuda engine: {self.device_name}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+                 f"budget {capacity} tokens; device memory {self.mem.tracker.current_bytes / 2**30:.3f} GiB (planned "
+                 f"{total / 2**30:.3f}); load {t1 - t0:.1f}s, compile {t2 - t1:.1f}s, upload {t3 - t2:.1f}s, "
+                 f"prefix+capture {t4 - t3:.1f}s, graphs {'on' if self.use_graphs else 'off'}; kernels "
+                 f"{self.arch.describe()}, PDL {'on' if self.plan.pdl else 'off'}")
+
+    def _load_weights(self, checkpoint) -> dict[str, np.ndarray]:
+        if isinstance(checkpoint, Mapping):
+            from vla_edge_ros.engine.checkpoint import expected_shapes
+            for name, shape in expected_shapes(self.cfg).items():
+                if name not in checkpoint:
+                    raise EngineError(f"weights: missing tensor {name}")
+                if tuple(np.shape(checkpoint[name])) != shape:
+                    raise EngineError(f"weights: tensor {name}: expected shape {list(shape)}, found "
+                                      f"{list(np.shape(checkpoint[name]))}")
+            return {k: as_bf16_bits(v) for k, v in checkpoint.items()}
+        from vla_edge_ros.engine.checkpoint import load_checkpoint
+        return load_checkpoint(checkpoint, self.cfg, dtype="bfloat16")
+
+    def _plan(self) -> None:
+        """Plan the launches for the current tuning and apply what the kernels need from it (shared-memory limits,
+        the late-trigger mask in every module)."""
+        self.plan: LaunchPlan = plan(self.cfg, self.tuning, self.limits)
+        for note in self.plan.notes:
+            self.log(f"cuda engine: {note}")
+        for name, nbytes in self.plan.raise_smem.items():
+            self.kernels.raise_dynamic_smem(name, nbytes)
+        self.kernels.write_u32("vla_late_trigger", self.plan.late_trigger_mask)
+
+    def retune(self, **changes: Any) -> None:
+        """Change tuning (plan.Tuning fields; ``use_graphs``) and re-capture the graphs (benchmarks)."""
+        with self._active():
+            self.stream.synchronize()
+            if "use_graphs" in changes:
+                self.use_graphs = bool(changes.pop("use_graphs"))
+            self.tuning = self.tuning.with_changes(**changes)
+            self._plan()
+            self.launcher.pdl = self.plan.pdl
+            self._capture()
+            self.stream.synchronize()
+
+    @property
+    def pdl(self) -> bool:
+        """Kernels are launched with programmatic dependent launch (sm_90 build, driver support, tuning)."""
+        return self.plan.pdl
+
+    # ---- the forward pass, eagerly or into graphs -----------------------------------------------------------
+    def enqueue_prefill(self, k=None) -> None:
+        forward.prefill(k or self.launcher, self.plan, self.cfg, self.weights, self.act, self.kvc)
+
+    def enqueue_decode(self, k=None) -> None:
+        forward.decode(k or self.launcher, self.plan, self.cfg, self.weights, self.act, self.kvc, self.decode_tokens)
+
+    def enqueue_chunk(self, k=None) -> None:
+        """A whole chunk's launches through launcher k (profiling tools record or filter them)."""
+        self.enqueue_prefill(k)
+        self.enqueue_decode(k)
+
+    def _capture(self) -> None:
+        from vla_edge_ros.engine.cuda.graphs import CudaGraph
+        for g in self._graphs.values():
+            g.destroy()
+        self._graphs = {}
+        if not self.use_graphs:
+            return
+        self.stream.synchronize()
+        self._graphs["prefill"] = CudaGraph("prefill").capture(self.stream, self.enqueue_prefill)
+        self._graphs["decode"] = CudaGraph("decode").capture(self.stream, self.enqueue_decode)
+
+    def _run(self, name: str, enqueue: Callable[[], None]) -> None:
+        if self.use_graphs:
+            self._graphs[name].launch(self.stream)
+        else:
+            enqueue()
+
+    # ---- host-side inputs --------------------------------------------------------------------------------
+    def _set_inputs(self, rows: np.ndarray, slots: np.ndarray, L: int, p0: int, T: int, n_ctx: int) -> None:
+        cuda, a, kv = self._cuda, self.act, self.kvc
+        a.h_x[:T] = rows
+        a.h_x[T:] = 0.0  # (the prefix's last partial chunk; a frame fills all 32 rows)
+        n = len(slots)
+        kv.h_slots[:n] = slots
+        a.h_meta[:] = (L, p0, T, n_ctx)
+        cuda.memcpy_htod_async(a.x_pre, a.h_x, self.stream)
+        cuda.memcpy_htod_async(kv.key_slots, kv.h_slots[:max(n, 1)], self.stream)
+        cuda.memcpy_htod_async(a.meta, a.h_meta, self.stream)
+
+    def _prefill_prefix(self) -> None:
+        """The pinned instruction prefix, in chunks of up to 32 tokens (eager launches, once)."""
+        n = len(self.prefix_ids)
+        if n == 0:
+            return
+        slots = np.asarray(self.kv.prefix_slots, dtype=np.int32)
+        for p0 in range(0, n, T_CHUNK):
+            T = min(T_CHUNK, n - p0)
+            self._set_inputs(self.weights.prefix_embed[p0:p0 + T], slots[:p0 + T], p0 + T, p0, T, 0)
+            self.enqueue_prefill()
+        self.stream.synchronize()
+
+    def _ensure_capacity(self) -> None:
+        if self.kv.budget_tokens <= self.kvc.capacity:
+            return
+        self.log(f"cuda engine: KV budget grew to {self.kv.budget_tokens} tokens: reallocating the cache and "
+                 "re-capturing the graphs")
+        sizes = memory_plan(self.cfg, self.kv.budget_tokens, self.decode_tokens)
+        check_budget(sizes["model"], sizes["kv"], sizes["scratch"], self.max_vram_gb)
+        self.stream.synchronize()
+        self.kvc.allocate(self.kv.budget_tokens)
+        self._capture()
+
+    def _apply_moves(self) -> None:
+        take = getattr(self.kv, "take_moves", None)
+        moves = take() if take else []
+        if not moves:
+            return
+        src, dst, n = self.kvc.upload_moves(moves)
+        L, nkv = self.cfg.num_hidden_layers, self.kvc.nkv
+        move = Launch("kv_move", (min(4096, -(-L * n * nkv // BLOCK)), 1), (BLOCK, 1, 1))
+        self.launcher(move, self.kvc.kc, self.kvc.vc, L, self.kvc.slots, nkv, src, dst, n, serial=True)
+
+    # ---- engine API --------------------------------------------------------------------------------------
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.kv.tokens_per_frame
+
+    def encode_frame(self, image: np.ndarray) -> np.ndarray:
+        """Patchify on the host, patch projection (+bias+pos) as a tensor-core GEMM on the GPU."""
+        w, a, cfg = self.weights, self.act, self.cfg
+        patches = w.vision.patches(image)
+        n = patches.shape[0]
+        buf = np.zeros((T_CHUNK, cfg.patch_dim), np.uint16)
+        buf[:n] = f32_to_bf16_bits(patches)
+        out = np.empty((T_CHUNK, cfg.hidden_size), np.float32)
+        cuda = self._cuda
+        with self._active():
+            cuda.memcpy_htod_async(a.vis_in, buf, self.stream)
+            cuda.memcpy_dtod_async(a.vis_out, w.vis_bias_pos, 4 * T_CHUNK * cfg.hidden_size, self.stream)
+            forward._gemm(self.launcher, self.plan.vision, a.vis_in, cfg.patch_dim, w.w_patch, cfg.hidden_size,
+                          cfg.patch_dim, a.vis_out, cfg.hidden_size, serial=True)
+            cuda.memcpy_dtoh_async(out, a.vis_out, self.stream)
+            self.stream.synchronize()
+        return out[:n]
+
+    def run_chunk(self, vision_tokens: np.ndarray, frame_id: int, salient: bool = False) -> ChunkResult:
+        t0 = time.perf_counter()
+        x = check_vision_tokens(vision_tokens, self.kv.tokens_per_frame, self.cfg.hidden_size)
+        cuda = self._cuda
+        try:
+            adm, gen, prefill_ms, decode_ms = self._device_chunk(x, frame_id, salient)
+        except cuda.Error as e:
+            # A device error (out of memory, launch failure) can leave the cache half-written and the frame
+            # admitted: the inference loop resets the engine before the next chunk instead of a node restart.
+            self.needs_reset = True
+            raise EngineError(f"CUDA error during chunk {frame_id}: {e}") from e
+        self.last_logits = self.act.h_logits.copy()
+        bins = gen[1:1 + self.cfg.action_dims] - self.cfg.action_token_offset
+        if np.any(bins < 0) or np.any(bins >= self.cfg.n_action_bins):
+            raise EngineError(f"decode produced token ids outside the action rows: {gen.tolist()}")
+        action = self.tokenizer.bins_to_action(bins)
+        return ChunkResult(frame_id=int(frame_id), token_ids=gen, action_bins=bins, action=action,
+                           prefill_ms=float(prefill_ms), decode_ms=float(decode_ms),
+                           total_ms=(time.perf_counter() - t0) * 1e3, evicted_frames=list(adm.evicted),
+                           kv_occupancy_tokens=int(self.kv.occupancy_tokens), salient=bool(salient))
+
+    def _device_chunk(self, x: np.ndarray, frame_id: int, salient: bool):
+        from vla_edge_ros.engine.vision import pooled
+        cuda, a, tpf = self._cuda, self.act, self.kv.tokens_per_frame
+        t = [time.perf_counter()]
+        with self._active():
+            self._apply_moves()
+            adm = self.kv.admit(frame_id, pooled(x), salient)
+            self._ensure_capacity()
+            ctx = np.asarray(self.kv.context_slots(), dtype=np.int32)
+            n_ctx = len(ctx)
+            slots = np.concatenate([ctx, self.kvc.capacity + np.arange(self.decode_tokens, dtype=np.int32)])
+            t.append(time.perf_counter())
+            self._set_inputs(x, slots, n_ctx, n_ctx - tpf, tpf, n_ctx)
+            t.append(time.perf_counter())
+            self.ev[0].record(self.stream)
+            self._run("prefill", self.enqueue_prefill)
+            self.ev[1].record(self.stream)
+            self._run("decode", self.enqueue_decode)
+            self.ev[2].record(self.stream)
+            t.append(time.perf_counter())
+            cuda.memcpy_dtoh_async(a.h_tok, a.tok_buf, self.stream)
+            cuda.memcpy_dtoh_async(a.h_logits, a.logits, self.stream)
+            self.ev[3].record(self.stream)
+            self.ev[3].synchronize()
+            t.append(time.perf_counter())
+            self.host_profile_ms = {k: 1e3 * (b - e) for k, e, b in
+                                    zip(("admit", "inputs", "launch", "wait"), t[:-1], t[1:])}
+            prefill_ms = self.ev[1].time_since(self.ev[0])
+            decode_ms = self.ev[2].time_since(self.ev[1])
+        return adm, a.h_tok.astype(np.int64), prefill_ms, decode_ms
+
+    # ---- read-back for tests and benchmarks --------------------------------------------------------------
+    def read_final_hidden(self) -> tuple[np.ndarray, np.ndarray]:
+        """(prefill rows (32, H), decode steps (decode_tokens, H)) of the final-normed hidden state."""
+        H = self.cfg.hidden_size
+        with self._active():
+            self.stream.synchronize()
+            a = np.empty((T_CHUNK, H), np.float32)
+            b = np.empty((self.decode_tokens, H), np.float32)
+            self._cuda.memcpy_dtoh(a, self.act.final_h)
+            self._cuda.memcpy_dtoh(b, self.act.final_h_dec)
+        return a, b
+
+    def reset(self) -> None:
+        """Drop every retained frame; the pinned prefix (its K/V and slots) stays."""
+        self.needs_reset = False
+        if hasattr(self.kv, "reset"):
+            self.kv.reset()
+        else:
+            kv = self.kv
+            self.kv = type(kv)(kv.budget_tokens, kv.tokens_per_frame, kv.prefix_tokens, policy=kv.policy,
+                               window_frames=kv.window_frames, semantic_evict=kv.semantic_evict)
+
+    def memory(self) -> dict[str, int]:
+        s = self.mem.tracker.stats()
+        return {"current_bytes": s["current_bytes"], "peak_bytes": s["peak_bytes"]}
+
+    def _release(self) -> None:
+        for g in getattr(self, "_graphs", {}).values():
+            try:
+                g.destroy()
+            except Exception:
+                pass
+        self._graphs = {}
+        if getattr(self, "mem", None) is not None:
+            self.mem.tracker.free_all()
+        if getattr(self, "kernels", None) is not None:
+            self.kernels.unload()
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None) is None:
+            return
+        with self._active():
+            try:
+                self.stream.synchronize()
+            except Exception:
+                pass
+            self._release()
+        self._ctx.detach()
+        self._ctx = None
+
+    def __del__(self):  # best effort; close() is the contract
+        try:
+            if getattr(self, "_ctx", None) is not None and getattr(self, "mem", None) is not None:
+                self.close()
+        except Exception:
+            pass

@@ -1,0 +1,87 @@
+"""The layered Qwen2 forward as kernel launches: one prefill pass and the greedy decode steps of a chunk.
+
+The same functions run eagerly (the instruction prefix, graphs off) and under graph capture; ``k`` is the launcher
+(kernels.Launcher, or the profiling tools' recording one), ``p`` the LaunchPlan, ``w`` / ``a`` / ``kv`` the
+buffers. Per layer of the prefill: RMSNorm -> QKV GEMM -> attention -> split merge -> o_proj GEMM (+residual) ->
+RMSNorm -> gate/up GEMM (SiLU * up) -> down GEMM (+residual). Per layer of a decode step: RMSNorm + QKV GEMV (+ K/V
+store) -> attention -> split merge -> o_proj GEMV (+residual) -> RMSNorm + gate/up GEMV -> down GEMV (+residual).
+``meta`` on the device = [L keys seen by the prefill, p0 position of its row 0, T rows, n_ctx].
+"""
+from __future__ import annotations
+
+import math
+
+from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.cuda.buffers import Activations, KVCache, Weights
+from vla_edge_ros.engine.cuda.plan import T_CHUNK, Launch, LaunchPlan
+
+
+def _qscale(cfg: ModelConfig) -> float:
+    return math.log2(math.e) / math.sqrt(cfg.head_dim)  # softmax in the log2 domain
+
+
+def _gemm(k, launch: Launch, A: int, lda: int, W: int, N: int, K: int, C: int, ldc: int,
+          serial: bool = False) -> None:
+    """C[32][ldc] += A W^T: gemm32v4_atomic, or the split-K gemm32_atomic (which takes its split length)."""
+    split = (launch.ks,) if launch.ks else ()
+    k(launch, A, lda, W, N, K, *split, C, ldc, serial=serial)
+
+
+def prefill(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache) -> None:
+    """One pass over the rows of a.x_pre -> final_h, logits[0], tok_buf[0]."""
+    H, I, T, eps = cfg.hidden_size, cfg.intermediate_size, T_CHUNK, cfg.rms_norm_eps
+    G, n_kvh, HD = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads, cfg.head_dim
+    nq = cfg.num_attention_heads * HD
+    nqkv = nq + 2 * n_kvh * HD
+    attn = p.attn_prefill._replace(grid=(kv.nsplit, n_kvh))
+    for i, L in enumerate(w.layers):
+        kc, vc = kv.layer(i)
+        # serial at layer 0: the attention stages cache rows of older keys before its PDL wait, so whatever ran
+        # before the prefill (the last chunk, K/V moves) must be complete (a graph boundary does that too)
+        k(p.norm_rows, a.x_pre, L.ln1, a.h_bf, H, eps, L.bqkv, a.qkv, nqkv, serial=i == 0)
+        _gemm(k, p.gemm_qkv, a.h_bf, H, L.wqkv, nqkv, H, a.qkv, nqkv)
+        k(attn, a.qkv, nqkv, kc, vc, kv.key_slots, a.meta, kv.rope, G, n_kvh, _qscale(cfg), kv.part_o_pf,
+          kv.part_ml_pf)  # also stores this chunk's K/V in the cache
+        k(p.merge_prefill, kv.part_o_pf, kv.part_ml_pf, cfg.num_attention_heads * T, HD, T,
+          cfg.num_attention_heads, a.meta, 0, 0, p.keys_per_split, 0, a.attn_bf)
+        _gemm(k, p.gemm_o, a.attn_bf, nq, L.wo, H, nq, a.x_pre, H)
+        k(p.norm_rows, a.x_pre, L.ln2, a.h_bf, H, eps, 0, 0, 0)
+        k(p.gemm_gateup, a.h_bf, H, L.wgu, 2 * I, H, a.act_bf)
+        _gemm(k, p.gemm_down, a.act_bf, I, L.wd, H, I, a.x_pre, H)
+    k(p.final_norm, a.x_pre, w.final_norm, a.final_h, H, eps)
+    # the last valid row (meta[2] - 1): already normed, so no norm weights here
+    k(p.logits, a.final_h, a.meta, 2, 0, eps, w.head_rows, cfg.n_action_bins, H, a.logits, 0)
+    k(p.argmax, a.logits, cfg.n_action_bins, cfg.action_token_offset, a.tok_buf, 0)
+
+
+def decode(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, steps: int) -> None:
+    """``steps`` greedy steps: step s embeds tok_buf[s - 1] and writes logits[s], final_h_dec[s - 1], tok_buf[s]."""
+    H, I, eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
+    G, n_kvh, HD = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads, cfg.head_dim
+    Hq, nq, nkv, n_bins = cfg.num_attention_heads, cfg.num_attention_heads * HD, n_kvh * HD, cfg.n_action_bins
+    attn = p.attn_decode._replace(grid=(kv.nsplit, n_kvh))
+    for s in range(1, steps + 1):
+        # serial at step 1: the attention stages cache rows of keys < n_ctx before its PDL wait, so everything
+        # the prefill wrote must be complete (a graph boundary does that too; this covers eager launches)
+        k(p.embed, w.embed, a.tok_buf, s - 1, a.x_dec, H, serial=s == 1)
+        for i, L in enumerate(w.layers):
+            kc, vc = kv.layer(i)
+            k(p.gemv_qkv, a.x_dec, L.ln1, eps, L.wqkv, L.bqkv, H, nq, nkv, a.q_dec, kc, vc, kv.key_slots, a.meta,
+              s)  # also stores the token's K/V at its slot
+            k(attn, a.q_dec, kc, vc, kv.key_slots, a.meta, s, kv.rope, G, n_kvh, _qscale(cfg), kv.part_o_dec,
+              kv.part_ml_dec)
+            k(p.merge_decode, kv.part_o_dec, kv.part_ml_dec, Hq, HD, 1, Hq, a.meta, 3, s, p.keys_per_split,
+              a.attn_dec, 0)
+            k(p.gemv_o, a.attn_dec, L.wo, H, nq, p.gemv_o.ks, a.x_dec)
+            k(p.gemv_gateup, a.x_dec, L.ln2, eps, L.wgu, I, H, a.act_dec)
+            k(p.gemv_down, a.act_dec, L.wd, H, I, p.gemv_down.ks, a.x_dec)
+        logits = a.logits + 4 * s * n_bins
+        k(p.logits, a.x_dec, a.meta, -1, w.final_norm, eps, w.head_rows, n_bins, H, logits,
+          a.final_h_dec + 4 * (s - 1) * H)
+        k(p.argmax, logits, n_bins, cfg.action_token_offset, a.tok_buf, s)
+
+
+def chunk(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, steps: int) -> None:
+    """A whole chunk (the profiling tools capture it as one graph)."""
+    prefill(k, p, cfg, w, a, kv)
+    decode(k, p, cfg, w, a, kv, steps)

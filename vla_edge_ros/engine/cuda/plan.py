@@ -1,0 +1,326 @@
+"""What the CUDA engine launches, decided without a GPU: ``plan(cfg, tuning, limits) -> LaunchPlan``.
+
+Why a pure module: every grid, split length and shared-memory size of a chunk follows from the model geometry, the
+tuning and a few device numbers (SM count, shared-memory opt-in, registers of the compiled prefill attention). Kept
+apart from PyCUDA they are unit-tested on CPU (test/test_cuda_plan.py), and a geometry the kernels cannot run is
+refused here, by name, before anything is allocated.
+
+The kernels' own launch constants (warps per block, keys per split, the gemm32v4 tile) are read from the compiled
+modules (kernels.py) into ``LaunchConstants``; the defaults below are the sources' values, checked against them by
+test/test_cuda_compile.py. Measured effect of every tuning knob: docs/KERNEL_NOTES.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping, NamedTuple
+
+from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.cuda.arch import fit_shared_memory
+from vla_edge_ros.engine.interface import EngineError
+
+T_CHUNK = 32  # prefill rows per pass: the GEMMs' two m16 tiles (cuda/gemm_skinny.cu); a frame is <= 32 tokens
+BLOCK = 256   # threads of the row-wise kernels (RMSNorm, embedding gather, argmax, K/V move)
+SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without raising its limit
+G4_USES = ("qkv", "o", "gateup", "down")  # prefill GEMMs that may run on gemm32v4_*
+# kernel families whose PDL trigger can be late, in the order of the VlaFamily enum of cuda/common.cuh
+LATE_TRIGGER_FAMILIES = ("qkv", "attn", "combine", "resid", "gateup", "gemm", "rmsnorm", "attn_pf")
+
+
+@dataclass(frozen=True)
+class LaunchConstants:
+    """Compile-time constants of the kernels that the host sizes launches with (each file's vla_launch array)."""
+    GEMM_WARPS: int = 8      # gemm32_*: warps per block, 16 weight rows each
+    G4_NW: int = 8           # gemm32v4_*: warps per block
+    G4_U: int = 6            # gemm32v4_*: k32 steps per warp (a split's K range <= 32 G4_NW G4_U)
+    G4_SMEM: int = 147456    # gemm32v4_*: dynamic shared memory per block
+    GEMV_WARPS: int = 8      # decode GEMVs: warps per block
+    ATT_KC: int = 64         # keys per staged chunk = keys per split of both attention kernels
+    DEC_WARPS: int = 4       # decode attention: warps per block
+    DEC_MAXG: int = 8        # query heads per KV head the decode attention supports
+    CMB_GROUPS: int = 8      # split merge: split groups (warps) per block
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch choices that do not change results. Defaults: the fastest measured on the H200."""
+    pdl: bool = True  # programmatic dependent launch (off: +1.65 ms per chunk on the H200); sm_90 only
+    gemm_v4: tuple[str, ...] = ("gateup", "down")  # prefill GEMMs on gemm32v4 (qkv and o on it: +0.10 ms)
+    # families that let their successor launch after their own PDL wait, not at their start: at most two kernels
+    # wait behind a running one (none late: +0.80 ms; all: +0.04 to +0.13 ms)
+    late_trigger: tuple[str, ...] = ("attn", "combine", "resid", "gateup", "gemm", "rmsnorm", "attn_pf")
+    gemm_target_blocks: int = 264  # split-K prefill GEMMs: blocks per launch to aim for
+    gemm_min_ks: int = 256         # ... and the shortest K split
+    gemv_target_blocks: int = 264  # split-K decode GEMVs (o_proj, down)
+    gemv_min_ks: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_v4", "late_trigger"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                v = tuple(n.strip() for n in v.split(",") if n.strip())
+            object.__setattr__(self, name, tuple(v))
+        for name, known in (("gemm_v4", G4_USES), ("late_trigger", LATE_TRIGGER_FAMILIES)):
+            bad = [n for n in getattr(self, name) if n not in known]
+            if bad:
+                raise EngineError(f"tuning {name}: unknown {', '.join(map(repr, bad))} (known: {', '.join(known)})")
+        if not isinstance(self.pdl, bool):
+            raise EngineError(f"tuning pdl must be true or false, got {self.pdl!r}")
+        for f in ("gemm_target_blocks", "gemm_min_ks", "gemv_target_blocks", "gemv_min_ks"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise EngineError(f"tuning {f} must be a positive integer, got {v!r}")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> "Tuning":
+        return cls().with_changes(**dict(values or {}))
+
+    def with_changes(self, **changes: Any) -> "Tuning":
+        known = {f.name for f in fields(self)}
+        bad = sorted(set(changes) - known)
+        if bad:
+            raise EngineError(f"unknown tuning key(s) {', '.join(bad)} (known: {', '.join(sorted(known))})")
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What the plan needs to know about the device and the compiled kernels."""
+    sm_count: int
+    smem_optin: int  # dynamic + static shared memory one block may opt in to
+    pdl: bool        # the build and the driver can launch with programmatic dependent launch
+    max_threads: int = 1024
+    regs_per_block: int = 65536
+    prefill_attn_regs: int = 0  # registers per thread of the compiled prefill attention (0: not known)
+    constants: LaunchConstants = field(default_factory=LaunchConstants)
+
+
+class Launch(NamedTuple):
+    """One kernel use: name, grid, block and dynamic shared memory; ks: the K split length of a split-K GEMM (an
+    argument of gemm32_atomic, 0 for the kernels that take none)."""
+    kernel: str
+    grid: tuple[int, ...]
+    block: tuple[int, int, int]
+    smem: int = 0
+    ks: int = 0
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Every launch of a chunk for one geometry, tuning and device. Attention grids: ``(splits(slots), n_kvh)``."""
+    # prefill
+    norm_rows: Launch           # RMSNorm of the 32 rows -> bf16 (+ the QKV bias copied into the GEMM output)
+    gemm_qkv: Launch
+    attn_prefill: Launch        # grid x filled per KV capacity
+    merge_prefill: Launch
+    gemm_o: Launch
+    gemm_gateup: Launch
+    gemm_down: Launch
+    final_norm: Launch
+    # decode
+    embed: Launch
+    gemv_qkv: Launch
+    attn_decode: Launch         # grid x filled per KV capacity
+    merge_decode: Launch
+    gemv_o: Launch
+    gemv_gateup: Launch
+    gemv_down: Launch
+    logits: Launch
+    argmax: Launch
+    vision: Launch              # patch projection (encode_frame)
+    raise_smem: Mapping[str, int]  # kernels whose dynamic shared memory limit must be raised, and to what
+    pdl: bool
+    late_trigger_mask: int
+    keys_per_split: int
+    notes: tuple[str, ...] = ()  # decisions worth a log line (a GEMM moved off gemm32v4, ...)
+
+    def splits(self, slots: int) -> int:
+        """Attention splits (blocks per KV head) over ``slots`` cache rows."""
+        return math.ceil(slots / self.keys_per_split)
+
+
+def split_len(K: int, row_blocks: int, target_blocks: int, quantum: int, min_len: int) -> int:
+    """Split-K length (multiple of ``quantum``, >= min_len) giving about ``target_blocks`` blocks in all."""
+    splits = max(1, math.ceil(target_blocks / max(1, row_blocks)))
+    ks = _round_up(math.ceil(K / splits), quantum)
+    return min(_round_up(K, quantum), max(ks, min_len))
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def gemm4_grid(N: int, K: int, n_sm: int, max_splits: int = 0, tol: float = 0.02,
+               c: LaunchConstants = LaunchConstants()) -> tuple[int, int]:
+    """Grid (R row-group ranges, S K splits) of gemm32v4_*: R x S <= n_sm blocks (one per SM), the K range of a
+    split at most G4_NW x G4_U k32 steps, S <= max_splits when given (the SiLU epilogue needs S == 1). Minimises
+    the largest block's work (16-row groups x k32 steps); within `tol` of that, the fewest splits (each split adds
+    32 x N fp32 atomics)."""
+    if N % 16 or K % 32 or N <= 0 or K <= 0:
+        raise EngineError(f"gemm32v4: N={N} must be a multiple of 16 and K={K} of 32")
+    nrg, nsteps = N // 16, K // 32
+    s_min = math.ceil(nsteps / (c.G4_NW * c.G4_U))
+    s_max = min(nsteps, n_sm, s_min + 32, max_splits or n_sm)
+    if s_min > s_max:
+        raise EngineError(f"gemm32v4: K={K} needs {s_min} splits, at most {s_max} allowed")
+    cands = []
+    for S in range(s_min, s_max + 1):
+        R = max(1, min(nrg, n_sm // S))
+        cands.append((math.ceil(nrg / R) * math.ceil(nsteps / S), S, R))
+    best = min(cost for cost, _, _ in cands)
+    S, _, R = min((S, cost, R) for cost, S, R in cands if cost <= best * (1 + tol))
+    return R, S
+
+
+def late_trigger_mask(families) -> int:
+    """('attn', 'combine') or 'attn,combine' -> the VlaFamily bit mask of cuda/common.cuh."""
+    names = families.split(",") if isinstance(families, str) else families
+    mask = 0
+    for name in (n.strip() for n in names):
+        if not name:
+            continue
+        if name not in LATE_TRIGGER_FAMILIES:
+            raise EngineError(f"late_trigger: unknown kernel family {name!r} "
+                              f"(known: {', '.join(LATE_TRIGGER_FAMILIES)})")
+        mask |= 1 << LATE_TRIGGER_FAMILIES.index(name)
+    return mask
+
+
+def check_geometry(cfg: ModelConfig, limits: DeviceLimits) -> None:
+    """Refuse, with every reason at once, a model the kernels cannot run on this device."""
+    c = limits.constants
+    HD, G = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    problems = []
+    if HD not in (64, 128):
+        problems.append(f"head_dim={HD} (kernels built for 64 and 128)")
+    if G > c.DEC_MAXG:
+        problems.append(f"{G} query heads per KV head (the decode attention supports <= {c.DEC_MAXG})")
+    for name, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)):
+        if v % 32:
+            problems.append(f"{name}={v} is not a multiple of 32")
+    if cfg.n_action_bins > 1024:
+        problems.append(f"n_action_bins={cfg.n_action_bins} > 1024")
+    threads, regs = 64 * G, limits.prefill_attn_regs
+    if threads > limits.max_threads or threads * regs > limits.regs_per_block:
+        problems.append(f"prefill attention needs {threads} threads x {regs or '?'} registers per block: {G} query "
+                        f"heads per KV head is too many for head_dim {HD}")
+    if problems:
+        raise EngineError(f"model {cfg.source}: geometry not supported by the CUDA kernels: " + "; ".join(problems))
+
+
+def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
+    """The launches of one chunk (see LaunchPlan) for this model, tuning and device; EngineError when it cannot."""
+    check_geometry(cfg, limits)
+    c, t = limits.constants, tuning
+    H, I, HD = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    Hq, n_kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+    nq, nqkv = Hq * HD, (Hq + 2 * n_kvh) * HD
+    n_bins, T, n_sm = cfg.n_action_bins, T_CHUNK, limits.sm_count
+    smem: dict[str, int] = {}
+    notes: list[str] = []
+
+    # ---- prefill GEMMs: gemm32v4 (one block per SM) where the tuning asks and its shared memory fits the device,
+    # else the split-K gemm32 (the fallback on 99 KB parts, and for a gate/up whose K does not fit one block)
+    gemm_rows, gemm_block = 16 * c.GEMM_WARPS, (32 * c.GEMM_WARPS, 1, 1)
+
+    def split_k_gemm(N: int, K: int) -> Launch:
+        rb = math.ceil(N / gemm_rows)
+        ks = split_len(K, rb, t.gemm_target_blocks, 32, t.gemm_min_ks)
+        return Launch("gemm32_atomic", (rb, math.ceil(K / ks)), gemm_block, ks=ks)
+
+    shapes = {"qkv": (nqkv, H, 0), "o": (H, nq, 0), "gateup": (2 * I, H, 1), "down": (H, I, 0)}
+    v4 = {u: shapes[u] for u in t.gemm_v4 if not (u == "gateup" and H > 32 * c.G4_NW * c.G4_U)}
+    kept, note = fit_shared_memory(set(v4), c.G4_SMEM, limits.smem_optin)
+    if note:
+        notes.append(note)
+    g4_block = (32 * c.G4_NW, 1, 1)
+
+    def prefill_gemm(use: str) -> Launch:
+        N, K, silu = shapes[use]
+        if use in kept:
+            kernel = "gemm32v4_silu" if silu else "gemm32v4_atomic"
+            smem[kernel] = c.G4_SMEM
+            return Launch(kernel, gemm4_grid(N, K, n_sm, silu, c=c), g4_block, c.G4_SMEM)
+        if silu:  # the SiLU epilogue needs the whole K in one block
+            return Launch("gemm32_silu", (math.ceil(N / gemm_rows), 1), gemm_block)
+        return split_k_gemm(N, K)
+
+    # ---- decode GEMVs: two rows per warp (gate/up: one intermediate = a gate and an up row), split-K for o / down
+    gw = c.GEMV_WARPS
+    gemv_block = (32 * gw, 1, 1)
+
+    def split_k_gemv(N: int, K: int) -> Launch:
+        rb = math.ceil(N / (2 * gw))
+        ks = split_len(K, rb, t.gemv_target_blocks, 256, t.gemv_min_ks)
+        return Launch("gemv_resid", (rb, math.ceil(K / ks)), gemv_block, 4 * ks, ks)
+
+    gemv_o, gemv_down = split_k_gemv(H, nq), split_k_gemv(H, I)
+    for name, need in (("gemv_qkv", 4 * H), ("gemv_gateup", 4 * H), ("gemv_logits", 4 * H),
+                       ("gemv_resid", max(gemv_o.smem, gemv_down.smem))):
+        smem[name] = max(smem.get(name, 0), need)
+    for name, need in smem.items():
+        if need > limits.smem_optin:
+            raise EngineError(f"{name} needs {need} bytes of shared memory, the device allows {limits.smem_optin}: "
+                              "lower gemv_min_ks")
+
+    # ---- attention: splits of ATT_KC keys; the prefill's merge with as many dims per thread as HD allows (4: -0.05
+    # ms per chunk), the decode's with one (2 no gain, 4 +0.14 ms: 12 blocks)
+    vec = 4
+    while HD % (32 * vec):
+        vec //= 2
+    merge_block = (32 * c.CMB_GROUPS, 1, 1)
+    G = Hq // n_kvh
+    row = (T, 1)
+    return LaunchPlan(
+        norm_rows=Launch("rmsnorm_rows_bf16", row, (BLOCK, 1, 1)),
+        gemm_qkv=prefill_gemm("qkv"),
+        attn_prefill=Launch(f"attn_prefill_hd{HD}", (0, n_kvh), (64 * G, 1, 1)),
+        merge_prefill=Launch("attn_combine" if vec == 1 else f"attn_combine_v{vec}",
+                             (Hq * T * HD // (32 * vec), 1), merge_block),
+        gemm_o=prefill_gemm("o"),
+        gemm_gateup=prefill_gemm("gateup"),
+        gemm_down=prefill_gemm("down"),
+        final_norm=Launch("rmsnorm_rows_f32", row, (BLOCK, 1, 1)),
+        embed=Launch("embed_gather", (math.ceil(H / BLOCK), 1), (BLOCK, 1, 1)),
+        gemv_qkv=Launch("gemv_qkv", (math.ceil(nqkv / (2 * gw)), 1), gemv_block, 4 * H),
+        attn_decode=Launch(f"attn_decode_hd{HD}", (0, n_kvh), (32 * c.DEC_WARPS, 1, 1)),
+        merge_decode=Launch("attn_combine", (Hq * HD // 32, 1), merge_block),
+        gemv_o=gemv_o,
+        gemv_gateup=Launch("gemv_gateup", (math.ceil(I / gw), 1), gemv_block, 4 * H),
+        gemv_down=gemv_down,
+        logits=Launch("gemv_logits", (math.ceil(n_bins / gw), 1), gemv_block, 4 * H),
+        argmax=Launch("argmax_tokens", (1, 1), (BLOCK, 1, 1)),
+        vision=Launch("gemm32_atomic", *_vision_grid(cfg, gemm_rows, gemm_block)),
+        raise_smem={k: v for k, v in smem.items() if v > SMEM_DEFAULT},
+        pdl=bool(t.pdl and limits.pdl),
+        late_trigger_mask=late_trigger_mask(t.late_trigger),
+        keys_per_split=c.ATT_KC,
+        notes=tuple(notes))
+
+
+def _vision_grid(cfg: ModelConfig, rows: int, block) -> tuple:
+    """The patch projection (T x patch_dim -> T x hidden) as a split-K GEMM: (grid, block, smem, ks)."""
+    K, rb = cfg.patch_dim, math.ceil(cfg.hidden_size / rows)
+    ks = split_len(K, rb, 132, 32, 256)
+    return (rb, math.ceil(K / ks)), block, 0, ks
+
+
+def memory_plan(cfg: ModelConfig, capacity: int, decode_tokens: int,
+                c: LaunchConstants = LaunchConstants()) -> dict[str, int]:
+    """Bytes of model, KV cache and scratch for a KV capacity (the three parts of vram.check_budget)."""
+    H, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    Hq, HD, nkv = cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    nqkv, n_bins, T = Hq * HD + 2 * nkv, cfg.n_action_bins, T_CHUNK
+    per_layer = 2 * (nqkv * H + H * H + 2 * I * H + H * I + 2 * H) + 4 * nqkv
+    model = L * per_layer + 2 * V * H + 2 * H + 2 * H * cfg.patch_dim + 4 * cfg.n_patches * H
+    if not cfg.tie_word_embeddings:
+        model += 2 * n_bins * H
+    slots = capacity + decode_tokens
+    kv = 2 * L * slots * nkv * 2
+    n_split = math.ceil(slots / c.ATT_KC)
+    scratch = (4 * T * (3 * H + nqkv) + 2 * T * (2 * H + I)
+               + 4 * (n_split * Hq * T * (HD + 2)) + 4 * (n_split * Hq * (HD + 2))
+               + 4 * (3 * H + Hq * HD + I + decode_tokens * H)
+               + 4 * (decode_tokens + 1) * n_bins + 8 * (slots + 64) * HD // 2
+               + 4 * (slots + 8) + 64 + 2 * T * cfg.patch_dim + 4096)
+    return {"model": int(model), "kv": int(kv), "scratch": int(scratch)}
