@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED := 1
 # 16 ms wall but 30 ms CPU per chunk with threads, 17 ms wall and CPU with one).
 export OPENBLAS_NUM_THREADS ?= 1
 
-.PHONY: venv demo test test-cuda-compile sweep soak bench clean
+.PHONY: venv demo test test-cuda-compile sweep soak bench eval clean
 
 $(VENV)/.installed: setup.py
 	python3 -m venv $(VENV)
@@ -46,6 +46,10 @@ sweep: venv
 
 soak: venv
 	$(PY) -m vla_edge_ros.bench.soak --duration $(DURATION) --out results/soak.json
+
+# closed-loop evaluation through the real ROS processes (sim + runtime): QUICK=1 for the CI-sized run
+eval: venv
+	$(PY) -m vla_edge_ros.bench.eval $(if $(QUICK),--quick) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) --out results/eval
 
 bench: venv
 	$(PY) -m vla_edge_ros.bench.runtime_bench

@@ -59,6 +59,7 @@ setup(
         "console_scripts": [
             "vla_runtime = vla_edge_ros.ros.runtime:main",
             "vla_sim = vla_edge_ros.ros.sim_node:main",
+            "vla_eval = vla_edge_ros.bench.eval:main",
             "vla_camera = vla_edge_ros.ros.runtime:camera_main",
             "vla_inference = vla_edge_ros.ros.runtime:inference_main",
             "vla_action = vla_edge_ros.ros.runtime:action_main",

@@ -162,6 +162,9 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("episode_result_topic", str, "/vla/episode_result", "std_msgs/String: one JSON episode result per "
               "finished episode", SIM),
     ParamSpec("results_path", str, "", "JSON lines file each episode result is appended to (empty = none)", SIM),
+    ParamSpec("sim_policy", str, "external", "who drives the arm: external (the received actions), expert (the "
+              "scripted expert, a baseline) or hold (always hold, a baseline); baselines go through the same "
+              "mapping and control timing", SIM, choices=("external", "expert", "hold")),
 )
 
 BY_NAME: dict[str, ParamSpec] = {p.name: p for p in PARAMS}

@@ -20,6 +20,10 @@ machine, Mesa EGL, 96x96) can therefore delay a control tick by up to that much:
 the thread is ~45 % busy and the control period error is in every episode result (``extra``). The EGL context
 is created and released in that thread (GL contexts are current per thread).
 
+Baselines: ``sim_policy`` = 'expert' (the benchmark's scripted expert) or 'hold' (always hold) drive the arm from
+inside the node, through the same gate, 7 -> 4 mapping and control timer as received actions (sim/episode.py
+BuiltinDriver); the action topic is then not subscribed. 'external' (the default) applies received actions.
+
 Parameters: the ``vla_sim`` rows of the registry (vla_edge_ros/params.py);
 all read-only while running. ``--ros-args --params-file FILE`` / ``-p name:=value`` as for the other nodes.
 """
@@ -62,7 +66,7 @@ class SimNode(Node):
         v = self.values
         # metaworld / mujoco are the optional 'sim' extra: imported here so `--help` and the parameter docs work
         # without them.
-        from vla_edge_ros.sim.episode import SimController
+        from vla_edge_ros.sim.episode import BuiltinDriver, SimController
         from vla_edge_ros.sim.metaworld_env import MetaWorldSim
 
         self.sim = MetaWorldSim(v["task"], v["camera_name"], v["image_width"], v["image_height"], v["horizon"],
@@ -84,8 +88,16 @@ class SimNode(Node):
         self.controller = SimController(self.sim, v["seed_start"], v["num_episodes"], v["action_timeout_ms"],
                                         on_result=self._on_result, wait_for_action=v["wait_for_action"])
         self._episode_period = PeriodTracker(1000.0 / v["control_hz"])
-        self._action_sub = self.create_subscription(JointState, v["sim_action_topic"], self._on_action,
-                                                    qos.reliable_qos())
+        expert_action7 = None
+        if v["sim_policy"] == "expert":
+            from vla_edge_ros.sim.expert import ScriptedExpert
+
+            expert_action7 = ScriptedExpert(self.sim).action7
+        self.driver = BuiltinDriver(self.controller, v["sim_policy"], expert_action7)
+        self._action_sub = None  # a baseline drives: received actions must not mix in
+        if not self.driver.drives:
+            self._action_sub = self.create_subscription(JointState, v["sim_action_topic"], self._on_action,
+                                                        qos.reliable_qos())
         self._camera_timer = self.create_timer(1.0 / v["camera_hz"], self._on_camera)
         self._control_timer = self.create_timer(1.0 / v["control_hz"], self._on_control)
         self.get_logger().info(
@@ -93,7 +105,9 @@ class SimNode(Node):
             f"{v['image_width']}x{v['image_height']} at {v['camera_hz']} Hz on {v['sim_camera_topic']}, control "
             f"{v['control_hz']} Hz from {v['sim_action_topic']}, horizon {v['horizon']}, seeds from "
             f"{v['seed_start']}, episodes {v['num_episodes'] or 'forever'}"
-            + (", waiting for the first action" if v["wait_for_action"] else ""))
+            + (f"; sim_policy {v['sim_policy']!r}: the built-in baseline drives, {v['sim_action_topic']} is not "
+               "subscribed" if self.driver.drives else
+               ", waiting for the first action" if v["wait_for_action"] else ""))
 
     def _declare_parameters(self) -> dict[str, Any]:
         values = {}
@@ -134,9 +148,14 @@ class SimNode(Node):
         self.controller.note_frame()
 
     def _on_control(self) -> None:
-        if self.done.is_set() or not self.controller.started:
+        if self.done.is_set():
             return
         now = time.monotonic_ns()
+        if self.driver.offer(now) is not None:  # a baseline's command failed the gate: counted, the sim holds
+            self.get_logger().error(f"{self.driver.policy} action rejected ({self.controller.last_rejection})",
+                                    throttle_duration_sec=1.0)
+        if not self.controller.started:
+            return
         self.control_period.tick(now)
         self._episode_period.tick(now)
         t0 = time.perf_counter_ns()
@@ -148,6 +167,7 @@ class SimNode(Node):
     def _on_result(self, result) -> None:
         per = self._episode_period.summary()
         result.extra = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in {
+                        "sim_policy": self.values["sim_policy"],
                         "control_hz": self.values["control_hz"], "camera_hz": self.values["camera_hz"],
                         "control_period_error_p99_ms": per["period_error_p99_ms"],
                         "control_longest_gap_ms": per["longest_gap_ms"],

@@ -19,6 +19,11 @@ An episode ends at success (the env's ``info['success']``) or at ``horizon`` ste
 is returned by the step that ended it and the next episode starts at once from seed ``seed_start + k``.
 Pure: the env is any object with ``reset(seed)``, ``step_env(a4) -> success``, ``ee_position()``, ``mapping``,
 ``horizon``, ``task`` and ``instruction`` (metaworld_env.MetaWorldSim).
+
+Baselines (:class:`BuiltinDriver`, the node's ``sim_policy``): the scripted expert (upper bound) or an
+always-hold policy drive the controller from inside the sim, offering their command just before each control
+step through the same gate (``offer``), the same 7 -> 4 mapping and the same wall-clock control step as a
+received action -- so a baseline's success is measured under the timing the runtime's actions get.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ from vla_edge_ros.sim.action_map import (ENV_GRIP_OPEN, KINDS, REJECT_REASONS, R
                                          parse_command)
 
 SIM_HOLD_REASONS = ("no_action", "stale", "rejected")
+# Who drives the arm (the sim node's sim_policy): received actions, the scripted expert, or always hold.
+SIM_POLICIES = ("external", "expert", "hold")
 
 
 @dataclass
@@ -205,3 +212,37 @@ class SimController:
         ok = sum(r.success for r in self.results)
         return {"episodes": n, "successes": ok, "success_rate": ok / n if n else None,
                 "rejected": dict(self.total_rejected), "finished": self.finished}
+
+
+class BuiltinDriver:
+    """A baseline policy inside the sim: ``offer(now_ns)`` before each control step hands the controller the
+    baseline's command as if it had just been received ('expert': the scripted expert's 7-dim action for the
+    current observation, kind 'fresh'; 'hold': a 'hold' command). 'external' offers nothing (the received
+    actions drive). ``expert_action7()`` -> the expert's action for the sim's current state (expert.ScriptedExpert
+    .action7; passed in so this module stays free of metaworld)."""
+
+    HOLD_VALUES = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)  # not applied: a hold keeps the gripper as it was
+
+    def __init__(self, controller: SimController, policy: str,
+                 expert_action7: Optional[Callable[[], Sequence[float]]] = None):
+        if policy not in SIM_POLICIES:
+            raise ValueError(f"sim_policy {policy!r} is not one of {', '.join(SIM_POLICIES)}")
+        if policy == "expert" and expert_action7 is None:
+            raise ValueError("sim_policy 'expert' needs the expert's action function")
+        self.controller, self.policy, self.expert_action7 = controller, policy, expert_action7
+        self.offered = 0
+
+    @property
+    def drives(self) -> bool:
+        """True when the baseline, not the received actions, drives the arm."""
+        return self.policy != "external"
+
+    def offer(self, now_ns: Optional[int] = None) -> Optional[str]:
+        """Offer this step's command (before control_step); None when accepted (or nothing to offer), else the
+        rejection reason -- an expert action that fails the gate is counted like any other, never applied."""
+        if self.policy == "external" or self.controller.finished:
+            return None
+        self.offered += 1
+        if self.policy == "expert":
+            return self.controller.offer("fresh", self.expert_action7(), RUNTIME_ACTION_NAMES, now_ns=now_ns)
+        return self.controller.offer("hold", self.HOLD_VALUES, RUNTIME_ACTION_NAMES, now_ns=now_ns)
