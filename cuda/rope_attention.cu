@@ -9,6 +9,10 @@
 // Softmax runs in the log2 domain: queries are pre-scaled by log2(e)/sqrt(HD).
 // Split-K (flash-decoding): grid.x splits the keys in runs of ATT_KC (64: one staged chunk per split block, the keys
 // older than the pass staged before the PDL wait); attn_combine* merge the partials.
+// Head groups (the *_hg kernels, the named fallback for more query heads per KV head than one block holds: Qwen2.5-3B
+// and up at head_dim 128): grid.z splits the G query heads of a KV head into gridDim.z groups of ceil(G / gridDim.z),
+// one block per (split, KV head, group); every group stages the same keys (read once per group: slower, not
+// wrong). The default kernels are the same bodies with the group code compiled out (HG = false).
 #include "common.cuh"
 #include "attn_core.cuh"
 
@@ -16,7 +20,7 @@
 // rows j - kc0 of a staged chunk, and into the cache (bf16, pre-RoPE) at slot sSlot[j - kc0]: each (key, KV head)
 // is staged by exactly one split block, so every row is stored once. The staged K is rotated from the bf16-rounded
 // value, exactly what a later read of the cache gives. One memory round trip.
-template <int HD>
+template <int HD, bool STORE = true>
 __device__ __forceinline__ void stage_kv_fresh(bf16_t* sK, bf16_t* sVt, const int* sSlot, const float* qkv, int ld,
         bf16_t* kc, bf16_t* vc, const float2* __restrict__ rope_cs, int kvh, int n_kvh, int G, int j0, int j1,
         int kc0, int p0) {
@@ -30,11 +34,13 @@ __device__ __forceinline__ void stage_kv_fresh(bf16_t* sK, bf16_t* sVt, const in
         [&](int j, int d, float2 klo, float2 khi, float2 vlo, float2 vhi, float4 cs) {
             const uint32_t k0 = pack_bf16x2(klo.x, klo.y), k1 = pack_bf16x2(khi.x, khi.y);
             const uint32_t v0 = pack_bf16x2(vlo.x, vlo.y), v1 = pack_bf16x2(vhi.x, vhi.y);
-            const size_t row = (size_t)sSlot[j - kc0] * nkv + kvh * HD + d;
-            *reinterpret_cast<uint32_t*>(kc + row) = k0;
-            *reinterpret_cast<uint32_t*>(kc + row + HD / 2) = k1;
-            *reinterpret_cast<uint32_t*>(vc + row) = v0;
-            *reinterpret_cast<uint32_t*>(vc + row + HD / 2) = v1;
+            if constexpr (STORE) {  // false: a head group other than the first (the first stores the rows)
+                const size_t row = (size_t)sSlot[j - kc0] * nkv + kvh * HD + d;
+                *reinterpret_cast<uint32_t*>(kc + row) = k0;
+                *reinterpret_cast<uint32_t*>(kc + row + HD / 2) = k1;
+                *reinterpret_cast<uint32_t*>(vc + row) = v0;
+                *reinterpret_cast<uint32_t*>(vc + row + HD / 2) = v1;
+            }
             put_kv_pair<HD>(sK, sVt, j - kc0, d, k0, k1, v0, v1, cs);
         });
 }
@@ -43,7 +49,9 @@ __device__ __forceinline__ void stage_kv_fresh(bf16_t* sK, bf16_t* sVt, const in
 // head, against keys [split*ATT_KC, min(L, +ATT_KC)), causal by position (key j visible to token t iff j <= p0 + t).
 // 2G warps; warp w = m16 tile: head w/2, tokens (w&1)*16 .. +15. Tensor cores for QK^T and PV.
 // Partials: part_o [split][Hq*32][HD] (unnormalised), part_ml [split][Hq*32] (max, sum), row = qh*32 + token.
-template <int HD>
+// HG: heads group blockIdx.z * ceil(G / gridDim.z) + w/2 (2 ceil(G / gridDim.z) warps); warps past the last head of
+// the last group compute a copy of head G - 1 and store nothing; only group 0 stores this chunk's K/V in the cache.
+template <int HD, bool HG = false>
 __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv, int ld, bf16_t* kc, bf16_t* vc,
         const int* __restrict__ key_slots, const int* __restrict__ meta, const float2* __restrict__ rope_cs, int G,
         int n_kvh, float qscale, float* __restrict__ part_o, float2* __restrict__ part_ml, bf16_t* sK, bf16_t* sVt,
@@ -69,12 +77,29 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     vla_pf_stamp(0);  // (benchmark builds: phases wait, own-keys staging, query fragments, S/softmax/PV, stores)
     // before the query fragments (registers: 168 at 384 threads) and in its own round trip
     __syncthreads();  // the pre-wait staging (zero rows from p0 on) is complete in every thread
-    if (max(kbeg, p0) < kend)
-        stage_kv_fresh<HD>(sK, sVt, sSlot, qkv, ld, kc, vc, rope_cs, kvh, n_kvh, G, max(kbeg, p0), kend, kbeg, p0);
+    if constexpr (HG) {
+        if (max(kbeg, p0) < kend) {
+            if (blockIdx.z == 0)
+                stage_kv_fresh<HD>(sK, sVt, sSlot, qkv, ld, kc, vc, rope_cs, kvh, n_kvh, G, max(kbeg, p0), kend,
+                                   kbeg, p0);
+            else
+                stage_kv_fresh<HD, false>(sK, sVt, sSlot, qkv, ld, kc, vc, rope_cs, kvh, n_kvh, G, max(kbeg, p0),
+                                          kend, kbeg, p0);
+        }
+    } else {
+        if (max(kbeg, p0) < kend)
+            stage_kv_fresh<HD>(sK, sVt, sSlot, qkv, ld, kc, vc, rope_cs, kvh, n_kvh, G, max(kbeg, p0), kend, kbeg, p0);
+    }
     vla_pf_stamp(1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int h = warp >> 1;
+    int h = warp >> 1;
+    bool head_ok = true;  // this warp's head exists (HG: the last group may have fewer heads than warps pairs)
+    if constexpr (HG) {
+        h += blockIdx.z * ((G + gridDim.z - 1) / gridDim.z);
+        head_ok = h < G;
+        h = min(h, G - 1);
+    }
     const int qh = kvh * G + h;
     const int tok0 = (warp & 1) * 16 + g, tok1 = tok0 + 8;
     const int pos0 = p0 + tok0, pos1 = p0 + tok1;
@@ -150,6 +175,9 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    if constexpr (HG) {
+        if (!head_ok) return;  // uniform over the warp; no block barrier follows
+    }
     const int nrows = n_kvh * G * 32;
     const size_t r0 = (size_t)blockIdx.x * nrows + qh * 32 + tok0;
     const size_t r1 = r0 + 8;
@@ -165,19 +193,26 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     vla_pf_stamp(4);
 }
 
-// grid (ceil(L / ATT_KC), n_kvh), 64 G threads (2G warps: G <= 6 for head_dim 128, <= 8 for 64: register file).
-#define ATTN_PREFILL_KERNEL(NAME, HD, THREADS)                                                                    \
+// grid (ceil(L / ATT_KC), n_kvh), 64 G threads (2G warps: G <= PF_MAXG_128 = 6 for head_dim 128, <= PF_MAXG_64 = 8 for
+// 64: the register file at 168 / 126 registers); _hg: grid (ceil(L / ATT_KC), n_kvh, groups), 64 ceil(G / groups)
+// threads, at most PFG_MAXG_* heads per group (head_dim 128: 4; at a launch bound of 6 heads its body, a few
+// registers larger, spilled 8 bytes on sm_87).
+#define PF_MAXG_128 6
+#define PF_MAXG_64 8
+#define PFG_MAXG_128 4
+#define PFG_MAXG_64 8
+#define ATTN_PREFILL_KERNEL(NAME, HD, THREADS, HG)                                                                \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(const float* qkv, int ld, bf16_t* kc, bf16_t* vc,      \
             const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, float qscale,           \
             float* part_o, float2* part_ml) {                                                                      \
         __shared__ __align__(16) bf16_t sK[ATT_KC * (HD + 8)];                                                     \
         __shared__ __align__(16) bf16_t sVt[HD * (ATT_KC + 8)];                                                    \
         __shared__ int sSlot[ATT_KC];                                                                              \
-        attn_prefill_body<HD>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, qscale, part_o, part_ml, sK,   \
-                              sVt, sSlot);                                                                         \
+        attn_prefill_body<HD, HG>(qkv, ld, kc, vc, key_slots, meta, rope_cs, G, n_kvh, qscale, part_o, part_ml,   \
+                                  sK, sVt, sSlot);                                                                 \
     }
-ATTN_PREFILL_KERNEL(attn_prefill_hd128, 128, 384)
-ATTN_PREFILL_KERNEL(attn_prefill_hd64, 64, 512)
+ATTN_PREFILL_KERNEL(attn_prefill_hd128, 128, 64 * PF_MAXG_128, false)
+ATTN_PREFILL_KERNEL(attn_prefill_hd64, 64, 64 * PF_MAXG_64, false)
 
 // Decode: one query token (G heads of KV head blockIdx.y) against keys [split * ATT_KC, min(L, +ATT_KC)), on tensor
 // cores: the G heads are the rows of one m16 tile (rows >= G are zero), warp w takes keys 16w .. 16w + 15 of the
@@ -189,16 +224,17 @@ ATTN_PREFILL_KERNEL(attn_prefill_hd64, 64, 512)
 // the query (through shared memory, so no query registers live across the staging) and this pass's keys in one
 // round trip, then the chunk. Lean on registers (96: the query goes through shared memory): more of its blocks fit
 // beside the QKV GEMV, so they are resident, and staged, when its wait opens.
-template <int HD>
-__device__ __forceinline__ void attn_decode_body(const float* __restrict__ q, const bf16_t* kc, const bf16_t* vc,
+// HG: the block takes heads h0 .. h0 + Gb - 1 of the KV head's G, h0 = blockIdx.z * ceil(G / gridDim.z) (<= DEC_MAXG
+// each: the host picks gridDim.z = ceil(G / DEC_MAXG)).
+// Shared memory (declared by the callers below): smem (DecAttnSmem<HD>::BYTES), sSlot[ATT_KC], sQcs[HD / 2],
+// sQ[DEC_MAXG * HD].
+template <int HD, bool HG>
+__device__ __forceinline__ void attn_decode_core(const float* __restrict__ q, const bf16_t* kc, const bf16_t* vc,
         const int* __restrict__ key_slots, const int* __restrict__ meta, int step, const float2* __restrict__ rope_cs,
-        int G, int n_kvh, float qscale, float* part_o, float2* part_ml) {
+        int G, int n_kvh, float qscale, float* part_o, float2* part_ml, unsigned char* smem, int* sSlot,
+        float2* sQcs, float* sQ) {
     constexpr int KS = HD / 16, HALF = HD / 2;
     constexpr int QPT = DEC_MAXG * HD / (32 * DEC_WARPS);  // query values per thread
-    __shared__ __align__(16) unsigned char smem[DecAttnSmem<HD>::BYTES];
-    __shared__ int sSlot[ATT_KC];
-    __shared__ float2 sQcs[HALF];
-    __shared__ __align__(16) float sQ[DEC_MAXG * HD];
     bf16_t* sK = reinterpret_cast<bf16_t*>(smem);
     bf16_t* sVt = sK + ATT_KC * (HD + 8);
     pdl_trigger(FAM_ATTN);
@@ -208,12 +244,18 @@ __device__ __forceinline__ void attn_decode_body(const float* __restrict__ q, co
     stage_kv_chunk<HD>(sK, sVt, sSlot, kc, vc, key_slots, rope_cs, kvh, nkv, kbeg, min(n_ctx, kend), kend);
     for (int d = threadIdx.x; d < HALF; d += blockDim.x) sQcs[d] = rope_cs[(size_t)(L - 1) * HALF + d];
     pdl_wait(FAM_ATTN);
+    int Gb = G, h0 = 0;  // this block's heads: kvh * G + h0 .. + Gb - 1
+    if constexpr (HG) {
+        const int per = (G + gridDim.z - 1) / gridDim.z;
+        h0 = blockIdx.z * per;
+        Gb = min(per, G - h0);
+    }
     float qt[QPT];
-    const float* qg = q + (size_t)kvh * G * HD;
+    const float* qg = q + (size_t)kvh * G * HD + (size_t)h0 * HD;
 #pragma unroll
     for (int i = 0; i < QPT; ++i) {
         const int idx = threadIdx.x + i * blockDim.x;
-        qt[i] = idx < G * HD ? qg[idx] : 0.f;
+        qt[i] = idx < Gb * HD ? qg[idx] : 0.f;
     }
     __syncthreads();  // the pre-wait staging (zero rows from n_ctx on) is complete in every thread
     const int j0 = max(kbeg, n_ctx);
@@ -224,30 +266,43 @@ __device__ __forceinline__ void attn_decode_body(const float* __restrict__ q, co
     uint32_t qa[KS][4];
     {
         float qv[2][KS][4];
-        dec_load_q<HD>(sQ, G, qv);
+        dec_load_q<HD>(sQ, Gb, qv);
         q_frag_build<HD>(qv, sQcs, sQcs, qscale, qa);
     }
     DecState<HD> st;
     st.init();
     dec_attend16<HD>(sK, sVt, (threadIdx.x >> 5) * 16, kbeg, kend, qa, st);
     const int Hq = n_kvh * G;
-    dec_merge<HD, DEC_WARPS>(reinterpret_cast<float*>(smem), G, st, [&](int h, int d, float num, float M, float den) {
-        const size_t row = (size_t)blockIdx.x * Hq + kvh * G + h;
+    dec_merge<HD, DEC_WARPS>(reinterpret_cast<float*>(smem), Gb, st, [&](int h, int d, float num, float M, float den) {
+        const size_t row = (size_t)blockIdx.x * Hq + kvh * G + h0 + h;
         part_o[row * HD + d] = num;
         if (d == 0) part_ml[row] = make_float2(M, den);
     });
 }
-// grid (ceil(L / ATT_KC), n_kvh), 32 DEC_WARPS threads
-extern "C" __global__ void __launch_bounds__(32 * DEC_WARPS) attn_decode_hd128(const float* q, const bf16_t* kc,
-        const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
-        float qscale, float* part_o, float2* part_ml) {
-    attn_decode_body<128>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, qscale, part_o, part_ml);
-}
-extern "C" __global__ void __launch_bounds__(32 * DEC_WARPS) attn_decode_hd64(const float* q, const bf16_t* kc,
-        const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G, int n_kvh,
-        float qscale, float* part_o, float2* part_ml) {
-    attn_decode_body<64>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, qscale, part_o, part_ml);
-}
+// the block's shared memory and the core (attn_decode_body: the default kernels; _hg: head groups)
+#define ATTN_DECODE_BODY(BODY, HG)                                                                                 \
+    template <int HD>                                                                                              \
+    __device__ __forceinline__ void BODY(const float* __restrict__ q, const bf16_t* kc, const bf16_t* vc,          \
+            const int* __restrict__ key_slots, const int* __restrict__ meta, int step,                            \
+            const float2* __restrict__ rope_cs, int G, int n_kvh, float qscale, float* part_o, float2* part_ml) { \
+        __shared__ __align__(16) unsigned char smem[DecAttnSmem<HD>::BYTES];                                       \
+        __shared__ int sSlot[ATT_KC];                                                                              \
+        __shared__ float2 sQcs[HD / 2];                                                                            \
+        __shared__ __align__(16) float sQ[DEC_MAXG * HD];                                                          \
+        attn_decode_core<HD, HG>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, qscale, part_o, part_ml,    \
+                                 smem, sSlot, sQcs, sQ);                                                           \
+    }
+ATTN_DECODE_BODY(attn_decode_body, false)
+ATTN_DECODE_BODY(attn_decode_body_hg, true)
+// grid (ceil(L / ATT_KC), n_kvh), 32 DEC_WARPS threads; _hg: grid (ceil(L / ATT_KC), n_kvh, ceil(G / DEC_MAXG))
+#define ATTN_DECODE_KERNEL(NAME, HD, BODY)                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * DEC_WARPS) NAME(const float* q, const bf16_t* kc,            \
+            const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G,        \
+            int n_kvh, float qscale, float* part_o, float2* part_ml) {                                            \
+        BODY<HD>(q, kc, vc, key_slots, meta, step, rope_cs, G, n_kvh, qscale, part_o, part_ml);                  \
+    }
+ATTN_DECODE_KERNEL(attn_decode_hd128, 128, attn_decode_body)
+ATTN_DECODE_KERNEL(attn_decode_hd64, 64, attn_decode_body)
 
 #define CMB_GROUPS 8  // split groups per combine block (blockDim.x == 32 * CMB_GROUPS)
 
@@ -368,5 +423,13 @@ COMBINE_KERNEL(attn_combine, 1)
 COMBINE_KERNEL(attn_combine_v2, 2)
 COMBINE_KERNEL(attn_combine_v4, 4)
 
+// The head-group kernels (the named fallback for G > PF_MAXG_* / DEC_MAXG), defined last so that the default kernels'
+// PTX stays as it was without them.
+ATTN_PREFILL_KERNEL(attn_prefill_hd128_hg, 128, 64 * PFG_MAXG_128, true)
+ATTN_PREFILL_KERNEL(attn_prefill_hd64_hg, 64, 64 * PFG_MAXG_64, true)
+ATTN_DECODE_KERNEL(attn_decode_hd128_hg, 128, attn_decode_body_hg)
+ATTN_DECODE_KERNEL(attn_decode_hd64_hg, 64, attn_decode_body_hg)
+
 // What the host reads from the compiled module (engine/cuda/kernels.py LAUNCH_CONSTANTS), in this order.
-__constant__ int vla_launch[4] = {ATT_KC, DEC_WARPS, DEC_MAXG, CMB_GROUPS};
+__constant__ int vla_launch[8] = {ATT_KC, DEC_WARPS, DEC_MAXG, CMB_GROUPS, PF_MAXG_128, PF_MAXG_64, PFG_MAXG_128,
+                                  PFG_MAXG_64};

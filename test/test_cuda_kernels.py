@@ -347,9 +347,13 @@ KPS = 64  # keys per split of both attention kernels (cuda/attn_core.cuh ATT_KC)
 MERGES = (("attn_combine", 1), ("attn_combine_v2", 2), ("attn_combine_v4", 4))  # (kernel, dims per thread)
 
 
-# p0 = L - 32 at a split boundary (4064 = 63 x 64), inside a split (146), and a cache with no older keys (L = 32)
-@pytest.mark.parametrize("hd,G,n_kvh,L", [(128, 6, 2, 4096), (128, 6, 2, 178), (64, 7, 2, 1000), (64, 2, 2, 32)])
-def test_attention_prefill(dev, rng, hd, G, n_kvh, L):
+# p0 = L - 32 at a split boundary (4064 = 63 x 64), inside a split (146), and a cache with no older keys (L = 32).
+# groups > 0: the head-group kernel attn_prefill_hd*_hg with that many groups of ceil(G / groups) heads: Qwen2.5-3B
+# (8 heads per KV head, 2 x 4), 7B (7: 4 + 3, a group with an idle warp pair), 16 heads on one KV head at 64.
+@pytest.mark.parametrize("hd,G,n_kvh,L,groups", [
+    (128, 6, 2, 4096, 0), (128, 6, 2, 178, 0), (64, 7, 2, 1000, 0), (64, 2, 2, 32, 0),
+    (128, 8, 2, 4096, 2), (128, 7, 4, 178, 2), (64, 16, 1, 300, 2), (128, 6, 1, 100, 3)])
+def test_attention_prefill(dev, rng, hd, G, n_kvh, L, groups):
     """Keys j < p0 from the cache (staged before the PDL wait), this chunk's keys j >= p0 from the QKV output, which
     the kernel also stores in the cache (bf16, pre-RoPE); every other cache row stays as it was. Every merge whose
     dims per thread divide the head."""
@@ -373,9 +377,10 @@ def test_attention_prefill(dev, rng, hd, G, n_kvh, L):
     part_o, part_ml = dev.poisoned(4 * nsplit * rows * hd), dev.poisoned(8 * nsplit * rows)
     meta_d = dev.up(meta)
     kc_d, vc_d = dev.up(kc_b), dev.up(vc_b)
-    dev.fn(f"attn_prefill_hd{hd}")(dev.up(qkv), I32(ld), kc_d, vc_d, dev.up(key_slots), meta_d, dev.up(cs), I32(G),
-                                   I32(n_kvh), F32(LOG2E / math.sqrt(hd)), part_o, part_ml,
-                                   block=(64 * G, 1, 1), grid=(nsplit + 2, n_kvh))  # extra blocks must exit
+    name, per = (f"attn_prefill_hd{hd}_hg", -(-G // groups)) if groups else (f"attn_prefill_hd{hd}", G)
+    dev.fn(name)(dev.up(qkv), I32(ld), kc_d, vc_d, dev.up(key_slots), meta_d, dev.up(cs), I32(G), I32(n_kvh),
+                 F32(LOG2E / math.sqrt(hd)), part_o, part_ml, block=(64 * per, 1, 1),
+                 grid=(nsplit + 2, n_kvh, max(groups, 1)))  # extra blocks must exit
     np.testing.assert_array_equal(dev.down(kc_d, (S, nkv), np.uint16), kc_exp)
     np.testing.assert_array_equal(dev.down(vc_d, (S, nkv), np.uint16), vc_exp)
     ref = attention_ref(qkv[:, :nq].astype(np.float64).reshape(T, Hq, hd), bits_f32(kc_exp), bits_f32(vc_exp),
@@ -390,9 +395,12 @@ def test_attention_prefill(dev, rng, hd, G, n_kvh, L):
         assert rel_err(bits_f32(dev.down(out_b, (T, nq), np.uint16)), ref) < 2e-2, combine
 
 
-# (128, 6, 2, 8000): 126 splits, more than one round of the one-pass merge's loads (8 groups x 12 = 96)
-@pytest.mark.parametrize("hd,G,n_kvh,nctx", [(128, 6, 2, 4082), (64, 7, 2, 300), (64, 2, 2, 50), (128, 6, 2, 8000)])
-def test_attention_decode(dev, rng, hd, G, n_kvh, nctx):
+# (128, 6, 2, 8000): 126 splits, more than one round of the one-pass merge's loads (8 groups x 12 = 96).
+# groups > 0: attn_decode_hd*_hg (more than DEC_MAXG = 8 heads per KV head): 16 heads (8 + 8), 9 (5 + 4), 12 (6 + 6).
+@pytest.mark.parametrize("hd,G,n_kvh,nctx,groups", [
+    (128, 6, 2, 4082, 0), (64, 7, 2, 300, 0), (64, 2, 2, 50, 0), (128, 6, 2, 8000, 0), (128, 8, 2, 4082, 0),
+    (64, 16, 1, 300, 2), (128, 9, 1, 200, 2), (128, 12, 2, 4082, 2)])
+def test_attention_decode(dev, rng, hd, G, n_kvh, nctx, groups):
     theta, step = 1e6, 5
     Hq = G * n_kvh
     nkv = n_kvh * hd
@@ -407,9 +415,10 @@ def test_attention_decode(dev, rng, hd, G, n_kvh, nctx):
     nsplit = math.ceil(L / KPS)
     part_o, part_ml = dev.poisoned(4 * nsplit * Hq * hd), dev.poisoned(8 * nsplit * Hq)
     meta_d = dev.up(meta)
-    dev.fn(f"attn_decode_hd{hd}")(dev.up(q), dev.up(kc_b), dev.up(vc_b), dev.up(key_slots), meta_d, I32(step),
-                                  dev.up(cs), I32(G), I32(n_kvh), F32(LOG2E / math.sqrt(hd)), part_o, part_ml,
-                                  block=(128, 1, 1), grid=(nsplit + 3, n_kvh))  # extra blocks must exit
+    dev.fn(f"attn_decode_hd{hd}" + ("_hg" if groups else ""))(
+        dev.up(q), dev.up(kc_b), dev.up(vc_b), dev.up(key_slots), meta_d, I32(step), dev.up(cs), I32(G), I32(n_kvh),
+        F32(LOG2E / math.sqrt(hd)), part_o, part_ml, block=(128, 1, 1),
+        grid=(nsplit + 3, n_kvh, max(groups, 1)))  # extra blocks must exit
     ref = attention_ref(q.astype(np.float64).reshape(1, Hq, hd), kc, vc, key_slots, L, np.array([L - 1]), theta, G)
     for combine, vec in MERGES:
         if hd % (32 * vec):

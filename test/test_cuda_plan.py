@@ -1,5 +1,6 @@
-"""engine/cuda/plan.py, kernels.py and forward.py without a GPU: the launch plan for each geometry and device class,
-the refusals, the kernel table against the .cu sources, and the forward sequence through a recording launcher."""
+"""engine/cuda/plan.py, kernels.py and forward.py without a GPU: the launch plan for each geometry and device class
+(every Qwen2.5 size, 0.5B to 72B, on the H200, Jetson Orin and a 99 KB part), the refusals and their reasons, the
+kernel table against the .cu sources, and the forward sequence through a recording launcher."""
 from __future__ import annotations
 
 import math
@@ -13,12 +14,27 @@ import pytest
 from vla_edge_ros.engine.config import ModelConfig, qwen2_5_0_5b_dict, qwen2_5_1_5b_dict, tiny_default_dict
 from vla_edge_ros.engine.cuda import forward
 from vla_edge_ros.engine.cuda.kernels import (BENCH_KERNELS, BY_NAME, KERNEL_FILES, KERNELS, LAUNCH_CONSTANTS)
-from vla_edge_ros.engine.cuda.plan import (LATE_TRIGGER_FAMILIES, DeviceLimits, LaunchConstants, Tuning, gemm4_grid,
-                                           late_trigger_mask, memory_plan, plan, split_len)
+from vla_edge_ros.engine.cuda.plan import (LATE_TRIGGER_FAMILIES, DeviceLimits, LaunchConstants, Tuning,
+                                           check_geometry, gemm4_grid, late_trigger_mask, memory_plan,
+                                           padded_intermediate, plan, split_len)
 from vla_edge_ros.engine.cuda.probe import CUDA_DIR
 from vla_edge_ros.engine.interface import EngineError
 
 GEOMETRIES = {"1.5b": qwen2_5_1_5b_dict, "0.5b": qwen2_5_0_5b_dict, "tiny": tiny_default_dict}
+
+
+def _qwen(hidden, layers, heads, kv, inter, vocab=152064, tie=False):
+    """A Qwen2.5 config.json's geometry (the published model cards' values)."""
+    return lambda: {**qwen2_5_1_5b_dict(), "hidden_size": hidden, "num_hidden_layers": layers,
+                    "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
+                    "vocab_size": vocab, "tie_word_embeddings": tie}
+
+
+# name -> (config, query heads per KV head)
+QWEN2_5 = {"0.5b": (qwen2_5_0_5b_dict, 7), "1.5b": (qwen2_5_1_5b_dict, 6),
+           "3b": (_qwen(2048, 36, 16, 2, 11008, 151936, True), 8), "7b": (_qwen(3584, 28, 28, 4, 18944), 7),
+           "14b": (_qwen(5120, 48, 40, 8, 13824), 5), "32b": (_qwen(5120, 64, 40, 8, 27648), 5),
+           "72b": (_qwen(8192, 80, 64, 8, 29568), 8)}
 H200 = dict(sm_count=132, smem_optin=232448, pdl=True)
 ORIN = dict(sm_count=16, smem_optin=166912, pdl=False)   # Jetson AGX Orin (sm_87)
 RTX40 = dict(sm_count=58, smem_optin=101376, pdl=False)  # RTX 4070 / L4 class (sm_89)
@@ -115,22 +131,143 @@ def test_tuning_refuses_unknown_values():
 
 
 @pytest.mark.parametrize("over,match", [
-    ({"hidden_size": 1152, "num_attention_heads": 12}, "head_dim=96"),
-    ({"num_attention_heads": 18, "num_key_value_heads": 2, "hidden_size": 2304}, "9 query heads per KV head"),
-    ({"intermediate_size": 8968}, "intermediate_size=8968 is not a multiple of 32"),
-    # Qwen2.5-3B and up: 8 query heads per KV head at head_dim 128 = 512 threads x 168 registers > 64 K
-    ({"hidden_size": 2048, "num_attention_heads": 16}, "512 threads x 168 registers"),
+    ({"hidden_size": 1152, "num_attention_heads": 12}, r"head_dim=96 \(hidden_size / num_attention_heads; the "
+                                                       r"attention kernels are built for 64 and 128\)"),
+    ({"hidden_size": 640, "num_attention_heads": 20, "num_key_value_heads": 4}, "head_dim=32"),
+    ({"hidden_size": 2560, "num_attention_heads": 10, "num_key_value_heads": 2}, "head_dim=256"),
+    # the decode GEMVs' fp32 input vector (4 x hidden bytes) beyond the H200's 227 KB per block
+    ({"hidden_size": 65536, "num_attention_heads": 512, "num_key_value_heads": 64},
+     "hidden_size=65536: the decode GEMVs need 262144 bytes of shared memory .* allows 232448"),
+    ({"vocab_size": 4096, "vla": {"n_action_bins": 2048}}, "n_action_bins=2048 > 1024"),
 ])
 def test_geometries_the_kernels_cannot_run_are_refused_by_name(over, match):
     cfg = cfg_of("1.5b", **over)
-    with pytest.raises(EngineError, match=match):
+    for check in (lambda: check_geometry(cfg, DeviceLimits(**H200)), lambda: plan(cfg, Tuning(), limits(H200, cfg))):
+        with pytest.raises(EngineError, match=match) as e:
+            check()
+        assert "geometry not supported by the CUDA kernels" in str(e.value)
+
+
+def test_every_reason_is_given_at_once():
+    cfg = cfg_of("1.5b", hidden_size=1152, num_attention_heads=12, vocab_size=4096, vla={"n_action_bins": 2048})
+    with pytest.raises(EngineError, match="head_dim=96 .*; n_action_bins=2048 > 1024"):
         plan(cfg, Tuning(), limits(H200, cfg))
 
 
-def test_shared_memory_beyond_the_device_is_refused():
-    with pytest.raises(EngineError, match="gemv_resid needs .* bytes of shared memory"):
-        cfg = cfg_of("1.5b", intermediate_size=65536)  # down's single split: 256 KB of input vector
-        plan(cfg, Tuning(gemv_target_blocks=1), limits(H200, cfg))
+def test_gemv_split_is_capped_by_the_shared_memory():
+    """A down GEMV whose single split would not fit the block's shared memory gets more splits, not a refusal: an
+    intermediate of 65536 with one block asked for, and Qwen2.5-72B's 29568 on a 99 KB part."""
+    cfg = cfg_of("1.5b", intermediate_size=65536)
+    p = plan(cfg, Tuning(gemv_target_blocks=1), limits(H200, cfg))
+    assert p.gemv_down.smem == 4 * p.gemv_down.ks <= 232448 and p.gemv_down.grid[1] >= 2
+    covers(p.gemv_down, cfg.hidden_size, 65536, 16)
+    big = ModelConfig.from_json(QWEN2_5["72b"][0]())
+    down = plan(big, Tuning(), limits(RTX40, big)).gemv_down
+    assert down.smem <= 101376 and down.grid[1] >= 2
+    covers(down, big.hidden_size, big.intermediate_size, 16)
+    # where one split fits (the H200), the same geometry keeps it
+    assert plan(big, Tuning(), limits(H200, big)).gemv_down.grid[1] == 1
+
+
+def test_intermediate_sizes_off_the_quantum_run_padded():
+    """intermediate 8968 (not a multiple of 32): the MLP kernels run at 8992 (zero-padded weights), everywhere."""
+    cfg = cfg_of("1.5b", intermediate_size=8968)
+    I = padded_intermediate(cfg)
+    assert I == 8992 and padded_intermediate(cfg_of("1.5b")) == 8960
+    for device in (H200, ORIN, RTX40):
+        p = plan(cfg, Tuning(), limits(device, cfg))
+        covers(p.gemv_down, cfg.hidden_size, I, 16)
+        assert p.gemv_gateup.grid == (I // 8, 1)
+        if p.gemm_gateup.kernel == "gemm32_silu":
+            assert p.gemm_gateup.grid == (-(-2 * I // 128), 1)
+    assert memory_plan(cfg, 1024, 8)["model"] > memory_plan(cfg_of("1.5b"), 1024, 8)["model"]
+
+
+def _attention_expectations(cfg, device):
+    c = LaunchConstants()
+    G, HD = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
+    maxg = min(c.PF_MAXG_128 if HD == 128 else c.PF_MAXG_64, 65536 // (64 * PREFILL_REGS[HD]))
+    return G, HD, maxg
+
+
+@pytest.mark.parametrize("device", [H200, ORIN, RTX40], ids=["h200", "orin", "rtx40"])
+@pytest.mark.parametrize("name", list(QWEN2_5))
+def test_every_qwen2_5_size_plans(name, device):
+    """Qwen2.5 0.5B .. 72B: the plan succeeds (shapes only) on every device class; a KV head's query heads beyond
+    one attention block (3B and 72B: 8, 7B: 7, at head_dim 128) go to the head-group kernels, split evenly; every
+    launch fits the device (threads, shared memory) and the forward's launches match the table."""
+    make, G_want = QWEN2_5[name]
+    cfg = ModelConfig.from_json(make())
+    G, HD, maxg = _attention_expectations(cfg, device)
+    assert G == G_want
+    check_geometry(cfg, DeviceLimits(**device))  # the engine's early check (no registers known yet)
+    p = plan(cfg, Tuning(), limits(device, cfg))
+    n_kvh = cfg.num_key_value_heads
+    pf, dec = p.attn_prefill, p.attn_decode
+    if G <= maxg:
+        assert (pf.kernel, pf.grid, pf.block) == (f"attn_prefill_hd{HD}", (0, n_kvh), (64 * G, 1, 1))
+    else:
+        groups, per = pf.grid[2], pf.block[0] // 64
+        per_max = LaunchConstants().PFG_MAXG_128 if HD == 128 else LaunchConstants().PFG_MAXG_64
+        assert pf.kernel == f"attn_prefill_hd{HD}_hg" and pf.grid[:2] == (0, n_kvh)
+        assert per <= per_max and groups * per >= G > (groups - 1) * per and groups == -(-G // per_max)
+        assert per - (groups * per - G) >= 1  # the last group holds at least one real head
+        assert any("prefill attention" in n and "head groups" in n for n in p.notes)
+    if G <= 8:
+        assert (dec.kernel, dec.grid) == (f"attn_decode_hd{HD}", (0, n_kvh))
+    else:
+        assert dec.kernel == f"attn_decode_hd{HD}_hg" and dec.grid == (0, n_kvh, -(-G // 8))
+    if name in ("3b", "72b", "7b"):
+        assert pf.kernel.endswith("_hg") and pf.grid[2] == 2 and pf.block == (256, 1, 1)
+    if name in ("0.5b", "1.5b", "14b", "32b"):
+        assert not pf.kernel.endswith("_hg")
+    launches = [v for v in p.__dict__.values() if hasattr(v, "kernel")]
+    for launch in launches:
+        assert launch.kernel in BY_NAME, launch
+        assert launch.block[0] <= 1024 and launch.smem <= device["smem_optin"], launch
+        assert p.raise_smem.get(launch.kernel, launch.smem) >= launch.smem
+    assert all(v <= device["smem_optin"] for v in p.raise_smem.values())
+    I = cfg.intermediate_size
+    covers(p.gemv_down, cfg.hidden_size, I, 16)
+    if p.gemm_down.kernel == "gemm32_atomic":
+        covers(p.gemm_down, cfg.hidden_size, I, 128)
+    else:
+        R, S = p.gemm_down.grid
+        assert R * S <= device["sm_count"] and -(-(I // 32) // S) <= 48
+    rec = _record_chunk(cfg, p, 4104)
+    attn = [r for r in rec if r[0].startswith(("attn_prefill", "attn_decode"))]
+    assert len(attn) == cfg.num_hidden_layers * 9 and all(r[1][0] == 65 and r[1][1:] in ((n_kvh,), (n_kvh, 2))
+                                                          for r in attn)
+
+
+def test_many_query_heads_per_kv_head_use_head_groups_in_both_attentions():
+    """16 query heads on one KV head (head_dim 64): two prefill groups of 8, two decode groups of 8; 20 heads at
+    head_dim 128: five prefill groups of 4, three decode groups (7, 7, 6)."""
+    cfg = cfg_of("1.5b", hidden_size=1024, num_attention_heads=16, num_key_value_heads=1)
+    p = plan(cfg, Tuning(), limits(H200, cfg))
+    assert (p.attn_prefill.kernel, p.attn_prefill.grid, p.attn_prefill.block) == \
+        ("attn_prefill_hd64_hg", (0, 1, 2), (512, 1, 1))
+    assert (p.attn_decode.kernel, p.attn_decode.grid) == ("attn_decode_hd64_hg", (0, 1, 2))
+    cfg = cfg_of("1.5b", hidden_size=2560, num_attention_heads=20, num_key_value_heads=1)
+    p = plan(cfg, Tuning(), limits(H200, cfg))
+    assert (p.attn_prefill.grid, p.attn_prefill.block) == ((0, 1, 5), (256, 1, 1))
+    assert p.attn_decode.grid == (0, 1, 3) and len(p.notes) == 2
+    # fewer registers per block than the compiled kernel needs for 6 heads: the groups get smaller
+    small = DeviceLimits(**H200, regs_per_block=32768, prefill_attn_regs=168)
+    one = cfg_of("1.5b")  # G = 6
+    assert plan(one, Tuning(), small).attn_prefill.block == (192, 1, 1)
+    with pytest.raises(EngineError, match="does not fit one block"):
+        plan(one, Tuning(), DeviceLimits(**H200, regs_per_block=8192, prefill_attn_regs=168))
+
+
+def test_gemm32v4_falls_back_where_the_device_has_too_few_sms():
+    """72B's down GEMM (K = 29568: 20 gemm32v4 splits) on Jetson Orin's 16 SMs: the split-K gemm32, logged."""
+    cfg = ModelConfig.from_json(QWEN2_5["72b"][0]())
+    p = plan(cfg, Tuning(), limits(ORIN, cfg))
+    assert p.gemm_down.kernel == "gemm32_atomic" and "gemm32v4_atomic" not in p.raise_smem
+    covers(p.gemm_down, cfg.hidden_size, cfg.intermediate_size, 128)
+    assert any(n.startswith("down GEMM on gemm32") for n in p.notes)
+    assert plan(cfg, Tuning(), limits(H200, cfg)).gemm_down.kernel == "gemm32v4_atomic"
 
 
 def test_split_len_covers_k_in_quanta():
@@ -249,11 +386,9 @@ def _fake_buffers(cfg: ModelConfig, slots: int):
     return w, a, kv
 
 
-@pytest.mark.parametrize("geometry", list(GEOMETRIES))
-def test_forward_launches_match_the_table_and_the_layered_sequence(geometry):
-    cfg = cfg_of(geometry)
-    p = plan(cfg, Tuning(), limits(H200, cfg))
-    w, a, kv = _fake_buffers(cfg, 4104)
+def _record_chunk(cfg: ModelConfig, p, slots: int) -> list[tuple]:
+    """(kernel, grid, serial) of every launch of a chunk, each checked against the table's signature."""
+    w, a, kv = _fake_buffers(cfg, slots)
     rec = []
 
     def k(launch, *args, serial=False):
@@ -262,8 +397,16 @@ def test_forward_launches_match_the_table_and_the_layered_sequence(geometry):
         for c, v in zip(sig, args):
             assert isinstance(v, float) if c == "f" else isinstance(v, int), (launch.kernel, c, v)
         assert all(g >= 1 for g in launch.grid), launch
-        rec.append((launch.kernel, serial))
+        rec.append((launch.kernel, tuple(launch.grid), serial))
     forward.chunk(k, p, cfg, w, a, kv, 8)
+    return rec
+
+
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+def test_forward_launches_match_the_table_and_the_layered_sequence(geometry):
+    cfg = cfg_of(geometry)
+    p = plan(cfg, Tuning(), limits(H200, cfg))
+    rec = [(name, serial) for name, _, serial in _record_chunk(cfg, p, 4104)]
     L, HD = cfg.num_hidden_layers, cfg.head_dim
     prefill = [n for n, _ in rec[:8 * L + 3]]
     assert prefill[:8] == ["rmsnorm_rows_bf16", "gemm32_atomic", f"attn_prefill_hd{HD}", p.merge_prefill.kernel,

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.cuda.plan import T_CHUNK
+from vla_edge_ros.engine.cuda.plan import T_CHUNK, padded_intermediate
 from vla_edge_ros.engine.cuda.vram import VramTracker
 from vla_edge_ros.engine.interface import EngineError
 
@@ -80,19 +80,24 @@ class Weights:
     """The model on the device, bf16, in the kernels' layouts (built on the host once), and the patch embedder."""
 
     def __init__(self, mem: DeviceMemory, cfg: ModelConfig, w: dict[str, np.ndarray], prefix_ids: np.ndarray):
-        H, I = cfg.hidden_size, cfg.intermediate_size
+        H, I = cfg.hidden_size, padded_intermediate(cfg)
+        pad = I - cfg.intermediate_size  # zero gate / up rows and down columns (plan.padded_intermediate)
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             wqkv = np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], axis=0)
             bqkv = np.concatenate([bf16_bits_to_f32(w[p + f"self_attn.{n}_proj.bias"]) for n in "qkv"])
-            wgu = interleave_gate_up(w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"])
+            gate, up, down = (w[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
+            if pad:
+                gate, up = (np.pad(m, ((0, pad), (0, 0))) for m in (gate, up))
+                down = np.pad(down, ((0, 0), (0, pad)))
+            wgu = interleave_gate_up(gate, up)
             self.layers.append(LayerWeights(
                 wqkv=mem.alloc(f"L{i}.wqkv", wqkv.nbytes, wqkv),
                 bqkv=mem.alloc(f"L{i}.bqkv", bqkv.nbytes, bqkv.astype(np.float32)),
                 wo=mem.alloc(f"L{i}.wo", 2 * H * H, w[p + "self_attn.o_proj.weight"]),
                 wgu=mem.alloc(f"L{i}.wgu", wgu.nbytes, wgu),
-                wd=mem.alloc(f"L{i}.wd", 2 * H * I, w[p + "mlp.down_proj.weight"]),
+                wd=mem.alloc(f"L{i}.wd", 2 * H * I, down),
                 ln1=mem.alloc(f"L{i}.ln1", 2 * H, w[p + "input_layernorm.weight"]),
                 ln2=mem.alloc(f"L{i}.ln2", 2 * H, w[p + "post_attention_layernorm.weight"])))
         emb = w["model.embed_tokens.weight"]
@@ -122,7 +127,7 @@ class Activations:
 
     def __init__(self, mem: DeviceMemory, cfg: ModelConfig, decode_tokens: int):
         cuda = mem.cuda
-        H, I, T, n_bins = cfg.hidden_size, cfg.intermediate_size, T_CHUNK, cfg.n_action_bins
+        H, I, T, n_bins = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK, cfg.n_action_bins
         nq = cfg.num_attention_heads * cfg.head_dim
         nqkv = nq + 2 * cfg.num_key_value_heads * cfg.head_dim
         # prefill: the residual stream of the 32 rows (fp32), its normed bf16 copy, QKV, attention, MLP activations

@@ -13,7 +13,7 @@ import math
 
 from vla_edge_ros.engine.config import ModelConfig
 from vla_edge_ros.engine.cuda.buffers import Activations, KVCache, Weights
-from vla_edge_ros.engine.cuda.plan import T_CHUNK, Launch, LaunchPlan
+from vla_edge_ros.engine.cuda.plan import T_CHUNK, Launch, LaunchPlan, padded_intermediate
 
 
 def _qscale(cfg: ModelConfig) -> float:
@@ -29,11 +29,11 @@ def _gemm(k, launch: Launch, A: int, lda: int, W: int, N: int, K: int, C: int, l
 
 def prefill(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache) -> None:
     """One pass over the rows of a.x_pre -> final_h, logits[0], tok_buf[0]."""
-    H, I, T, eps = cfg.hidden_size, cfg.intermediate_size, T_CHUNK, cfg.rms_norm_eps
+    H, I, T, eps = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK, cfg.rms_norm_eps
     G, n_kvh, HD = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads, cfg.head_dim
     nq = cfg.num_attention_heads * HD
     nqkv = nq + 2 * n_kvh * HD
-    attn = p.attn_prefill._replace(grid=(kv.nsplit, n_kvh))
+    attn = p.attn_prefill._replace(grid=(kv.nsplit,) + p.attn_prefill.grid[1:])  # (splits, n_kvh[, head groups])
     for i, L in enumerate(w.layers):
         kc, vc = kv.layer(i)
         # serial at layer 0: the attention stages cache rows of older keys before its PDL wait, so whatever ran
@@ -56,10 +56,10 @@ def prefill(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: 
 
 def decode(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, steps: int) -> None:
     """``steps`` greedy steps: step s embeds tok_buf[s - 1] and writes logits[s], final_h_dec[s - 1], tok_buf[s]."""
-    H, I, eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
+    H, I, eps = cfg.hidden_size, padded_intermediate(cfg), cfg.rms_norm_eps
     G, n_kvh, HD = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads, cfg.head_dim
     Hq, nq, nkv, n_bins = cfg.num_attention_heads, cfg.num_attention_heads * HD, n_kvh * HD, cfg.n_action_bins
-    attn = p.attn_decode._replace(grid=(kv.nsplit, n_kvh))
+    attn = p.attn_decode._replace(grid=(kv.nsplit,) + p.attn_decode.grid[1:])
     for s in range(1, steps + 1):
         # serial at step 1: the attention stages cache rows of keys < n_ctx before its PDL wait, so everything
         # the prefill wrote must be complete (a graph boundary does that too; this covers eager launches)

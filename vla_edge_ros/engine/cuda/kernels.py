@@ -43,6 +43,11 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("attn_prefill_hd64", "rope_attention.cu", "PiPPPPPiifPP", "attn_prefill"),
     Kernel("attn_decode_hd128", "rope_attention.cu", "PPPPPiPiifPP", "attn_decode"),
     Kernel("attn_decode_hd64", "rope_attention.cu", "PPPPPiPiifPP", "attn_decode"),
+    # head groups (grid.z): the named fallback for more query heads per KV head than one block holds
+    Kernel("attn_prefill_hd128_hg", "rope_attention.cu", "PiPPPPPiifPP", "attn_prefill"),
+    Kernel("attn_prefill_hd64_hg", "rope_attention.cu", "PiPPPPPiifPP", "attn_prefill"),
+    Kernel("attn_decode_hd128_hg", "rope_attention.cu", "PPPPPiPiifPP", "attn_decode"),
+    Kernel("attn_decode_hd64_hg", "rope_attention.cu", "PPPPPiPiifPP", "attn_decode"),
     Kernel("attn_combine", "rope_attention.cu", "PPiiiiPiiiPP", "attn_combine"),
     Kernel("attn_combine_v2", "rope_attention.cu", "PPiiiiPiiiPP", "attn_combine"),
     Kernel("attn_combine_v4", "rope_attention.cu", "PPiiiiPiiiPP", "attn_combine"),
@@ -60,7 +65,8 @@ FAMILIES = tuple(dict.fromkeys(k.family for k in KERNELS))
 LAUNCH_CONSTANTS = {
     "gemm_skinny.cu": ("GEMM_WARPS", "G4_NW", "G4_U", "G4_SMEM"),
     "gemv.cu": ("GEMV_WARPS",),
-    "rope_attention.cu": ("ATT_KC", "DEC_WARPS", "DEC_MAXG", "CMB_GROUPS"),
+    "rope_attention.cu": ("ATT_KC", "DEC_WARPS", "DEC_MAXG", "CMB_GROUPS", "PF_MAXG_128", "PF_MAXG_64", "PFG_MAXG_128",
+                          "PFG_MAXG_64"),
 }
 _CAST = {"P": lambda a: np.intp(int(a)), "i": np.int32, "f": np.float32}
 

@@ -3,7 +3,8 @@
 Why a pure module: every grid, split length and shared-memory size of a chunk follows from the model geometry, the
 tuning and a few device numbers (SM count, shared-memory opt-in, registers of the compiled prefill attention). Kept
 apart from PyCUDA they are unit-tested on CPU (test/test_cuda_plan.py), and a geometry the kernels cannot run is
-refused here, by name, before anything is allocated.
+refused here, by name, before anything is allocated. What runs and what is refused, geometry by geometry:
+docs/GPU.md "Supported geometries and limits" (test/test_cuda_plan.py checks every Qwen2.5 size).
 
 The kernels' own launch constants (warps per block, keys per split, the gemm32v4 tile) are read from the compiled
 modules (kernels.py) into ``LaunchConstants``; the defaults below are the sources' values, checked against them by
@@ -20,6 +21,8 @@ from vla_edge_ros.engine.cuda.arch import fit_shared_memory
 from vla_edge_ros.engine.interface import EngineError
 
 T_CHUNK = 32  # prefill rows per pass: the GEMMs' two m16 tiles (cuda/gemm_skinny.cu); a frame is <= 32 tokens
+HEAD_DIMS = (64, 128)  # the attention kernels' instantiations (cuda/rope_attention.cu)
+INTER_QUANTUM = 32  # the MLP's K / N granularity (k32 steps, 8-row gate/up interleave): intermediate padded to it
 BLOCK = 256   # threads of the row-wise kernels (RMSNorm, embedding gather, argmax, K/V move)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without raising its limit
 G4_USES = ("qkv", "o", "gateup", "down")  # prefill GEMMs that may run on gemm32v4_*
@@ -37,8 +40,12 @@ class LaunchConstants:
     GEMV_WARPS: int = 8      # decode GEMVs: warps per block
     ATT_KC: int = 64         # keys per staged chunk = keys per split of both attention kernels
     DEC_WARPS: int = 4       # decode attention: warps per block
-    DEC_MAXG: int = 8        # query heads per KV head the decode attention supports
+    DEC_MAXG: int = 8        # query heads one decode-attention block takes (more: head groups, attn_decode_*_hg)
     CMB_GROUPS: int = 8      # split merge: split groups (warps) per block
+    PF_MAXG_128: int = 6     # query heads one prefill-attention block takes at head_dim 128 (its launch bound / 64)
+    PF_MAXG_64: int = 8      # ... at head_dim 64
+    PFG_MAXG_128: int = 4    # query heads of one head group of attn_prefill_hd128_hg (its launch bound / 64)
+    PFG_MAXG_64: int = 8     # ... of attn_prefill_hd64_hg
 
 
 @dataclass(frozen=True)
@@ -107,11 +114,12 @@ class Launch(NamedTuple):
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Every launch of a chunk for one geometry, tuning and device. Attention grids: ``(splits(slots), n_kvh)``."""
+    """Every launch of a chunk for one geometry, tuning and device. Attention grids: ``(splits(slots), n_kvh)``, or
+    ``(splits(slots), n_kvh, head groups)`` where a KV head's query heads do not fit one block."""
     # prefill
     norm_rows: Launch           # RMSNorm of the 32 rows -> bf16 (+ the QKV bias copied into the GEMM output)
     gemm_qkv: Launch
-    attn_prefill: Launch        # grid x filled per KV capacity
+    attn_prefill: Launch        # grid x filled per KV capacity; grid z: head groups (the *_hg kernels)
     merge_prefill: Launch
     gemm_o: Launch
     gemm_gateup: Launch
@@ -186,33 +194,82 @@ def late_trigger_mask(families) -> int:
     return mask
 
 
+def padded_intermediate(cfg: ModelConfig) -> int:
+    """The intermediate size the MLP kernels run at: a multiple of INTER_QUANTUM. The weights are zero-padded at
+    upload (gate / up rows and down columns), which adds exact zeros: silu(0) * 0 = 0 meets a zero column."""
+    return _round_up(cfg.intermediate_size, INTER_QUANTUM)
+
+
 def check_geometry(cfg: ModelConfig, limits: DeviceLimits) -> None:
-    """Refuse, with every reason at once, a model the kernels cannot run on this device."""
-    c = limits.constants
-    HD, G = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    """Refuse, with every reason at once, a model the kernels cannot run on this device (docs/GPU.md lists what
+    runs). Any number of query heads per KV head runs (head groups past one block's), any intermediate size
+    (padded), any layer count, vocabulary and tied or untied head."""
+    HD = cfg.head_dim
     problems = []
-    if HD not in (64, 128):
-        problems.append(f"head_dim={HD} (kernels built for 64 and 128)")
-    if G > c.DEC_MAXG:
-        problems.append(f"{G} query heads per KV head (the decode attention supports <= {c.DEC_MAXG})")
-    for name, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)):
-        if v % 32:
-            problems.append(f"{name}={v} is not a multiple of 32")
+    if HD not in HEAD_DIMS:
+        problems.append(f"head_dim={HD} (hidden_size / num_attention_heads; the attention kernels are built for "
+                        f"{' and '.join(map(str, HEAD_DIMS))})")
+    if cfg.hidden_size % 32:  # implied by the head dims (a multiple of 64), kept for the GEMMs' k32 steps
+        problems.append(f"hidden_size={cfg.hidden_size} is not a multiple of 32")
     if cfg.n_action_bins > 1024:
         problems.append(f"n_action_bins={cfg.n_action_bins} > 1024")
-    threads, regs = 64 * G, limits.prefill_attn_regs
-    if threads > limits.max_threads or threads * regs > limits.regs_per_block:
-        problems.append(f"prefill attention needs {threads} threads x {regs or '?'} registers per block: {G} query "
-                        f"heads per KV head is too many for head_dim {HD}")
+    vec = 4 * cfg.hidden_size  # the decode GEMVs keep their fp32 input vector in shared memory
+    if vec > limits.smem_optin:
+        problems.append(f"hidden_size={cfg.hidden_size}: the decode GEMVs need {vec} bytes of shared memory for "
+                        f"the input vector, the device allows {limits.smem_optin} per block")
     if problems:
         raise EngineError(f"model {cfg.source}: geometry not supported by the CUDA kernels: " + "; ".join(problems))
+
+
+def attention_launches(cfg: ModelConfig, limits: DeviceLimits) -> tuple[Launch, Launch, list[str]]:
+    """(prefill, decode) attention launches, grid x left 0 (filled per KV capacity), and the notes to log.
+
+    The prefill block holds G heads (2G warps of 168 / 126 registers at head_dim 128 / 64): at most PF_MAXG_128 = 6 /
+    PF_MAXG_64 = 8 (the kernels' launch bounds, and the register file); the decode block at most DEC_MAXG = 8 (one
+    m16 tile). Past that, the head-group kernels (*_hg) split a KV head's G heads into grid.z groups of
+    ceil(G / groups) <= PFG_MAXG_* / DEC_MAXG, each group staging the same keys: Qwen2.5-3B (16 / 2 heads) and 72B
+    (64 / 8) have G = 8, 7B (28 / 4) G = 7 at head_dim 128."""
+    c, HD = limits.constants, cfg.head_dim
+    n_kvh = cfg.num_key_value_heads
+    G = cfg.num_attention_heads // n_kvh
+
+    def heads_per_block(bound: int) -> int:  # the launch bound's heads, within the device's threads and registers
+        n = min(bound, limits.max_threads // 64)
+        if limits.prefill_attn_regs:
+            n = min(n, limits.regs_per_block // (64 * limits.prefill_attn_regs))
+        return n
+
+    notes = []
+    maxg = heads_per_block(c.PF_MAXG_128 if HD == 128 else c.PF_MAXG_64)
+    if G <= maxg:
+        prefill = Launch(f"attn_prefill_hd{HD}", (0, n_kvh), (64 * G, 1, 1))
+    else:
+        per_max = heads_per_block(c.PFG_MAXG_128 if HD == 128 else c.PFG_MAXG_64)
+        if per_max < 1:
+            raise EngineError(f"model {cfg.source}: the prefill attention (head_dim {HD}, {limits.prefill_attn_regs}"
+                              f" registers per thread) does not fit one block of {limits.max_threads} threads / "
+                              f"{limits.regs_per_block} registers on this device")
+        groups = math.ceil(G / per_max)
+        per = math.ceil(G / groups)
+        prefill = Launch(f"attn_prefill_hd{HD}_hg", (0, n_kvh, groups), (64 * per, 1, 1))
+        notes.append(f"prefill attention: {G} query heads per KV head > {maxg} per block at head_dim {HD}: "
+                     f"{groups} head groups of {per} (attn_prefill_hd{HD}_hg)")
+    block = (32 * c.DEC_WARPS, 1, 1)
+    if G <= c.DEC_MAXG:
+        decode = Launch(f"attn_decode_hd{HD}", (0, n_kvh), block)
+    else:
+        groups = math.ceil(G / c.DEC_MAXG)
+        decode = Launch(f"attn_decode_hd{HD}_hg", (0, n_kvh, groups), block)
+        notes.append(f"decode attention: {G} query heads per KV head > {c.DEC_MAXG} per block: {groups} head "
+                     f"groups (attn_decode_hd{HD}_hg)")
+    return prefill, decode, notes
 
 
 def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
     """The launches of one chunk (see LaunchPlan) for this model, tuning and device; EngineError when it cannot."""
     check_geometry(cfg, limits)
     c, t = limits.constants, tuning
-    H, I, HD = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    H, I, HD = cfg.hidden_size, padded_intermediate(cfg), cfg.head_dim
     Hq, n_kvh = cfg.num_attention_heads, cfg.num_key_value_heads
     nq, nqkv = Hq * HD, (Hq + 2 * n_kvh) * HD
     n_bins, T, n_sm = cfg.n_action_bins, T_CHUNK, limits.sm_count
@@ -239,8 +296,13 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
         N, K, silu = shapes[use]
         if use in kept:
             kernel = "gemm32v4_silu" if silu else "gemm32v4_atomic"
-            smem[kernel] = c.G4_SMEM
-            return Launch(kernel, gemm4_grid(N, K, n_sm, silu, c=c), g4_block, c.G4_SMEM)
+            try:
+                grid = gemm4_grid(N, K, n_sm, silu, c=c)
+            except EngineError as exc:  # K needs more splits than the device has SMs: the split-K gemm32
+                notes.append(f"{use} GEMM on gemm32 instead of {kernel} ({exc})")
+            else:
+                smem[kernel] = c.G4_SMEM
+                return Launch(kernel, grid, g4_block, c.G4_SMEM)
         if silu:  # the SiLU epilogue needs the whole K in one block
             return Launch("gemm32_silu", (math.ceil(N / gemm_rows), 1), gemm_block)
         return split_k_gemm(N, K)
@@ -249,9 +311,11 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
     gw = c.GEMV_WARPS
     gemv_block = (32 * gw, 1, 1)
 
+    max_ks = limits.smem_optin // 4 // 256 * 256  # a split's fp32 input slice must fit the block's shared memory
+
     def split_k_gemv(N: int, K: int) -> Launch:
         rb = math.ceil(N / (2 * gw))
-        ks = split_len(K, rb, t.gemv_target_blocks, 256, t.gemv_min_ks)
+        ks = min(split_len(K, rb, t.gemv_target_blocks, 256, t.gemv_min_ks), max_ks)
         return Launch("gemv_resid", (rb, math.ceil(K / ks)), gemv_block, 4 * ks, ks)
 
     gemv_o, gemv_down = split_k_gemv(H, nq), split_k_gemv(H, I)
@@ -260,8 +324,7 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
         smem[name] = max(smem.get(name, 0), need)
     for name, need in smem.items():
         if need > limits.smem_optin:
-            raise EngineError(f"{name} needs {need} bytes of shared memory, the device allows {limits.smem_optin}: "
-                              "lower gemv_min_ks")
+            raise EngineError(f"{name} needs {need} bytes of shared memory, the device allows {limits.smem_optin}")
 
     # ---- attention: splits of ATT_KC keys; the prefill's merge with as many dims per thread as HD allows (4: -0.05
     # ms per chunk), the decode's with one (2 no gain, 4 +0.14 ms: 12 blocks)
@@ -269,12 +332,13 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
     while HD % (32 * vec):
         vec //= 2
     merge_block = (32 * c.CMB_GROUPS, 1, 1)
-    G = Hq // n_kvh
+    attn_prefill, attn_decode, attn_notes = attention_launches(cfg, limits)
+    notes.extend(attn_notes)
     row = (T, 1)
     return LaunchPlan(
         norm_rows=Launch("rmsnorm_rows_bf16", row, (BLOCK, 1, 1)),
         gemm_qkv=prefill_gemm("qkv"),
-        attn_prefill=Launch(f"attn_prefill_hd{HD}", (0, n_kvh), (64 * G, 1, 1)),
+        attn_prefill=attn_prefill,
         merge_prefill=Launch("attn_combine" if vec == 1 else f"attn_combine_v{vec}",
                              (Hq * T * HD // (32 * vec), 1), merge_block),
         gemm_o=prefill_gemm("o"),
@@ -283,7 +347,7 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
         final_norm=Launch("rmsnorm_rows_f32", row, (BLOCK, 1, 1)),
         embed=Launch("embed_gather", (math.ceil(H / BLOCK), 1), (BLOCK, 1, 1)),
         gemv_qkv=Launch("gemv_qkv", (math.ceil(nqkv / (2 * gw)), 1), gemv_block, 4 * H),
-        attn_decode=Launch(f"attn_decode_hd{HD}", (0, n_kvh), (32 * c.DEC_WARPS, 1, 1)),
+        attn_decode=attn_decode,
         merge_decode=Launch("attn_combine", (Hq * HD // 32, 1), merge_block),
         gemv_o=gemv_o,
         gemv_gateup=Launch("gemv_gateup", (math.ceil(I / gw), 1), gemv_block, 4 * H),
@@ -308,7 +372,7 @@ def _vision_grid(cfg: ModelConfig, rows: int, block) -> tuple:
 def memory_plan(cfg: ModelConfig, capacity: int, decode_tokens: int,
                 c: LaunchConstants = LaunchConstants()) -> dict[str, int]:
     """Bytes of model, KV cache and scratch for a KV capacity (the three parts of vram.check_budget)."""
-    H, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    H, I, L, V = cfg.hidden_size, padded_intermediate(cfg), cfg.num_hidden_layers, cfg.vocab_size
     Hq, HD, nkv = cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     nqkv, n_bins, T = Hq * HD + 2 * nkv, cfg.n_action_bins, T_CHUNK
     per_layer = 2 * (nqkv * H + H * H + 2 * I * H + H * I + 2 * H) + 4 * nqkv
