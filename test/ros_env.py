@@ -1,7 +1,8 @@
 """Environment and process helpers for the ROS integration tests (real rclpy processes).
 
-Every test module picks its own ROS_DOMAIN_ID (range 10-39 for the ROS-layer tests) so parallel or leftover
-processes never cross-talk; discovery stays on localhost; ROS_HOME is a temporary directory (rclpy would
+Every test module takes its own ROS_DOMAIN_ID from ``allocate_domain_ids`` (a lock file per id, held for the
+life of the test process), so modules, parallel pytest runs on one machine and leftover processes never
+cross-talk and no id range is kept by hand; discovery stays on localhost; ROS_HOME is a temporary directory (rclpy would
 otherwise write logs to ~/.ros); Fast DDS uses the package's profile (32 MiB shared-memory segment).
 Node processes are stopped with SIGINT and the tests check they exit.
 """
@@ -21,6 +22,41 @@ from vla_edge_ros.bench.procs import Child, ros_child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+
+# Fast DDS maps a domain id to UDP ports 7400 + 250 * id + ...: ids up to 101 stay below 32768 for any
+# participant count used here. 0 is the operator's default domain: never used by tests.
+DOMAIN_IDS = range(1, 102)
+_held_locks: list = []  # open lock files: closed (released) when this process exits
+
+
+def allocate_domain_ids(count: int = 1) -> int:
+    """The first of ``count`` consecutive ROS domain ids no other test process on this machine holds.
+
+    Each id is claimed with an exclusive, non-blocking ``flock`` on a file in the temporary directory and stays
+    claimed until this process exits (the kernel releases a dead process's locks, so a crashed run leaks
+    nothing). Raises RuntimeError when none is free."""
+    import fcntl
+
+    lock_dir = Path(tempfile.gettempdir()) / "vla_edge_ros_domains"
+    lock_dir.mkdir(exist_ok=True)
+    for first in DOMAIN_IDS:
+        if first + count - 1 > DOMAIN_IDS[-1]:
+            break
+        taken = []
+        for i in range(first, first + count):
+            f = open(lock_dir / f"{i}.lock", "a")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.close()
+                break
+            taken.append(f)
+        if len(taken) == count:
+            _held_locks.extend(taken)
+            return first
+        for f in taken:
+            f.close()
+    raise RuntimeError(f"no {count} consecutive free ROS domain ids in {DOMAIN_IDS} (lock files in {lock_dir})")
 
 
 def ros_env(domain_id: int, tmp: Optional[Path] = None) -> dict[str, str]:

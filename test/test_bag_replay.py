@@ -18,10 +18,11 @@ from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPo
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 
+from ros_env import allocate_domain_ids
 from vla_edge_ros.data import oxe_to_bag, rlds
 
 ROOT = Path(__file__).resolve().parents[1]
-DOMAIN_ID = 44  # this module's ROS_DOMAIN_ID (issue 5 range 40-59)
+DOMAIN_ID = allocate_domain_ids(1)
 STEPS, EPISODES, GAP_S = 6, 2, 0.5
 
 

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from ros_env import Proc, load_monitor, module_cmd, read_json, ros_env, wait_for
+from ros_env import allocate_domain_ids, load_monitor, module_cmd, Proc, read_json, ros_env, wait_for
 
 pytest.importorskip("rclpy")
 pytest.importorskip("rosbags")
 
 from vla_edge_ros.data import oxe_to_bag, rlds  # noqa: E402
 
-DOMAIN_ID = 58
+DOMAIN_ID = allocate_domain_ids(1)
 BRIDGE = Path(__file__).resolve().parents[2] / "shared" / "data" / "oxe" / "bridge_dataset" / "1.0.0"
 
 

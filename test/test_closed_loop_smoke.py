@@ -10,9 +10,8 @@ import json
 
 import pytest
 
-from ros_env import ROOT, Proc, module_cmd, read_json, ros_env, wait_for
+from ros_env import ROOT, read_json, wait_for
 
-DOMAIN_ID = 64
 pytest.importorskip("rclpy")
 import vla_edge_ros.sim  # noqa: E402,F401  selects MUJOCO_GL before mujoco is imported
 
@@ -21,27 +20,20 @@ pytest.importorskip("metaworld")
 EPISODES, HORIZON = 2, 25
 
 
-def test_sim_and_runtime_close_the_loop(tmp_path):
-    env = ros_env(DOMAIN_ID, tmp_path / "home")
+def test_sim_and_runtime_close_the_loop(tmp_path, ros_processes):
     results = tmp_path / "episodes.jsonl"
     rt_stats, sim_stats = tmp_path / "runtime.json", tmp_path / "sim.json"
     # A 5 Hz camera: the runtime's camera deadline must exceed the frame period or every gap reads as a stall.
-    runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", "--role", "all", "--stats-out", str(rt_stats),
-                              "--ros-args", "--params-file", str(ROOT / "config" / "runtime.yaml"),
-                              "-p", "backend:=numpy", "-p", "camera_deadline_ms:=1000.0",
-                              "-p", "stale_after_ms:=1000.0"), env, tmp_path / "runtime.log")
-    sim = Proc(module_cmd("vla_edge_ros.ros.sim_node", "--stats-out", str(sim_stats), "--ros-args",
-                          "-p", "task:=reach", "-p", f"horizon:={HORIZON}", "-p", f"num_episodes:={EPISODES}",
-                          "-p", "seed_start:=7", "-p", "control_hz:=10.0", "-p", "camera_hz:=5.0",
-                          "-p", "image_width:=64", "-p", "image_height:=64", "-p", f"results_path:={results}"),
-               env, tmp_path / "sim.log")
-    try:
-        assert wait_for(lambda: not sim.alive(), 150.0), "sim did not finish its episodes:\n" + sim.output()[-3000:]
-        assert sim.p.returncode == 0, sim.output()[-3000:]
-    finally:
-        sim.stop()
-        rc = runtime.stop()
-    assert rc == 0, runtime.output()[-3000:]
+    runtime = ros_processes.runtime("--params-file", str(ROOT / "config" / "runtime.yaml"), "-p", "backend:=numpy",
+                                    "-p", "camera_deadline_ms:=1000.0", "-p", "stale_after_ms:=1000.0",
+                                    stats_out=rt_stats)
+    sim = ros_processes.start("vla_edge_ros.ros.sim_node", "--stats-out", str(sim_stats), "--ros-args",
+                              "-p", "task:=reach", "-p", f"horizon:={HORIZON}", "-p", f"num_episodes:={EPISODES}",
+                              "-p", "seed_start:=7", "-p", "control_hz:=10.0", "-p", "camera_hz:=5.0",
+                              "-p", "image_width:=64", "-p", "image_height:=64", "-p", f"results_path:={results}")
+    assert wait_for(lambda: not sim.alive(), 150.0), "sim did not finish its episodes:\n" + sim.output()[-3000:]
+    assert sim.p.returncode == 0, sim.output()[-3000:]
+    assert runtime.stop() == 0, runtime.output()[-3000:]
     lines = [json.loads(x) for x in results.read_text().splitlines() if x.strip()]
     assert [r["seed"] for r in lines] == [7, 8], lines
     for r in lines:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ros_env import apply_env
+from ros_env import allocate_domain_ids, apply_env
 
-DOMAIN_ID = 65  # this module uses 65, 66, 67 (one per setting)
+DOMAIN_ID = allocate_domain_ids(3)  # one per eval setting
 pytest.importorskip("rclpy")
 import vla_edge_ros.sim  # noqa: E402,F401  selects MUJOCO_GL before mujoco is imported
 

@@ -28,7 +28,9 @@ from vla_edge_ros.engine.fault_injection import (
 )
 from vla_edge_ros.engine.interface import ChunkResult, Engine
 
-DOMAIN_ID = 70
+from ros_env import allocate_domain_ids
+
+DOMAIN_ID = allocate_domain_ids(1)
 # Faults start after ~2 s of chunks: the start-up transient (camera process starting) is over by then.
 RAISE_AT, OOM_AT, MEMERROR_AT, HANG_AT, HANG_MS = 60, 110, 160, 210, 900
 SPEC = f"raise@{RAISE_AT},oom@{OOM_AT},memerror@{MEMERROR_AT},hang:{HANG_MS}@{HANG_AT}"

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from ros_env import Proc, apply_env, call_answered, module_cmd, read_json, ros_env, wait_for
+from ros_env import allocate_domain_ids, apply_env, call_answered, module_cmd, Proc, read_json, ros_env, wait_for
 
-DOMAIN_ID = 14
+DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 
 

@@ -313,6 +313,7 @@ def test_large_attention_scores_stay_exact():
     assert q > 20  # keys this long make |q|*|k| exceed the no-shift bound
 
 
+@pytest.mark.slow
 def test_one_hour_stream_at_10hz_keeps_positions_bounded_and_exact():
     """Issue 3: 36 000 frames (1 h at 10 Hz) through a bounded cache. Every position used for a query, a key
     rotation or a decode step stays below max_position_embeddings, and at checkpoints along the stream the

@@ -12,9 +12,10 @@ import time
 import numpy as np
 import pytest
 
-from ros_env import Proc, apply_env, call_answered, module_cmd, read_json, read_json_when, ros_env, wait_for
+from ros_env import (allocate_domain_ids, apply_env, call_answered, module_cmd, Proc, read_json, read_json_when, ros_env,
+                     wait_for)
 
-DOMAIN_ID = 92
+DOMAIN_ID = allocate_domain_ids(1)
 FROZEN_LIMIT = 10
 rclpy = pytest.importorskip("rclpy")
 

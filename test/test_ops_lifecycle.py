@@ -15,9 +15,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from ros_env import apply_env
+from ros_env import allocate_domain_ids, apply_env
 
-DOMAIN_ID = 90
+DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 
 from vla_edge_ros.core.double_buffer import DoubleBuffer  # noqa: E402

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from ros_env import read_json, read_json_when, runtime_with_param_clients, wait_for
+from ros_env import allocate_domain_ids, read_json, read_json_when, runtime_with_param_clients, wait_for
 
-DOMAIN_ID = 91
+DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 
 

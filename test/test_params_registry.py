@@ -1,5 +1,6 @@
-"""The parameter registry (vla_edge_ros/params.py), config/runtime.yaml, the README table, the launch file and
-the parameters the nodes really declare must agree."""
+"""The parameter registry (vla_edge_ros/params.py), config/runtime.yaml, the generated parameter tables (the
+runtime nodes' in the README, vla_sim's in docs/SIM.md), the launch file and the parameters the nodes really
+declare must agree."""
 from __future__ import annotations
 
 import ast
@@ -8,11 +9,11 @@ import math
 import pytest
 import yaml
 
-from ros_env import ROOT, apply_env
+from ros_env import allocate_domain_ids, apply_env, ROOT
 from vla_edge_ros import params as P
 from vla_edge_ros.ros import param_docs
 
-DOMAIN_ID = 10
+DOMAIN_ID = allocate_domain_ids(1)
 
 
 def test_yaml_has_every_parameter_with_registry_default_and_type():
@@ -29,19 +30,53 @@ def test_yaml_has_every_parameter_with_registry_default_and_type():
             assert P.validate(name, value) is None
 
 
-def test_yaml_and_readme_are_generated_from_the_registry():
+def test_yaml_and_doc_tables_are_generated_from_the_registry():
     assert param_docs.main(["--check"]) == 0, "run: python -m vla_edge_ros.ros.param_docs --write"
 
 
-def test_readme_table_lists_every_parameter_once():
-    text = (ROOT / "README.md").read_text()
-    table = text.split(param_docs.BEGIN, 1)[1].split(param_docs.END, 1)[0]
-    rows = [r for r in table.splitlines() if r.startswith("| vla_")]
-    names = [r.split("|")[2].strip().strip("`") for r in rows]
-    assert sorted(names) == sorted(s.name for s in P.PARAMS)
-    for r in rows:
-        node, name = r.split("|")[1].strip(), r.split("|")[2].strip().strip("`")
-        assert P.BY_NAME[name].node == node
+def _table_rows(path):
+    """(node, parameter) of each row of the generated table in one doc."""
+    rows = [r for r in param_docs.table_part(path.read_text()).splitlines() if r.startswith("| vla_")]
+    return [(r.split("|")[1].strip(), r.split("|")[2].strip().strip("`")) for r in rows]
+
+
+def test_every_parameter_is_listed_exactly_once_across_the_doc_tables():
+    listed = []
+    for path, nodes in param_docs.DOC_TABLES.items():
+        rows = _table_rows(path)
+        assert {node for node, _ in rows} == set(nodes), f"{path.name} carries the tables of {nodes} only"
+        listed += rows
+    names = [name for _, name in listed]
+    assert sorted(names) == sorted(s.name for s in P.PARAMS), "each parameter once, in README.md or docs/SIM.md"
+    for node, name in listed:
+        assert P.BY_NAME[name].node == node, f"{name} is listed under {node}"
+    assert param_docs.DOC_TABLES[param_docs.README_PATH] == (P.CAMERA, P.INFERENCE, P.ACTION)
+    assert param_docs.DOC_TABLES[param_docs.SIM_DOC_PATH] == (P.SIM,)
+
+
+def test_check_fails_when_a_doc_table_is_stale(tmp_path, monkeypatch):
+    stale = {}
+    for path, nodes in param_docs.DOC_TABLES.items():
+        copy = tmp_path / path.name
+        copy.write_text(path.read_text())
+        stale[copy] = nodes
+    sim_copy = tmp_path / param_docs.SIM_DOC_PATH.name
+    text = sim_copy.read_text()
+    row = next(r for r in param_docs.table_part(text).splitlines() if "`horizon`" in r)
+    sim_copy.write_text(text.replace(row + "\n", ""))  # one parameter lost from docs/SIM.md
+    yaml_copy = tmp_path / "runtime.yaml"
+    yaml_copy.write_text(param_docs.yaml_text())
+    monkeypatch.setattr(param_docs, "DOC_TABLES", stale)
+    monkeypatch.setattr(param_docs, "YAML_PATH", yaml_copy)
+    monkeypatch.setattr(param_docs, "ROOT", tmp_path)
+    assert param_docs.main(["--check"]) == 1
+    assert param_docs.main(["--write"]) == 0 and param_docs.main(["--check"]) == 0
+    assert "`horizon`" in param_docs.table_part(sim_copy.read_text())
+
+
+def test_a_doc_without_its_table_markers_is_an_error():
+    with pytest.raises(ValueError, match="markers"):
+        param_docs.with_table("# a doc with no table\n", (P.SIM,), "docs/SIM.md")
 
 
 def test_yaml_text_detects_a_changed_default(monkeypatch):

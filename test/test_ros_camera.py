@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from ros_env import Proc, apply_env, read_json, ros_env, single_node_cmd, wait_for
+from ros_env import allocate_domain_ids, apply_env, Proc, read_json, ros_env, single_node_cmd, wait_for
 
-DOMAIN_ID = 11
+DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 
 

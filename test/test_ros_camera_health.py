@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from ros_env import apply_env
+from ros_env import allocate_domain_ids, apply_env
 
-DOMAIN_ID = 53
+DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 
 from vla_edge_ros.ros import conversions, diagnostics  # noqa: E402

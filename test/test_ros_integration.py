@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from ros_env import Proc, load_monitor, module_cmd, read_json, ros_env, runs, wait_for
+from ros_env import allocate_domain_ids, load_monitor, module_cmd, Proc, read_json, ros_env, runs, wait_for
 
-DOMAIN_ID = 12
+DOMAIN_ID = allocate_domain_ids(1)
 STALL_AFTER_S, STALL_FOR_S = 9.0, 4.0
 pytest.importorskip("rclpy")
 

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from ros_env import apply_env
+from ros_env import allocate_domain_ids, apply_env
 
-DOMAIN_ID = 17
+DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 
 from vla_edge_ros import params as P  # noqa: E402

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from ros_env import Proc, apply_env, module_cmd, read_json, ros_env, wait_for
+from ros_env import allocate_domain_ids, apply_env, module_cmd, Proc, read_json, ros_env, wait_for
 
-DOMAIN_ID = 63
+DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 import vla_edge_ros.sim  # noqa: E402,F401  selects MUJOCO_GL before mujoco is imported
 

@@ -16,13 +16,14 @@ import sys
 
 import pytest
 
-from ros_env import ROOT, ros_env
+from ros_env import allocate_domain_ids, ROOT, ros_env
 
 pytest.importorskip("rclpy")
-DOMAIN_ID = 79
+DOMAIN_ID = allocate_domain_ids(1)
 DURATION_S = 60
 
 
+@pytest.mark.slow
 def test_soak_60s_within_limits(tmp_path):
     out = tmp_path / "soak.json"
     env = ros_env(DOMAIN_ID, tmp_path / "home")

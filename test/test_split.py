@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from ros_env import Proc, load_monitor, module_cmd, read_json, ros_env, runs, single_node_cmd, wait_for
+from ros_env import (allocate_domain_ids, load_monitor, module_cmd, Proc, read_json, ros_env, runs, single_node_cmd,
+                     wait_for)
 
-DOMAIN_ID = 15
+DOMAIN_ID = allocate_domain_ids(1)
 pytest.importorskip("rclpy")
 PERIOD_S = 1.0 / 30.0
 
