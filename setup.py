@@ -39,6 +39,9 @@ setup(
         # the simulated arm (vla_sim, sim/): MuJoCo MetaWorld with its scripted experts (37 MB wheel; rendered
         # with MUJOCO_GL=egl, Mesa on a CPU). Versions measured together with numpy 2.4.
         "sim": ["metaworld==3.1.1", "mujoco==3.3.0", "gymnasium>=1.1"],
+        # behaviour cloning (vla_train, train/: the only place torch is imported). torch 2.13.0: the CPU build this
+        # machine kind keeps on disk; any other version downloads GBs of CUDA build
+        "train": ["torch==2.13.0", "rosbags>=0.10.4", "Pillow", "tqdm", "matplotlib"],
         # pytest < 8.4: on a ROS 2 install, pytest auto-loads the launch_testing and launch_pytest plugins
         # (pytest11 entry points), and Jazzy's launch_pytest 3.4 reads fixture._pytestfixturefunction, which
         # pytest 8.4 removed (ros2/launch#947); pytest 9 also drops the py.path `path` hook argument that
@@ -60,6 +63,8 @@ setup(
             "vla_runtime = vla_edge_ros.ros.runtime:main",
             "vla_sim = vla_edge_ros.ros.sim_node:main",
             "vla_eval = vla_edge_ros.bench.eval:main",
+            "vla_sim_demos = vla_edge_ros.sim.demos:main",
+            "vla_train = vla_edge_ros.train.cli:main",
             "vla_camera = vla_edge_ros.ros.runtime:camera_main",
             "vla_inference = vla_edge_ros.ros.runtime:inference_main",
             "vla_action = vla_edge_ros.ros.runtime:action_main",

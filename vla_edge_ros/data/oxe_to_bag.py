@@ -15,7 +15,8 @@ Topics (Jazzy message definitions, CDR, rosbag2 metadata version 9 as Jazzy's re
 
 Every message of step i of an episode is stamped (header and bag time) at episode_start + i / rate_hz, the
 dataset's native control rate; episodes follow each other with a gap (--episode-gap, default 1 s).
-Damaged records are skipped and listed in the summary; nothing is dropped silently.
+Damaged records are skipped and listed in the summary; nothing is dropped silently. The bag is written by
+data/bag_writer.py, the writer sim/demos.py uses too (one topic layout for OXE and simulated demonstrations).
 
 metadata.yaml says ``ros_distro: jazzy`` (rosbags' Writer writes "rosbags"; it is rewritten, in metadata.yaml and
 in the copy the storage file embeds) and gives each topic the QoS its publisher offers, in full (history, depth,
@@ -31,7 +32,6 @@ import argparse
 import io
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,50 +40,17 @@ from typing import Sequence
 
 import numpy as np
 
-from .mappings import ACTION_NAMES, DatasetMapping, MappingError, custom_mapping, mapping_for, GRIPPER_TRANSFORMS
+from .mappings import DatasetMapping, MappingError, custom_mapping, mapping_for, GRIPPER_TRANSFORMS
 from .rlds import Episode, RLDSDataset, RLDSError
 from .tfrecord import RecordIssue
 
-TOPIC_IMAGE = "/camera/image_raw"
-TOPIC_INSTRUCTION = "/vla/instruction"
-TOPIC_ACTION = "/vla/recorded_action"
-TOPIC_EVENTS = "/vla/episode_events"
-COMPRESSED_SUFFIX = "/compressed"
-DEFAULT_START_NS = 1_700_000_000 * 1_000_000_000  # fixed epoch so conversions are reproducible
-GRIPPER_THRESHOLD = 0.5  # gripper (1 open / 0 closed) crossing this is a salient open/close event
-STORAGES = ("mcap", "sqlite3")
+# the one writer and topic layout (data/bag_writer.py); re-exported here, where they were first defined
+from .bag_writer import (BAG_VERSION, CAMERA_QOS, COMPRESSED_SUFFIX, DEFAULT_START_NS, GRIPPER_THRESHOLD,  # noqa: F401
+                         INFINITE_S_NS, INSTRUCTION_QOS, RELIABLE_QOS, ROS_DISTRO, STORAGES, TOPIC_ACTION,
+                         TOPIC_EVENTS, TOPIC_IMAGE, TOPIC_INSTRUCTION, BagWriter, OfferedQos, episode_stamps,
+                         image_topic, next_episode_start, offered_qos, prepare_output, write_episode)
+
 IMAGE_MODES = ("compressed", "raw", "both")
-ROS_DISTRO = "jazzy"  # the message definitions below are Jazzy's (Stores.ROS2_JAZZY)
-BAG_VERSION = 9  # rosbag2 metadata version of Jazzy's recorder (QoS as a YAML list with policy names)
-INFINITE_S_NS = (9_223_372_036, 854_775_807)  # RMW_DURATION_INFINITE, as rosbag2 writes an unset duration
-
-
-@dataclass(frozen=True)
-class OfferedQos:
-    """One publisher's QoS in rosbag2's terms (the names rmw's *_to_str functions give, as Jazzy writes them)."""
-    reliability: str
-    durability: str
-    depth: int
-    history: str = "keep_last"
-    liveliness: str = "automatic"
-
-
-CAMERA_QOS = OfferedQos("best_effort", "volatile", 1)
-INSTRUCTION_QOS = OfferedQos("reliable", "transient_local", 1)
-RELIABLE_QOS = OfferedQos("reliable", "volatile", 50)
-
-
-def offered_qos(topic: str) -> OfferedQos:
-    """The QoS a bag's topic is recorded with (module docstring says why)."""
-    if topic == TOPIC_INSTRUCTION:
-        return INSTRUCTION_QOS
-    if topic.startswith("/camera"):
-        return CAMERA_QOS
-    return RELIABLE_QOS
-
-
-def image_topic(index: int) -> str:
-    return TOPIC_IMAGE if index == 0 else f"/camera{index}/image_raw"
 
 
 @dataclass
@@ -125,77 +92,6 @@ class ConversionSummary:
         for issue in self.issues:
             lines.append(f"    {issue}")
         return "\n".join(lines)
-
-
-def _with_distro(metadata_yaml: str) -> str:
-    """rosbags writes ``ros_distro: rosbags`` whatever the message definitions; say the distro they are from."""
-    import yaml
-
-    doc = yaml.safe_load(metadata_yaml)
-    info = doc.get("rosbag2_bagfile_information", doc)  # metadata.yaml nests it, the embedded copy does not
-    info["ros_distro"] = ROS_DISTRO
-    return yaml.safe_dump(doc, default_flow_style=False, sort_keys=False)
-
-
-def _rosbags_qos(q: OfferedQos):
-    from rosbags.interfaces import Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
-
-    infinite = QosTime(*INFINITE_S_NS)
-    return Qos(history=QosHistory[q.history.upper()], depth=q.depth,
-               reliability=QosReliability[q.reliability.upper()], durability=QosDurability[q.durability.upper()],
-               deadline=infinite, lifespan=infinite, liveliness=QosLiveliness[q.liveliness.upper()],
-               liveliness_lease_duration=infinite, avoid_ros_namespace_conventions=False)
-
-
-def _jazzy_writer(path: Path, storage: str):
-    """A rosbags Writer whose metadata (metadata.yaml and the storage file's embedded copy) names Jazzy."""
-    from rosbags.rosbag2 import StoragePlugin, Writer
-
-    class JazzyWriter(Writer):
-        def close(self) -> None:
-            storage_close = self.storage.close  # rosbags hands the storage plugin the metadata text to embed
-            self.storage.close = lambda version, metadata: storage_close(version, _with_distro(metadata))
-            super().close()
-            self.metapath.write_text(_with_distro(self.metapath.read_text()))
-
-    plugin = StoragePlugin.MCAP if storage == "mcap" else StoragePlugin.SQLITE3
-    return JazzyWriter(path, version=BAG_VERSION, storage_plugin=plugin)
-
-
-class _BagOut:
-    """The rosbags writer plus typed message builders for the topics above."""
-
-    def __init__(self, path: Path, storage: str):
-        from rosbags.typesys import Stores, get_typestore
-
-        self.ts = get_typestore(Stores.ROS2_JAZZY)
-        self.writer = _jazzy_writer(path, storage)
-        self.conns: dict[str, object] = {}
-        self.counts: dict[str, int] = {}
-        t = self.ts.types
-        self.Time, self.Header = t["builtin_interfaces/msg/Time"], t["std_msgs/msg/Header"]
-        self.CompressedImage, self.Image = t["sensor_msgs/msg/CompressedImage"], t["sensor_msgs/msg/Image"]
-        self.JointState, self.String = t["sensor_msgs/msg/JointState"], t["std_msgs/msg/String"]
-
-    def __enter__(self):
-        self.writer.open()
-        return self
-
-    def __exit__(self, *exc):
-        self.writer.close()
-
-    def header(self, stamp_ns: int, frame_id: str):
-        return self.Header(stamp=self.Time(sec=stamp_ns // 1_000_000_000, nanosec=stamp_ns % 1_000_000_000),
-                           frame_id=frame_id)
-
-    def write(self, topic: str, msg, stamp_ns: int) -> None:
-        msgtype = msg.__msgtype__
-        conn = self.conns.get(topic)
-        if conn is None:
-            conn = self.conns[topic] = self.writer.add_connection(
-                topic, msgtype, typestore=self.ts, offered_qos_profiles=[_rosbags_qos(offered_qos(topic))])
-        self.writer.write(conn, stamp_ns, self.ts.serialize_cdr(msg, msgtype))
-        self.counts[topic] = self.counts.get(topic, 0) + 1
 
 
 def _image_format(data: bytes, declared: str) -> str:
@@ -268,14 +164,8 @@ def convert(rlds_dir: str | os.PathLike, out_bag: str | os.PathLike, dataset: st
         raise ValueError(f"images must be one of {', '.join(IMAGE_MODES)}, got {images!r}")
     ds = RLDSDataset(rlds_dir)
     mapping = mapping or resolve_mapping(ds, dataset)
-    out = Path(out_bag)
-    if out.exists():
-        if not overwrite:
-            raise FileExistsError(f"{out} exists; remove it or pass --overwrite")
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    out = prepare_output(out_bag, overwrite)
     summary = ConversionSummary(f"{ds.name} {ds.version}", mapping.describe(), str(out), storage)
-    period_ns = int(round(1e9 / mapping.rate_hz))
-    gap_ns = int(round(episode_gap_s * 1e9))
     t0 = time.perf_counter()
     total = _expected_episodes(ds, split)
     if episodes is not None:
@@ -288,20 +178,20 @@ def convert(rlds_dir: str | os.PathLike, out_bag: str | os.PathLike, dataset: st
                file=sys.stderr) if tqdm else None
     ep_start = start_ns
     first_stamp = last_stamp = None
-    with _BagOut(out, storage) as bag:
+    with BagWriter(out, storage) as bag:
         for ep in ds.episodes(split=split, limit=episodes, issues=summary.issues):
             if ep.num_steps == 0:
                 summary.issues.append(RecordIssue(ep.shard, ep.offset, "empty", "episode has no steps; skipped"))
                 continue
             action = mapping.action(ep.steps)  # MappingError propagates: a wrong mapping is wrong for all
             instructions = mapping.instructions(ep.steps, ep.num_steps)
-            stamps = [ep_start + i * period_ns for i in range(ep.num_steps)]
+            stamps = episode_stamps(ep_start, ep.num_steps, mapping.rate_hz)
             _write_episode(bag, ds, mapping, ep, action, instructions, stamps, images)
             summary.episodes += 1
             summary.frames += ep.num_steps
             first_stamp = stamps[0] if first_stamp is None else first_stamp
             last_stamp = stamps[-1]
-            ep_start = stamps[-1] + period_ns + gap_ns
+            ep_start = next_episode_start(stamps, mapping.rate_hz, episode_gap_s)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(frames=summary.frames, skipped=summary.skipped, refresh=False)
@@ -309,65 +199,40 @@ def convert(rlds_dir: str | os.PathLike, out_bag: str | os.PathLike, dataset: st
     if bar is not None:
         bar.close()
     summary.elapsed_s = time.perf_counter() - t0
-    summary.bag_bytes = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    summary.bag_bytes = bag.bytes_written()
     if first_stamp is not None:
         summary.duration_s = (last_stamp - first_stamp) / 1e9
     return summary
 
 
-def _event(bag: _BagOut, stamp: int, **fields) -> None:
-    bag.write(TOPIC_EVENTS, bag.String(data=json.dumps(fields, sort_keys=True)), stamp)
-
-
-def _write_episode(bag: _BagOut, ds: RLDSDataset, mapping: DatasetMapping, ep: Episode, action: np.ndarray,
+def _write_episode(bag: BagWriter, ds: RLDSDataset, mapping: DatasetMapping, ep: Episode, action: np.ndarray,
                    instructions: list[str], stamps: list[int], images: str) -> None:
-    n = ep.num_steps
-    _event(bag, stamps[0], event="episode_start", episode=ep.index, steps=n, instruction=instructions[0],
-           source=f"{os.path.basename(ep.shard)}@{ep.offset}", rate_hz=mapping.rate_hz)
     frames = []
     for k, key in enumerate(mapping.image_keys):
         spec = ds.step_specs[key]
         frames.append((image_topic(k), spec, ep.steps[key]))
-    prev_instruction = None
-    open_state = action[0, -1] >= GRIPPER_THRESHOLD
-    for i in range(n):
-        stamp = stamps[i]
+
+    def write_images(i: int, stamp: int) -> None:
         for topic, spec, values in frames:
-            header = bag.header(stamp, "camera" if topic == TOPIC_IMAGE else topic.strip("/").split("/")[0])
+            frame_id = "camera" if topic == TOPIC_IMAGE else topic.strip("/").split("/")[0]
             if spec.kind == "image":
                 data = bytes(values[i])
                 if images in ("compressed", "both"):
-                    bag.write(topic + COMPRESSED_SUFFIX, bag.CompressedImage(
-                        header=header, format=_image_format(data, spec.encoding),
-                        data=np.frombuffer(data, dtype=np.uint8)), stamp)
+                    bag.compressed_image(topic, data, _image_format(data, spec.encoding), stamp, frame_id)
                 if images in ("raw", "both"):
-                    _write_raw(bag, topic, header, decode_image(data), stamp)
+                    _write_raw(bag, topic, decode_image(data), stamp, frame_id)
             else:  # a raw uint8 tensor image (H, W, 3): only sensor_msgs/Image makes sense
-                _write_raw(bag, topic, header, np.asarray(values[i]), stamp)
-        if instructions[i] != prev_instruction:
-            bag.write(TOPIC_INSTRUCTION, bag.String(data=instructions[i]), stamp)
-            prev_instruction = instructions[i]
-        bag.write(TOPIC_ACTION, bag.JointState(header=bag.header(stamp, "base"), name=list(ACTION_NAMES),
-                                               position=action[i].astype(np.float64),
-                                               velocity=np.zeros(0, np.float64), effort=np.zeros(0, np.float64)),
-                  stamp)
-        now_open = action[i, -1] >= GRIPPER_THRESHOLD
-        if i > 0 and now_open != open_state:
-            _event(bag, stamp, event="gripper_open" if now_open else "gripper_close", episode=ep.index, step=i,
-                   gripper=float(action[i, -1]), salient=True)
-        open_state = now_open
-    _event(bag, stamps[-1], event="episode_end", episode=ep.index, steps=n)
+                _write_raw(bag, topic, np.asarray(values[i]), stamp, frame_id)
+
+    write_episode(bag, ep.index, action, instructions, stamps, write_images,
+                  start_fields={"source": f"{os.path.basename(ep.shard)}@{ep.offset}", "rate_hz": mapping.rate_hz})
 
 
-def _write_raw(bag: _BagOut, topic: str, header, rgb: np.ndarray, stamp: int) -> None:
-    if rgb.ndim == 2:
-        rgb = np.repeat(rgb[:, :, None], 3, axis=2)
-    if rgb.ndim != 3 or rgb.shape[2] not in (1, 3, 4):
-        raise RLDSError(f"image for {topic} has shape {rgb.shape}, expected (H, W, 3)")
-    rgb = np.ascontiguousarray(rgb[:, :, :3] if rgb.shape[2] >= 3 else np.repeat(rgb, 3, axis=2), np.uint8)
-    h, w = rgb.shape[:2]
-    bag.write(topic, bag.Image(header=header, height=h, width=w, encoding="rgb8", is_bigendian=0, step=w * 3,
-                               data=rgb.reshape(-1)), stamp)
+def _write_raw(bag: BagWriter, topic: str, rgb: np.ndarray, stamp: int, frame_id: str) -> None:
+    try:
+        bag.raw_image(topic, np.asarray(rgb).astype(np.uint8, copy=False), stamp, frame_id)
+    except ValueError as exc:
+        raise RLDSError(str(exc)) from exc
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,224 @@
+"""Training samples = the contexts the runtime builds at inference, drawn from bag episodes (numpy only).
+
+At inference (engine/reference.py reference_chunk, NumpyEngine.run_chunk) a chunk is
+
+    [instruction bytes, pinned]  [retained past frames, oldest -> newest]  [current frame]  [decode tokens]
+     positions 0 .. P-1           P + j*tpf .. (packed: eviction renumbers)   n_ctx-tpf .. n_ctx-1  n_ctx + i - 1
+
+with byte b -> token id b, each frame's ``tpf`` patch tokens from the patch embedder, and greedy decode over the
+action rows of the LM head: gen[0] from the current frame's last token, then decode step i feeds gen[i-1] and
+yields gen[i]; gen[1..action_dims] are the action bins. A training sample is exactly that sequence, teacher
+forced: the decode inputs are the targets shifted by one, and the targets are
+
+    gen[0]                = action bin START_BIN (0)       a fixed "action start" token
+    gen[1..action_dims]   = the recorded action's bins    (core/action_tokenizer.py, q01/q99 of the data)
+    gen[action_dims + 1]  = action bin n_bins - 1          a fixed end token (the runtime's 8th decode step)
+
+both fixed tokens are action rows, because the engines take the argmax over the action rows only.
+
+Past frames: the k most recent frames before the current one, ``frame_stride`` control steps apart (the
+camera-to-control ratio: one chunk per camera frame), with k drawn uniformly in [0, max_past_frames] per batch
+and clipped at the episode start ("recent": what FIFO and sliding-window eviction leave); or ``past_sampling=
+"subset"``: k frames drawn without replacement from the last ``subset_window`` candidates, kept in order (what
+semantic eviction leaves: a sparse older history). Positions are packed either way, as the KV manager assigns.
+One known difference from the runtime: the runtime computes a retained frame's K/V once, when it arrived,
+against the context of that moment; a training sample computes them against the sample's own older frames.
+The two are identical until the first eviction of an episode (a test holds them equal there) and differ in
+the deeper layers' K/V of older frames after it. Deploy with at most ``max_past_frames + 1`` retained frames
+(eviction_policy sliding_window, window_frames = max_past_frames + 1, or a kv_budget_tokens that holds no more),
+so the policy never sees positions it was not trained at.
+
+Images are resized to the checkpoint's patch_grid * patch_size with engine/vision.py's own resize (exact, no
+copy when the bag is recorded at that size) and shifted by up to ``shift_px`` pixels (edge padding; the same
+shift for all frames of a sample) as augmentation. Episodes are split into train / held-out by a seeded
+permutation, and q01/q99 come from the training episodes only.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from vla_edge_ros.core.action_tokenizer import ActionTokenizer
+from vla_edge_ros.data.bag_reader import BagEpisode
+from vla_edge_ros.engine.vision import check_image, resize
+
+START_BIN = 0  # gen[0] target (see the module docstring)
+PAST_SAMPLING = ("recent", "subset")
+
+
+def end_bin(n_bins: int) -> int:
+    """gen[action_dims + 1] target: the last action bin."""
+    return n_bins - 1
+
+
+def prefix_ids(instruction: str) -> np.ndarray:
+    """Instruction -> token ids, as engine/numpy_backend.prefix_token_ids and engine/reference.py: UTF-8 bytes."""
+    return np.frombuffer(instruction.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class ContextSpec:
+    max_past_frames: int = 3
+    frame_stride: int = 1
+    past_sampling: str = "recent"
+    subset_window: int = 0  # candidates for "subset"; 0 = 2 * max_past_frames
+    shift_px: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_past_frames < 0 or self.frame_stride < 1 or self.shift_px < 0 or self.subset_window < 0:
+            raise ValueError(f"context: max_past_frames >= 0, frame_stride >= 1, shift_px >= 0 and subset_window "
+                             f">= 0 are required, got {self}")
+        if self.past_sampling not in PAST_SAMPLING:
+            raise ValueError(f"past_sampling must be one of {', '.join(PAST_SAMPLING)}, got {self.past_sampling!r}")
+
+    @property
+    def window(self) -> int:
+        return self.subset_window or 2 * self.max_past_frames
+
+
+@dataclass
+class TrainEpisode:
+    prefix_ids: np.ndarray  # (P,) int64
+    pixels: np.ndarray  # (T, H, W, 3) at the model's image size: uint8 (recorded at it) or float16 (resized)
+    actions: np.ndarray  # (T, action_dims) float64
+    source: str
+    bins: np.ndarray = field(default=None)  # (T, action_dims) int64, set once q01/q99 are known
+
+    @property
+    def steps(self) -> int:
+        return int(self.actions.shape[0])
+
+
+@dataclass
+class Batch:
+    prefix_ids: list[np.ndarray]  # per sample (P_b,)
+    frames: np.ndarray  # (sum F_b, H, W, 3) float32 pixels in [0, 255]: each sample's past frames, then current
+    frame_counts: np.ndarray  # (B,) F_b = past frames + 1
+    targets: np.ndarray  # (B, action_dims + 2) action bins: START, the action's bins, END
+
+    def __len__(self) -> int:
+        return len(self.prefix_ids)
+
+
+def to_model_pixels(frames: np.ndarray, image_hw: tuple[int, int]) -> np.ndarray:
+    """(T, h, w, 3) uint8 -> (T, H, W, 3) at the patch embedder's size: the frames themselves when they are
+    recorded at it (the resize is then the identity), else engine/vision.resize, stored exactly as float16
+    (averages of 4 bytes are multiples of 1/4 below 256)."""
+    if tuple(frames.shape[1:3]) == tuple(image_hw):
+        return np.ascontiguousarray(frames, dtype=np.uint8)
+    return np.stack([resize(check_image(f), image_hw) for f in frames]).astype(np.float16)
+
+
+def quantiles(actions: np.ndarray) -> tuple[list[float], list[float]]:
+    """q01 / q99 per dimension (OpenVLA's BOUNDS_Q99 statistics)."""
+    q = np.quantile(actions, [0.01, 0.99], axis=0)
+    return [float(v) for v in q[0]], [float(v) for v in q[1]]
+
+
+class DemoDataset:
+    """Episodes split into train / held-out, tokenised with q01/q99 of the training split; draws Batches."""
+
+    def __init__(self, episodes: Sequence[BagEpisode], image_hw: tuple[int, int], vocab_size: int, n_bins: int,
+                 context: ContextSpec = ContextSpec(), holdout_frac: float = 0.1, seed: int = 0):
+        if not episodes:
+            raise ValueError("no episodes to train on")
+        if not 0.0 <= holdout_frac < 1.0:
+            raise ValueError(f"holdout_frac must be in [0, 1), got {holdout_frac}")
+        self.context, self.image_hw, self.n_bins = context, tuple(image_hw), int(n_bins)
+        self.instructions = Counter()
+        self.episodes: list[TrainEpisode] = []
+        for e in episodes:
+            self.instructions[e.instruction] += 1
+            self.episodes.append(TrainEpisode(prefix_ids(e.instruction), to_model_pixels(e.frames, image_hw),
+                                              np.asarray(e.actions, dtype=np.float64), f"{e.bag}#{e.index}"))
+        n = len(self.episodes)
+        order = np.random.default_rng(seed).permutation(n)
+        n_hold = min(n - 1, max(1, int(round(holdout_frac * n)))) if holdout_frac > 0 and n > 1 else 0
+        self.heldout_idx = sorted(int(i) for i in order[:n_hold])
+        self.train_idx = sorted(int(i) for i in order[n_hold:])
+        train_actions = np.concatenate([self.episodes[i].actions for i in self.train_idx])
+        self.q01, self.q99 = quantiles(train_actions)
+        self.tokenizer = ActionTokenizer(vocab_size, self.q01, self.q99, n_bins)
+        for ep in self.episodes:
+            ep.bins = self.tokenizer.action_to_bins(ep.actions)
+        self.varying_dims = [i for i in range(len(self.q01)) if self.q99[i] > self.q01[i]]
+        self._steps = {name: np.array([(i, t) for i in idx for t in range(self.episodes[i].steps)], dtype=np.int64)
+                       for name, idx in (("train", self.train_idx), ("heldout", self.heldout_idx))}
+
+    # ---- facts -------------------------------------------------------------------------------------------
+    def steps(self, split: str) -> int:
+        return len(self._steps[split])
+
+    def describe(self) -> dict:
+        return {"episodes": len(self.episodes), "train_episodes": len(self.train_idx),
+                "heldout_episodes": len(self.heldout_idx), "train_steps": self.steps("train"),
+                "heldout_steps": self.steps("heldout"), "instructions": dict(self.instructions),
+                "heldout_sources": [self.episodes[i].source for i in self.heldout_idx],
+                "q01": self.q01, "q99": self.q99, "varying_dims": self.varying_dims}
+
+    def targets(self, bins: np.ndarray) -> np.ndarray:
+        """(action_dims,) bins -> (action_dims + 2,) targets: START, the bins, END."""
+        return np.concatenate([[START_BIN], np.asarray(bins, dtype=np.int64), [end_bin(self.n_bins)]])
+
+    # ---- samples -----------------------------------------------------------------------------------------
+    def past_indices(self, t: int, k: int, rng: np.random.Generator | None) -> list[int]:
+        """Steps of the past frames for current step t (oldest first), at most k, never before the episode."""
+        c = self.context
+        avail = t // c.frame_stride
+        if c.past_sampling == "recent" or rng is None:
+            k = min(k, avail)
+            return [t - j * c.frame_stride for j in range(k, 0, -1)]
+        cands = min(avail, max(c.window, k))
+        k = min(k, cands)
+        picked = np.sort(rng.choice(np.arange(1, cands + 1), size=k, replace=False))[::-1] if k else []
+        return [t - int(j) * c.frame_stride for j in picked]
+
+    def _shift(self, frames: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+        s = self.context.shift_px
+        if not s or rng is None:
+            return frames
+        dy, dx = (int(v) for v in rng.integers(-s, s + 1, size=2))
+        h, w = frames.shape[1:3]
+        padded = np.pad(frames, ((0, 0), (s, s), (s, s), (0, 0)), mode="edge")
+        return padded[:, s + dy:s + dy + h, s + dx:s + dx + w]
+
+    def make_batch(self, rows: Sequence[tuple[int, int, list[int]]], rng: np.random.Generator | None) -> Batch:
+        """rows of (episode, current step, past steps) -> Batch; ``rng`` None: no augmentation."""
+        prefixes, frames, counts, targets = [], [], [], []
+        for e, t, past in rows:
+            ep = self.episodes[e]
+            prefixes.append(ep.prefix_ids)
+            frames.append(self._shift(ep.pixels[list(past) + [t]].astype(np.float32), rng))
+            counts.append(len(past) + 1)
+            targets.append(self.targets(ep.bins[t]))
+        return Batch(prefixes, np.concatenate(frames), np.asarray(counts, np.int64), np.stack(targets))
+
+    def sample(self, rng: np.random.Generator, batch_size: int, split: str = "train") -> Batch:
+        """A training batch: steps uniform over the split, one k for the batch (module docstring)."""
+        steps = self._steps[split]
+        if len(steps) == 0:
+            raise ValueError(f"the {split} split is empty")
+        picks = steps[rng.integers(0, len(steps), size=batch_size)]
+        k = int(rng.integers(0, self.context.max_past_frames + 1))
+        return self.make_batch([(int(e), int(t), self.past_indices(int(t), k, rng)) for e, t in picks], rng)
+
+    def eval_batches(self, batch_size: int, split: str = "heldout", max_samples: int = 2048, seed: int = 0,
+                     past_frames: int | None = None) -> list[Batch]:
+        """A fixed evaluation set: up to ``max_samples`` steps of the split (seeded), no augmentation, with
+        ``past_frames`` most recent past frames each (clipped at the episode start; None: k drawn uniformly in
+        [0, max_past_frames] per sample)."""
+        steps = self._steps[split]
+        if len(steps) == 0:
+            return []
+        rng = np.random.default_rng(seed)
+        if len(steps) > max_samples:
+            steps = steps[np.sort(rng.choice(len(steps), size=max_samples, replace=False))]
+        rows = []
+        for e, t in steps:
+            k = int(rng.integers(0, self.context.max_past_frames + 1)) if past_frames is None else past_frames
+            rows.append((int(e), int(t), self.past_indices(int(t), k, None)))
+        rows.sort(key=lambda r: len(r[2]))  # similar lengths together: less padding
+        return [self.make_batch(rows[i:i + batch_size], None) for i in range(0, len(rows), batch_size)]

@@ -1,0 +1,300 @@
+"""The policy in torch: engine/reference.py's Qwen2 decoder and patch embedder, line for line, trainable.
+
+Why a mirror and not a new model: a checkpoint trained here is served by NumpyEngine / CudaEngine, which are
+held to engine/reference.py. So this module computes what the reference computes -- RMSNorm, q/k/v with biases,
+HF rotate-half RoPE with float64 angles from integer positions, grouped-query attention (query head h reads KV
+head h // G), SwiGLU, the final norm and the LM head's last ``n_action_bins`` rows (tied to the embedding unless
+the checkpoint has lm_head.weight), and the patch embedder ``(pixels / 255 - 0.5) @ W.T + b + pos_embed`` over
+row-major 16 x 16 patches -- and its parameters carry the checkpoint's HF names exactly
+(engine/checkpoint.expected_shapes + vision_shapes), so ``export_tensors`` is what write_checkpoint writes and
+load_checkpoint reads back. test/test_train_model.py holds it to NumpyEngine on the same weights.
+
+Two ways in:
+- ``teacher_forced_logits`` (training): one causal pass over prefix + past frames + current frame + decode
+  inputs per sample (train/dataset.py says why this is the runtime's context), right-padded, so a real token
+  never sees a pad;
+- ``TorchStream`` (checks, and a torch engine when one is wanted): reference_chunk's streaming chunk -- a KV
+  manager decides what is retained, a frame's pre-RoPE K/V are computed once on arrival and rotated at their
+  current packed position in every later chunk, greedy decode.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vla_edge_ros.core.action_tokenizer import from_config as action_tokenizer
+from vla_edge_ros.engine.checkpoint import expected_shapes, vision_shapes
+from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.vision import check_image, resize, seeded_vision_weights
+
+INIT_STD = 0.02
+
+
+# ---- building blocks (engine/reference.py names) -------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin (..., n, D) for integer positions (..., n); angles in float64 from the exact integers."""
+    inv_freq = 1.0 / float(theta) ** (torch.arange(0, head_dim, 2, dtype=torch.float64,
+                                                   device=positions.device) / head_dim)
+    angles = positions.to(torch.float64)[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, n, heads, D) rotated by (B, n, D) tables."""
+    return x * cos[:, :, None, :] + rotate_half(x) * sin[:, :, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(h, h), nn.Linear(h, kv), nn.Linear(h, kv)
+        self.o_proj = nn.Linear(h, h, bias=False)
+        self.H, self.KV, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+    def forward(self, x, cos, sin, past=None, past_cos=None, past_sin=None, mask=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, self.D)
+        k = self.k_proj(x).view(B, T, self.KV, self.D)
+        v = self.v_proj(x).view(B, T, self.KV, self.D)
+        keys, values, kcos, ksin = k, v, cos, sin
+        if past is not None:  # cached pre-RoPE K/V, rotated at their current positions
+            keys, values = torch.cat([past[0], k], 1), torch.cat([past[1], v], 1)
+            kcos, ksin = torch.cat([past_cos, cos], 1), torch.cat([past_sin, sin], 1)
+        G = self.H // self.KV
+        qr = apply_rope(q, cos, sin).transpose(1, 2)  # (B, H, T, D)
+        kr = apply_rope(keys, kcos, ksin).repeat_interleave(G, dim=2).transpose(1, 2)  # (B, H, S + T, D)
+        vr = values.repeat_interleave(G, dim=2).transpose(1, 2)
+        if mask is None and past is None:
+            out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.D)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj, self.up_proj = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, past=None, past_cos=None, past_sin=None, mask=None):
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, past, past_cos, past_sin, mask)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Vision(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.patch_embed = nn.Linear(cfg.patch_dim, cfg.hidden_size)
+        self.pos_embed = nn.Parameter(torch.zeros(cfg.n_patches, cfg.hidden_size))
+
+
+# ---- the policy ----------------------------------------------------------------------------------------------
+
+class VLAPolicy(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        self.vision = Vision(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    # ---- weights
+    def init_weights(self, seed: int, std: float = INIT_STD) -> "VLAPolicy":
+        """Seeded init, independent of the device: norms 1, biases 0, every other tensor N(0, std)."""
+        g = torch.Generator().manual_seed(int(seed))
+        with torch.no_grad():
+            for name, p in sorted(self.named_parameters()):
+                if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                    value = torch.ones(p.shape)
+                elif name.endswith(".bias"):
+                    value = torch.zeros(p.shape)
+                else:
+                    value = torch.randn(p.shape, generator=g) * std
+                p.copy_(value.to(p.device))
+        return self
+
+    def export_tensors(self) -> dict[str, np.ndarray]:
+        """float32 numpy tensors by HF name: exactly the checkpoint's set (expected_shapes + vision_shapes)."""
+        out = {k: v.detach().float().cpu().numpy() for k, v in self.state_dict().items()}
+        want = {**expected_shapes(self.cfg), **vision_shapes(self.cfg)}
+        if set(out) != set(want) or any(out[k].shape != want[k] for k in want):
+            raise RuntimeError(f"torch policy tensors do not match the checkpoint layout: "
+                               f"{sorted(set(out) ^ set(want))}")
+        return out
+
+    def load_tensors(self, tensors: Mapping[str, np.ndarray]) -> "VLAPolicy":
+        """Load a checkpoint's tensors (engine/checkpoint.load_checkpoint) by HF name; strict."""
+        if not all(n in tensors for n in vision_shapes(self.cfg)):  # the engines' seeded patch embedder then
+            tensors = {**tensors, **seeded_vision_weights(self.cfg)}
+        state = {k: torch.as_tensor(np.asarray(tensors[k], dtype=np.float32)) for k in self.state_dict()}
+        self.load_state_dict(state, strict=True)
+        return self
+
+    # ---- pieces
+    def head(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def action_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, then the LM head's action rows: (..., hidden) -> (..., n_action_bins)."""
+        return self.model.norm(h) @ self.head()[self.cfg.action_token_offset:].T
+
+    def vision_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(N, H, W, 3) float pixels in [0, 255] at the model's image size -> (N, n_patches, hidden)."""
+        (gh, gw), p = self.cfg.patch_grid, self.cfg.patch_size
+        N = pixels.shape[0]
+        x = pixels.reshape(N, gh, p, gw, p, 3).permute(0, 1, 3, 2, 4, 5).reshape(N, gh * gw, p * p * 3)
+        x = x * (1.0 / 255.0) - 0.5
+        return self.vision.patch_embed(x) + self.vision.pos_embed
+
+    def decoder(self, x, positions, past=None, past_positions=None, mask=None):
+        """The decoder over x (B, T, hidden) at positions (B, T), after per-layer pre-RoPE ``past`` (B, S, KV, D)
+        at past_positions (B, S); mask (B, 1, T, S + T) bool (None: causal, all past visible).
+        -> (h (B, T, hidden) before the final norm, per layer the pre-RoPE (k, v) of x)."""
+        cfg, dtype = self.cfg, x.dtype
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
+        pcos = psin = None
+        if past is not None:
+            pcos, psin = rope_cos_sin(past_positions, cfg.head_dim, cfg.rope_theta, dtype)
+            if mask is None and x.shape[1] > 1:
+                T, S = x.shape[1], past_positions.shape[1]
+                causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+                mask = torch.cat([torch.ones(T, S, dtype=torch.bool, device=x.device), causal], 1)[None, None]
+        new_kv = []
+        for i, layer in enumerate(self.model.layers):
+            x, kv = layer(x, cos, sin, None if past is None else past[i], pcos, psin, mask)
+            new_kv.append(kv)
+        return x, new_kv
+
+    def teacher_forced_logits(self, prefix_ids: Sequence[torch.Tensor], frames: torch.Tensor,
+                              frame_counts: Sequence[int], gen_inputs: torch.Tensor) -> torch.Tensor:
+        """Per sample: [prefix bytes][its frames' patch tokens, oldest -> current][gen_inputs embedded], one causal
+        pass at positions 0.. (packed). -> logits (B, gen_inputs + 1, n_action_bins): row 0 from the current
+        frame's last token (gen[0]), row i from decode input i - 1 (gen[i])."""
+        emb = self.model.embed_tokens
+        vt = self.vision_tokens(frames)
+        per_sample = torch.split(vt, [int(c) for c in frame_counts])
+        seqs, ends = [], []
+        for b, ids in enumerate(prefix_ids):
+            ctx = [emb(ids), per_sample[b].reshape(-1, self.cfg.hidden_size)]
+            ends.append(int(ids.shape[0]) + per_sample[b].shape[0] * per_sample[b].shape[1])
+            seqs.append(torch.cat(ctx + [emb(gen_inputs[b])]))
+        x = nn.utils.rnn.pad_sequence(seqs, batch_first=True)  # right padding: after every real token
+        B, L = x.shape[:2]
+        positions = torch.arange(L, device=x.device).expand(B, L)
+        h, _ = self.decoder(x, positions)
+        rows = torch.as_tensor(ends, device=x.device)[:, None] - 1 + torch.arange(gen_inputs.shape[1] + 1,
+                                                                                 device=x.device)
+        return self.action_logits(h[torch.arange(B, device=x.device)[:, None], rows])
+
+
+# ---- the streaming chunk (engine/reference.py reference_chunk) ------------------------------------------------
+
+class TorchStream:
+    """Chunks as the runtime runs them: ``kv`` (core/kv/manager.KVManager) decides what is retained."""
+
+    def __init__(self, policy: VLAPolicy, kv, instruction: str = "", decode_tokens: int = 8):
+        cfg = policy.cfg
+        ids = np.frombuffer(instruction.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        if kv.prefix_tokens != len(ids) or kv.tokens_per_frame != cfg.n_patches or decode_tokens < cfg.action_dims:
+            raise ValueError(f"torch stream: the KV manager pins {kv.prefix_tokens} prefix tokens of "
+                             f"{kv.tokens_per_frame} per frame; the instruction has {len(ids)} bytes, the model "
+                             f"{cfg.n_patches} patches; decode_tokens={decode_tokens}")
+        self.policy, self.cfg, self.kv, self.decode_tokens = policy, cfg, kv, int(decode_tokens)
+        self.device = next(policy.parameters()).device
+        self.tokenizer = action_tokenizer(cfg)
+        self.frames: dict[int, list] = {}
+        with torch.no_grad():
+            if len(ids):
+                x = self.policy.model.embed_tokens(torch.as_tensor(ids, device=self.device))[None]
+                self.prefix = self.policy.decoder(x, torch.arange(len(ids), device=self.device)[None])[1]
+            else:
+                z = torch.zeros(1, 0, cfg.num_key_value_heads, cfg.head_dim, device=self.device)
+                self.prefix = [(z, z)] * cfg.num_hidden_layers
+
+    @torch.no_grad()
+    def encode_frame(self, image: np.ndarray) -> np.ndarray:
+        """(H, W, 3) uint8 -> (n_patches, hidden) float32 vision tokens (engine/vision.py's resize)."""
+        px = torch.as_tensor(resize(check_image(image), self.cfg.image_hw), device=self.device)[None]
+        return self.policy.vision_tokens(px)[0].cpu().numpy()
+
+    @staticmethod
+    def _concat(segments):
+        return [(torch.cat([s[i][0] for s in segments], 1), torch.cat([s[i][1] for s in segments], 1))
+                for i in range(len(segments[0]))]
+
+    @torch.no_grad()
+    def run_chunk(self, tokens: np.ndarray, frame_id: int, salient: bool = False) -> dict:
+        cfg, kv, pol = self.cfg, self.kv, self.policy
+        tokens = np.asarray(tokens, dtype=np.float32)
+        kv.admit(frame_id, tokens.mean(axis=0), salient)  # pooled embedding, as the engines pass it
+        kv.take_moves()
+        retained = kv.frames[:-1]
+        self.frames = {f: self.frames[f] for f in retained}
+        context = [self.prefix] + [self.frames[f] for f in retained]
+        S = sum(seg[0][0].shape[1] for seg in context)
+        n_ctx = S + tokens.shape[0]
+        pos = lambda a, b: torch.arange(a, b, device=self.device)[None]  # noqa: E731
+        x = torch.as_tensor(tokens, device=self.device)[None]
+        h, frame_kv = pol.decoder(x, pos(S, n_ctx), self._concat(context), pos(0, S))
+        self.frames[frame_id] = frame_kv
+        off = cfg.action_token_offset
+        logits = [pol.action_logits(h[0, -1])]
+        gen = [int(logits[0].argmax()) + off]
+        decoded = []
+        for i in range(1, self.decode_tokens + 1):
+            e = pol.model.embed_tokens(torch.as_tensor([gen[-1]], device=self.device))[None]
+            past = self._concat(context + [frame_kv] + decoded)
+            h, kv_i = pol.decoder(e, pos(n_ctx + i - 1, n_ctx + i), past, pos(0, n_ctx + i - 1))
+            decoded.append(kv_i)
+            logits.append(pol.action_logits(h[0, -1]))
+            gen.append(int(logits[-1].argmax()) + off)
+        bins = np.asarray(gen[1:1 + cfg.action_dims], dtype=np.int64) - off
+        return {"frame_id": int(frame_id), "logits": torch.stack(logits).cpu().numpy(),
+                "token_ids": np.asarray(gen, np.int64), "action_bins": bins,
+                "action": self.tokenizer.bins_to_action(bins)}

@@ -1,0 +1,324 @@
+"""Behaviour cloning into this package's checkpoint format: teacher-forced cross-entropy on the action tokens.
+
+What one run does:
+1. reads the bags' episodes (data/bag_reader.py; OXE and sim bags alike), splits them train / held-out by a
+   seeded permutation, computes q01/q99 from the training actions (train/dataset.py);
+2. builds the checkpoint's config (HF Qwen2 config.json with the ``vla`` block: action names from the bags,
+   q01/q99, n_action_bins 256, patch_grid, patch_size; vocabulary = 256 byte tokens + the action bins, as
+   engine/config.py requires) and a seeded VLAPolicy (train/model.py);
+3. trains with AdamW (linear warm-up, cosine decay, gradient clipping) on batches of runtime contexts, the loss
+   the mean cross-entropy over all action_dims + 2 rows (START, bins, END; train/dataset.py);
+4. evaluates on the held-out episodes every ``eval_every`` steps (teacher-forced loss and action-token accuracy)
+   and at the end (also greedy decoding, as the engines decode, and with the full past context);
+5. writes ``config.json`` + ``model.safetensors`` (engine/checkpoint.write_checkpoint: what load_checkpoint and
+   make_engine(checkpoint:=DIR) read), ``loss_curve.png`` and ``training_record.json`` (data hash, seed, the
+   command, git commit, the figures, and how to deploy: the retained-frame limit the context was trained for).
+
+Deterministic for a seed on one device and thread count: numpy Generator for the data, a seeded torch
+Generator for the init, torch.use_deterministic_algorithms. Runs on CPU by default for a small model, on CUDA
+when torch sees a GPU (``device="auto"``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vla_edge_ros.data.bag_reader import bag_digest, read_bags
+from vla_edge_ros.engine.checkpoint import write_checkpoint
+from vla_edge_ros.engine.config import BYTE_TOKENS, DEFAULT_ACTION_NAMES, ModelConfig, tiny_default_dict
+from vla_edge_ros.train.dataset import START_BIN, Batch, ContextSpec, DemoDataset, end_bin
+from vla_edge_ros.train.model import VLAPolicy
+
+N_ACTION_BINS = 256
+
+
+@dataclass
+class TrainConfig:
+    bags: list[str]
+    out: str
+    # model geometry
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 0  # 0 = 2.75 x hidden rounded to 32 (the tiny default's ratio)
+    patch_grid: tuple[int, int] = (4, 8)
+    patch_size: int = 16
+    tie_embeddings: bool = True
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 8192
+    init_std: float = 0.02
+    # optimisation
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    # data
+    context: ContextSpec = field(default_factory=ContextSpec)
+    holdout_frac: float = 0.1
+    eval_every: int = 100
+    eval_samples: int = 1024
+    # run
+    seed: int = 0
+    device: str = "auto"
+    threads: int = 0  # 0 = torch's default
+    weights_dtype: str = "float32"  # or bfloat16 (half the file; what the CUDA engine uploads anyway)
+    progress: bool = True
+    command: str = ""
+
+    def intermediate_size(self) -> int:
+        return self.intermediate or max(32, int(round(self.hidden * 2.75 / 32)) * 32)
+
+
+def model_config_dict(tc: TrainConfig, q01: Sequence[float], q99: Sequence[float],
+                      names: Sequence[str] = DEFAULT_ACTION_NAMES) -> dict[str, Any]:
+    """config.json of the checkpoint (engine/config.py reads it back; tiny_default_dict's layout)."""
+    d = tiny_default_dict()
+    d.update(hidden_size=tc.hidden, num_hidden_layers=tc.layers, num_attention_heads=tc.heads,
+             num_key_value_heads=tc.kv_heads, intermediate_size=tc.intermediate_size(),
+             vocab_size=BYTE_TOKENS + N_ACTION_BINS, max_position_embeddings=tc.max_position_embeddings,
+             rope_theta=tc.rope_theta, tie_word_embeddings=tc.tie_embeddings)
+    d["vla"] = {"action_dims": len(names), "action_names": list(names), "action_q01": list(q01),
+                "action_q99": list(q99), "n_action_bins": N_ACTION_BINS, "patch_grid": list(tc.patch_grid),
+                "patch_size": tc.patch_size}
+    return ModelConfig.from_json(d).to_dict()  # validated, in the canonical form
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but torch sees no CUDA GPU")
+    return torch.device(name)
+
+
+def _tensors(batch: Batch, offset: int, device: torch.device):
+    prefix = [torch.as_tensor(p, device=device) for p in batch.prefix_ids]
+    frames = torch.as_tensor(batch.frames, device=device)
+    targets = torch.as_tensor(batch.targets, device=device)
+    return prefix, frames, batch.frame_counts.tolist(), targets[:, :-1] + offset, targets
+
+
+def batch_loss(policy: VLAPolicy, batch: Batch, device: torch.device):
+    prefix, frames, counts, gen_in, targets = _tensors(batch, policy.cfg.action_token_offset, device)
+    logits = policy.teacher_forced_logits(prefix, frames, counts, gen_in)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), logits, targets
+
+
+@torch.no_grad()
+def greedy_bins(policy: VLAPolicy, batch: Batch, device: torch.device) -> np.ndarray:
+    """gen[0..action_dims + 1] as bins, decoded greedily (each input is the model's own previous choice)."""
+    prefix, frames, counts, gen_in, targets = _tensors(batch, policy.cfg.action_token_offset, device)
+    gen_in = torch.zeros_like(gen_in)
+    picked = torch.zeros_like(targets)
+    for i in range(targets.shape[1]):
+        row = policy.teacher_forced_logits(prefix, frames, counts, gen_in)[:, i].argmax(-1)
+        picked[:, i] = row
+        if i < gen_in.shape[1]:
+            gen_in[:, i] = row + policy.cfg.action_token_offset
+    return picked.cpu().numpy()
+
+
+@torch.no_grad()
+def evaluate(policy: VLAPolicy, batches: Sequence[Batch], ds: DemoDataset, device: torch.device,
+             greedy: bool = False) -> dict[str, Any]:
+    """Held-out figures: loss, action-token accuracy (all dims / the dims that vary in the data), START / END
+    accuracy, mean |bin error| (varying dims) and mean |action error| per dimension (un-normalised units)."""
+    if not batches:
+        return {}
+    was_training = policy.training
+    policy.eval()
+    dims = policy.cfg.action_dims
+    losses, preds, targets = [], [], []
+    for b in batches:
+        loss, logits, tgt = batch_loss(policy, b, device)
+        losses.append((float(loss), len(b)))
+        preds.append(greedy_bins(policy, b, device) if greedy else logits.argmax(-1).cpu().numpy())
+        targets.append(tgt.cpu().numpy())
+    policy.train(was_training)
+    p, t = np.concatenate(preds), np.concatenate(targets)
+    pa, ta = p[:, 1:1 + dims], t[:, 1:1 + dims]
+    vary = ds.varying_dims or list(range(dims))
+    tok = ds.tokenizer
+    act_err = np.abs(tok.bins_to_action(pa) - tok.bins_to_action(ta))  # (N, dims), in the action's units
+    return {"samples": int(len(t)), "loss": sum(v * n for v, n in losses) / len(t),
+            "action_token_acc": float((pa == ta).mean()),
+            "action_token_acc_varying_dims": float((pa[:, vary] == ta[:, vary]).mean()),
+            "action_token_acc_per_dim": [float(v) for v in (pa == ta).mean(axis=0)],
+            "start_end_acc": float(((p[:, 0] == t[:, 0]) & (p[:, -1] == t[:, -1])).mean()),
+            "bin_mae_varying_dims": float(np.abs(pa - ta)[:, vary].mean()),
+            "action_mae_per_dim": [float(v) for v in act_err.mean(axis=0)]}
+
+
+def _lr_lambda(tc: TrainConfig) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if step < tc.warmup_steps:
+            return (step + 1) / tc.warmup_steps
+        progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def _optimizer(policy: VLAPolicy, tc: TrainConfig) -> torch.optim.Optimizer:
+    decay = [p for n, p in policy.named_parameters() if p.ndim >= 2 and n != "vision.pos_embed"]
+    rest = [p for n, p in policy.named_parameters() if not (p.ndim >= 2 and n != "vision.pos_embed")]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
+
+
+def git_commit() -> dict[str, Any]:
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30).stdout.strip() != ""
+        return {"commit": head, "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def plot_curves(path: Path, losses: Sequence[float], evals: Sequence[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, losses, color="0.75", lw=0.8, label="train (batch)")
+    if len(losses) >= 2:
+        ema, acc = [], losses[0]
+        for v in losses:
+            acc = 0.95 * acc + 0.05 * v
+            ema.append(acc)
+        ax.plot(steps, ema, color="C0", label="train (EMA 0.95)")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-", color="C1", label="held-out")
+        ax2.plot([e["step"] for e in evals], [e["action_token_acc"] for e in evals], "o-", label="all dims")
+        ax2.plot([e["step"] for e in evals], [e["action_token_acc_varying_dims"] for e in evals], "s-",
+                 label="dims that vary")
+    ax.set(xlabel="step", ylabel="cross-entropy (action tokens)", yscale="log", title="loss")
+    ax2.set(xlabel="step", ylabel="accuracy", ylim=(0, 1), title="held-out action-token accuracy (teacher forced)")
+    ax.legend()
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """One training run (module docstring); returns the training record (also written to the output)."""
+    if tc.steps < 1 or tc.batch_size < 1:
+        raise ValueError(f"steps and batch_size must be >= 1, got {tc.steps} and {tc.batch_size}")
+    t_start = time.perf_counter()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    torch.manual_seed(tc.seed)
+    device = pick_device(tc.device)
+    out = Path(tc.out)
+    episodes, summaries = read_bags(tc.bags)
+    for s in summaries:
+        log(s.text())
+    image_hw = (tc.patch_grid[0] * tc.patch_size, tc.patch_grid[1] * tc.patch_size)
+    ds = DemoDataset(episodes, image_hw, BYTE_TOKENS + N_ACTION_BINS, N_ACTION_BINS, tc.context, tc.holdout_frac,
+                     tc.seed)
+    cfg_dict = model_config_dict(tc, ds.q01, ds.q99)
+    mcfg = ModelConfig.from_json(cfg_dict)
+    policy = VLAPolicy(mcfg).init_weights(tc.seed, tc.init_std).to(device)
+    n_params = sum(p.numel() for p in policy.parameters())
+    info = ds.describe()
+    log(f"vla_train: {info['train_episodes']} train / {info['heldout_episodes']} held-out episodes "
+        f"({info['train_steps']} / {info['heldout_steps']} steps), {n_params / 1e6:.2f} M parameters, device "
+        f"{device}, torch threads {torch.get_num_threads()}")
+    opt = _optimizer(policy, tc)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(tc))
+    rng = np.random.default_rng(tc.seed)
+    heldout = ds.eval_batches(tc.batch_size, "heldout", tc.eval_samples, tc.seed)
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=tc.steps, unit="step", desc="vla_train", disable=None if tc.progress else True,
+                   file=sys.stderr)
+    except ImportError:
+        bar = None
+    losses: list[float] = []
+    evals: list[dict] = []
+    step_s: list[float] = []
+    policy.train()
+    for step in range(1, tc.steps + 1):
+        t0 = time.perf_counter()
+        batch = ds.sample(rng, tc.batch_size)
+        loss, _, _ = batch_loss(policy, batch, device)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), tc.grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        step_s.append(time.perf_counter() - t0)
+        if heldout and (step % tc.eval_every == 0 or step == tc.steps):
+            evals.append({"step": step, **evaluate(policy, heldout, ds, device)})
+            e = evals[-1]
+            line = (f"step {step}: train loss {losses[-1]:.4f}, held-out loss {e['loss']:.4f}, action-token acc "
+                    f"{e['action_token_acc_varying_dims']:.3f} (varying dims), bin MAE {e['bin_mae_varying_dims']:.1f}, "
+                    f"{1e3 * np.mean(step_s[-tc.eval_every:]):.0f} ms/step")
+            (bar.write if bar is not None and not bar.disable else log)(line)
+        if bar is not None:
+            post = {"loss": f"{losses[-1]:.3f}"}
+            if evals:
+                post["heldout_acc"] = f"{evals[-1]['action_token_acc_varying_dims']:.3f}"
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    final: dict[str, Any] = {}
+    if heldout:
+        final["teacher_forced"] = evals[-1]
+        final["greedy"] = evaluate(policy, heldout, ds, device, greedy=True)
+        full = ds.eval_batches(tc.batch_size, "heldout", tc.eval_samples, tc.seed,
+                               past_frames=tc.context.max_past_frames)
+        final["greedy_full_context"] = evaluate(policy, full, ds, device, greedy=True)
+    out.mkdir(parents=True, exist_ok=True)
+    write_checkpoint(out, cfg_dict, policy.export_tensors(), dtype=tc.weights_dtype)
+    plot_curves(out / "loss_curve.png", losses, evals)
+    timed = step_s[min(5, len(step_s) - 1):]  # the first steps pay one-time costs
+    record = {
+        "command": tc.command or " ".join(sys.argv), "seed": tc.seed, "git": git_commit(),
+        "data": {"bags": [str(b) for b in tc.bags], "sha256": bag_digest(tc.bags),
+                 "read": [{"bag": s.bag, "episodes": s.episodes, "steps": s.steps, "image_topic": s.image_topic,
+                           "skipped": dict(s.skipped), "notes": s.notes} for s in summaries], **info},
+        "model": {"parameters": n_params, "config": cfg_dict, "weights_dtype": tc.weights_dtype},
+        "train": {k: v for k, v in asdict(tc).items() if k not in ("bags", "out", "command", "context")},
+        "context": {**asdict(tc.context), "decode_targets": {"gen0_bin": START_BIN,
+                                                             "end_bin": end_bin(N_ACTION_BINS),
+                                                             "rows": mcfg.action_dims + 2}},
+        "deploy": {"max_retained_frames": tc.context.max_past_frames + 1, "eviction_policy": "sliding_window",
+                   "window_frames": tc.context.max_past_frames + 1, "tokens_per_frame": mcfg.n_patches,
+                   "decode_tokens_min": mcfg.action_dims, "image_hw": list(image_hw),
+                   "frame_stride_control_steps": tc.context.frame_stride},
+        "figures": {"steps": tc.steps, "final_train_loss": losses[-1],
+                    "train_loss_last_10pct": float(np.mean(losses[-max(1, len(losses) // 10):])),
+                    "time_per_step_ms": 1e3 * float(np.mean(timed)), "wall_s": time.perf_counter() - t_start,
+                    "heldout": final, "evals": evals},
+        "environment": {"torch": torch.__version__, "device": str(device), "threads": torch.get_num_threads(),
+                        "python": platform.python_version(), "machine": platform.machine()},
+        "losses": losses,
+    }
+    (out / "training_record.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return record
