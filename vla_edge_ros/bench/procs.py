@@ -1,6 +1,6 @@
 """Child processes for the benchmarks and the ROS tests: their environment, a wrapper stopped with SIGINT, RSS.
 
-One place for what every ROS child process of this project needs (docs/HELPERS.md): its own ROS_DOMAIN_ID,
+One place for what every ROS child process of this project needs (CONTRIBUTING.md): its own ROS_DOMAIN_ID,
 discovery kept on localhost, a private ROS_HOME (rclpy would otherwise write logs to ~/.ros), Fast DDS with the
 package's profile (32 MiB shared-memory segment, needed for 640x480 images), one BLAS thread. No rclpy here:
 the callers start the ROS processes, this module only prepares and watches them.

@@ -1,9 +1,12 @@
-"""Generate config/runtime.yaml and the README parameter table from the registry (vla_edge_ros/params.py).
+"""Generate config/runtime.yaml and the parameter tables of the docs from the registry (vla_edge_ros/params.py).
 
-    python -m vla_edge_ros.ros.param_docs --write   # rewrite config/runtime.yaml and the README table
-    python -m vla_edge_ros.ros.param_docs --check   # exit 1 when either differs from the registry
+    python -m vla_edge_ros.ros.param_docs --write   # rewrite config/runtime.yaml and every doc table
+    python -m vla_edge_ros.ros.param_docs --check   # exit 1 when any of them differs from the registry
 
-test/test_params_registry.py runs the check, so the registry, the YAML and the README cannot drift.
+Where each node's table goes (DOC_TABLES): the runtime nodes' (vla_camera, vla_inference, vla_action) into the
+README, which a newcomer reads first and which must stay short; the simulated arm's (vla_sim) into docs/SIM.md,
+beside the closed loop it belongs to. Every node of the registry is in exactly one of them (checked at import).
+test/test_params_registry.py runs the check, so the registry, the YAML and the docs cannot drift.
 No rclpy import: pure text generation.
 """
 from __future__ import annotations
@@ -17,8 +20,15 @@ from vla_edge_ros import params as P
 ROOT = Path(__file__).resolve().parents[2]
 YAML_PATH = ROOT / "config" / "runtime.yaml"
 README_PATH = ROOT / "README.md"
+SIM_DOC_PATH = ROOT / "docs" / "SIM.md"
+RUNTIME_NODES = (P.CAMERA, P.INFERENCE, P.ACTION)
+DOC_TABLES = {README_PATH: RUNTIME_NODES, SIM_DOC_PATH: (P.SIM,)}  # doc -> the nodes whose table it carries
 BEGIN = "<!-- BEGIN PARAMETER TABLE (generated: python -m vla_edge_ros.ros.param_docs --write) -->"
 END = "<!-- END PARAMETER TABLE -->"
+
+_placed = [n for nodes in DOC_TABLES.values() for n in nodes]
+if sorted(_placed) != sorted(P.NODES):  # a new node must be given a doc, and no node two
+    raise RuntimeError(f"param_docs.DOC_TABLES places nodes {sorted(_placed)}, the registry has {sorted(P.NODES)}")
 
 
 def _yaml_value(v) -> str:
@@ -55,10 +65,11 @@ def yaml_text() -> str:
     return "\n".join(out) + "\n"
 
 
-def readme_table() -> str:
+def doc_table(nodes=RUNTIME_NODES) -> str:
+    """The markdown table of the given nodes' parameters, in registry order."""
     rows = ["| node | parameter | type | default | range / choices | live (applies) | description |",
             "|---|---|---|---|---|---|---|"]
-    for s in P.PARAMS:
+    for s in (s for s in P.PARAMS if s.node in nodes):
         default = f"`{s.default!r}`" if not isinstance(s.default, str) else f"`\"{s.default}\"`"
         live = f"yes ({s.applies})" if s.live else "no"
         desc = s.description.replace("|", "\\|")
@@ -66,12 +77,18 @@ def readme_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def readme_with_table(text: str) -> str:
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"README has no parameter table markers ({BEGIN!r} ... {END!r})")
+def with_table(text: str, nodes=RUNTIME_NODES, where: str = "README.md") -> str:
+    """``text`` with the part between the markers replaced by the nodes' generated table."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1:
+        raise ValueError(f"{where} needs exactly one pair of parameter table markers ({BEGIN!r} ... {END!r})")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    return head + BEGIN + "\n" + readme_table() + END + tail
+    return head + BEGIN + "\n" + doc_table(nodes) + END + tail
+
+
+def table_part(text: str) -> str:
+    """The generated part of a doc (between the markers)."""
+    return text.split(BEGIN, 1)[1].split(END, 1)[0]
 
 
 def main(argv=None) -> int:
@@ -80,14 +97,14 @@ def main(argv=None) -> int:
     g.add_argument("--write", action="store_true")
     g.add_argument("--check", action="store_true")
     a = ap.parse_args(argv)
-    want_yaml = yaml_text()
-    want_readme = readme_with_table(README_PATH.read_text(encoding="utf-8"))
+    wanted = {YAML_PATH: yaml_text()}
+    for path, nodes in DOC_TABLES.items():
+        wanted[path] = with_table(path.read_text(encoding="utf-8"), nodes, str(path.relative_to(ROOT)))
     if a.write:
-        YAML_PATH.write_text(want_yaml, encoding="utf-8")
-        README_PATH.write_text(want_readme, encoding="utf-8")
+        for path, text in wanted.items():
+            path.write_text(text, encoding="utf-8")
         return 0
-    bad = [str(p) for p, want in ((YAML_PATH, want_yaml), (README_PATH, want_readme))
-           if p.read_text(encoding="utf-8") != want]
+    bad = [str(p) for p, want in wanted.items() if p.read_text(encoding="utf-8") != want]
     if bad:
         print("out of date with vla_edge_ros/params.py: " + ", ".join(bad) +
               " (run python -m vla_edge_ros.ros.param_docs --write)", file=sys.stderr)
