@@ -260,7 +260,7 @@ def build_result(stats: dict, subscriber: dict, args: argparse.Namespace, window
         "missed_ticks": stats.get("action", {}).get("missed_ticks"),
         "config": {"policy": args.policy, "requested_backend": args.backend, "checkpoint": args.checkpoint,
                    "params": list(args.param),
-                   "camera": "vla_test_camera 60 Hz rgb8 640x480", "cpu_count": os.cpu_count(),
+                   "camera": f"vla_test_camera {getattr(args, 'camera_rate_hz', 60.0):g} Hz rgb8 640x480", "cpu_count": os.cpu_count(),
                    "load_avg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
     }
     res["warnings"] = warnings_for(res, inference_messages or {})
@@ -277,6 +277,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="extra runtime parameter (repeatable), e.g. --param kv_budget_tokens:=1024")
     ap.add_argument("--out", default="results/demo.json")
     ap.add_argument("--startup-timeout", type=float, default=120.0, help="max seconds to reach 'active'")
+    ap.add_argument("--camera-rate-hz", type=float, default=60.0, help="rate of the test camera (640x480 rgb8)")
     ap.add_argument("--camera-stall-after-s", type=float, default=None,
                     help="the test camera goes silent this many seconds after it starts (recovery test)")
     ap.add_argument("--camera-stall-for-s", type=float, default=None, help="... for this many seconds")
@@ -310,6 +311,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.camera_stall_after_s is not None:
         camera_cmd += ["--stall-after-s", str(args.camera_stall_after_s),
                        "--stall-for-s", str(args.camera_stall_for_s or 3.0)]
+    camera_cmd += ["--ros-args", "-p", f"rate_hz:={args.camera_rate_hz}"]
     print(f"vla_demo: runtime + 60 Hz test camera, policy={args.policy}, backend={args.backend}, "
           f"{args.duration:.0f} s (logs in {workdir})")
     watcher = Watcher()
