@@ -41,7 +41,7 @@ class RosProcesses:
 
     def camera(self, *ros_args: str) -> Proc:
         """vla_test_camera (60 Hz rgb8 640x480 unless overridden)."""
-        return self.start("vla_edge_ros.ros.test_camera", *(["--ros-args", *ros_args] if ros_args else []),
+        return self.start("vla_edge_ros.ros.tools.test_camera", *(["--ros-args", *ros_args] if ros_args else []),
                           name="camera")
 
     def stop_all(self) -> list[str]:

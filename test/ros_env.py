@@ -174,7 +174,7 @@ def runtime_with_param_clients(domain_id: int, tmp: Path, client_name: str, clie
     runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", "--stats-out", str(stats), "--stats-every-s",
                               str(stats_every_s), "--ros-args", "-p", "backend:=numpy", "-p", "kv_budget_tokens:=1024"),
                    env, tmp / "runtime.log")
-    camera = Proc(module_cmd("vla_edge_ros.ros.test_camera", "--ros-args", "-p", "width:=160", "-p", "height:=120",
+    camera = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", "--ros-args", "-p", "width:=160", "-p", "height:=120",
                              "-p", "rate_hz:=30.0"), env, tmp / "camera.log")
     ctx = rclpy.context.Context()
     rclpy.init(context=ctx, args=[])

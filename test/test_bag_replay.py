@@ -88,7 +88,7 @@ def sink(ros_env):
 
 
 def replay(env, *args, timeout=30.0):
-    cmd = [sys.executable, "-m", "vla_edge_ros.ros.bag_replay", *map(str, args)]
+    cmd = [sys.executable, "-m", "vla_edge_ros.ros.tools.bag_replay", *map(str, args)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -150,7 +150,7 @@ def test_camera_retiming_decode_and_start_offset(ros_env, bag, sink):
 
 def test_loop_runs_until_sigint(ros_env, bag, sink):
     # wait_for given as a ROS parameter this time (every option is one)
-    cmd = [sys.executable, "-m", "vla_edge_ros.ros.bag_replay", str(bag), "--rate", "8", "--loop",
+    cmd = [sys.executable, "-m", "vla_edge_ros.ros.tools.bag_replay", str(bag), "--rate", "8", "--loop",
            "--ros-args", "-p", "wait_for:=['/vla/recorded_action']"]
     proc = subprocess.Popen(cmd, env=ros_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -281,7 +281,7 @@ def test_read_error_mid_playback_keeps_what_was_replayed(ros_env, bag, monkeypat
     published, the error is recorded, nothing raises out of the player thread."""
     from rosbags.rosbag2.errors import ReaderError
 
-    from vla_edge_ros.ros import bag_replay
+    from vla_edge_ros.ros.tools import bag_replay
 
     ctx = Context()
     rclpy.init(context=ctx, domain_id=DOMAIN_ID)

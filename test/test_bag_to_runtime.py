@@ -42,12 +42,12 @@ def test_replayed_clip_drives_the_runtime(tmp_path):
                               "--ros-args", "-p", "backend:=numpy", "-p", "kv_budget_tokens:=1024",
                               # the 60 Hz re-timing repeats each 5 Hz frame on purpose: not a frozen camera
                               "-p", "frozen_frame_limit:=0"), env, tmp_path / "runtime.log")
-    monitor = Proc(module_cmd("vla_edge_ros.ros.action_monitor", "--out", str(monitor_out)), env,
+    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(monitor_out)), env,
                    tmp_path / "monitor.log")
     replay = None
     try:
         assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
-        replay = Proc(module_cmd("vla_edge_ros.ros.bag_replay", "--bag", str(bag), "--decode", "--camera-hz", "60",
+        replay = Proc(module_cmd("vla_edge_ros.ros.tools.bag_replay", "--bag", str(bag), "--decode", "--camera-hz", "60",
                                  "--loop"), env, tmp_path / "replay.log")
         wait_for(lambda: not replay.alive(), 10.0)
         assert replay.alive(), replay.output()[-2000:]

@@ -230,7 +230,7 @@ def test_runtime_keeps_commanding_through_injected_faults(tmp_path):
     runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", "--stats-out", str(stats), "--stats-every-s", "0.5",
                               "--ros-args", "-p", "backend:=numpy", "-p", "kv_budget_tokens:=512"),
                    rt_env, tmp_path / "runtime.log")
-    monitor = Proc(module_cmd("vla_edge_ros.ros.action_monitor", "--out", str(monitor_out)), env,
+    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(monitor_out)), env,
                    tmp_path / "monitor.log")
     camera = None
     loop = {}
@@ -248,7 +248,7 @@ def test_runtime_keeps_commanding_through_injected_faults(tmp_path):
     try:
         assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
         assert "FAULT INJECTION ENABLED" in runtime.output()
-        camera = Proc(module_cmd("vla_edge_ros.ros.test_camera", "--ros-args", "-p", "width:=320",
+        camera = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", "--ros-args", "-p", "width:=320",
                                  "-p", "height:=240"), env, tmp_path / "camera.log")
         ok = wait_for(progressed, 120.0, poll_s=0.5)
         assert ok, (loop, runtime.output()[-3000:])

@@ -28,7 +28,7 @@ from ros_env import allocate_domain_ids, ros_env  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 DOMAIN_ID = allocate_domain_ids(1)
 ACTIVE_LINE = "active: admitting chunks"  # vla_edge_ros/ros/inference_node.py, on activate
-CAMERA_LINE = "publishing rgb8 640x480"  # vla_edge_ros/ros/test_camera.py, at start-up (default size/encoding)
+CAMERA_LINE = "publishing rgb8 640x480"  # vla_edge_ros/ros/tools/test_camera.py, at start-up (default size/encoding)
 
 
 @pytest.fixture

@@ -84,7 +84,7 @@ def _start(tmp, *ros_params, autostart=False, camera=True):
     args = ["--stats-out", str(stats), "--stats-every-s", "0.3"] + ([] if autostart else ["--no-autostart"])
     runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", *args, "--ros-args", "-p", "backend:=numpy",
                               "-p", "kv_budget_tokens:=512", *ros_params), env, tmp / "runtime.log")
-    cam = Proc(module_cmd("vla_edge_ros.ros.test_camera", "--ros-args", "-p", "width:=160", "-p", "height:=120",
+    cam = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", "--ros-args", "-p", "width:=160", "-p", "height:=120",
                           "-p", "rate_hz:=30.0"), env, tmp / "camera.log") if camera else None
     return runtime, cam, stats
 

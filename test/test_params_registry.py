@@ -11,7 +11,7 @@ import yaml
 
 from ros_env import allocate_domain_ids, apply_env, ROOT
 from vla_edge_ros import params as P
-from vla_edge_ros.ros import param_docs
+from vla_edge_ros.ros.tools import param_docs
 
 DOMAIN_ID = allocate_domain_ids(1)
 
@@ -31,7 +31,7 @@ def test_yaml_has_every_parameter_with_registry_default_and_type():
 
 
 def test_yaml_and_doc_tables_are_generated_from_the_registry():
-    assert param_docs.main(["--check"]) == 0, "run: python -m vla_edge_ros.ros.param_docs --write"
+    assert param_docs.main(["--check"]) == 0, "run: python -m vla_edge_ros.ros.tools.param_docs --write"
 
 
 def _table_rows(path):

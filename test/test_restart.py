@@ -46,12 +46,12 @@ def test_camera_killed_and_restarted(tmp_path):
     env = ros_env(DOMAIN_CAMERA, tmp_path / "home")
     monitor_out = tmp_path / "actions.jsonl"
     runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", *RUNTIME_ARGS), env, tmp_path / "runtime.log")
-    monitor = Proc(module_cmd("vla_edge_ros.ros.action_monitor", "--out", str(monitor_out)), env,
+    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(monitor_out)), env,
                    tmp_path / "monitor.log")
     cameras = []
     try:
         assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
-        cameras.append(Proc(module_cmd("vla_edge_ros.ros.test_camera", *CAMERA_ARGS), env, tmp_path / "cam1.log"))
+        cameras.append(Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", *CAMERA_ARGS), env, tmp_path / "cam1.log"))
         assert wait_for(lambda: _fresh_after(monitor_out, 0.0, 30), 60.0), runtime.output()[-2000:]
         cameras[0].p.kill()  # SIGKILL: no clean shutdown, DDS learns of it through the liveliness lease
         cameras[0].p.wait(5)
@@ -59,7 +59,7 @@ def test_camera_killed_and_restarted(tmp_path):
         time.sleep(3.0)
         assert runtime.alive(), runtime.output()[-2000:]
         t_restart = time.monotonic()
-        cameras.append(Proc(module_cmd("vla_edge_ros.ros.test_camera", *CAMERA_ARGS), env, tmp_path / "cam2.log"))
+        cameras.append(Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", *CAMERA_ARGS), env, tmp_path / "cam2.log"))
         assert wait_for(lambda: _fresh_after(monitor_out, t_restart, 30), 60.0), runtime.output()[-2000:]
         t_end = time.monotonic()
         assert runtime.alive() and monitor.alive()
@@ -92,9 +92,9 @@ def test_camera_killed_and_restarted(tmp_path):
 def test_runtime_restarted_while_consumer_listens(tmp_path):
     env = ros_env(DOMAIN_RUNTIME, tmp_path / "home")
     monitor_out = tmp_path / "actions.jsonl"
-    monitor = Proc(module_cmd("vla_edge_ros.ros.action_monitor", "--out", str(monitor_out)), env,
+    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(monitor_out)), env,
                    tmp_path / "monitor.log")
-    camera = Proc(module_cmd("vla_edge_ros.ros.test_camera", *CAMERA_ARGS), env, tmp_path / "camera.log")
+    camera = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", *CAMERA_ARGS), env, tmp_path / "camera.log")
     runtimes: list[Proc] = []
     marks = []  # (how the previous runtime ended, its exit code, t_down, t_start of the next one)
     try:

@@ -25,12 +25,12 @@ def test_camera_runtime_subscriber_stream_and_stall(tmp_path):
                               # a small KV budget keeps the numpy chunk cheap on 2 shared cores: this test is
                               # about the ROS plumbing, not about throughput
                               "-p", "kv_budget_tokens:=512"), env, tmp_path / "runtime.log")
-    monitor = Proc(module_cmd("vla_edge_ros.ros.action_monitor", "--out", str(monitor_out)), env,
+    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(monitor_out)), env,
                    tmp_path / "monitor.log")
     camera = None
     try:
         assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
-        camera = Proc(module_cmd("vla_edge_ros.ros.test_camera", "--stall-after-s", str(STALL_AFTER_S),
+        camera = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", "--stall-after-s", str(STALL_AFTER_S),
                                  "--stall-for-s", str(STALL_FOR_S)), env, tmp_path / "camera.log")
         assert wait_for(lambda: not camera.alive() or False, STALL_AFTER_S + STALL_FOR_S + 6.0) is False
         assert runtime.alive() and monitor.alive() and camera.alive()
@@ -84,10 +84,10 @@ def test_dead_camera_detected_by_liveliness_and_recovery(tmp_path):
     stats, monitor_out = tmp_path / "runtime.json", tmp_path / "actions.jsonl"
     runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", "--stats-out", str(stats), "--ros-args",
                               "-p", "backend:=numpy", "-p", "kv_budget_tokens:=512"), env, tmp_path / "runtime.log")
-    monitor = Proc(module_cmd("vla_edge_ros.ros.action_monitor", "--out", str(monitor_out)), env,
+    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(monitor_out)), env,
                    tmp_path / "monitor.log")
     cam_args = ("--ros-args", "-p", "width:=160", "-p", "height:=120")
-    camera = Proc(module_cmd("vla_edge_ros.ros.test_camera", *cam_args), env, tmp_path / "camera1.log")
+    camera = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", *cam_args), env, tmp_path / "camera1.log")
     camera2 = None
     try:
         assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
@@ -95,7 +95,7 @@ def test_dead_camera_detected_by_liveliness_and_recovery(tmp_path):
         camera.kill()
         assert wait_for(lambda: "camera publisher lost liveliness" in runtime.output(), 10.0), runtime.output()
         time.sleep(0.5)
-        camera2 = Proc(module_cmd("vla_edge_ros.ros.test_camera", *cam_args), env, tmp_path / "camera2.log")
+        camera2 = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", *cam_args), env, tmp_path / "camera2.log")
         t2 = time.monotonic()
         assert wait_for(lambda: sum(a["kind"] == "fresh" and a["t"] > t2 for a in load_monitor(monitor_out)[0])
                         > 20, 30.0), runtime.output()[-2000:]

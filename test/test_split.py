@@ -31,9 +31,9 @@ def test_edge_killed_robot_holds_every_tick_and_resumes(tmp_path):
                           "-p", "kv_budget_tokens:=512", "-p", "image_transport:=compressed")
     robot = Proc(module_cmd("vla_edge_ros.ros.runtime", "--role", "robot", "--stats-out", str(robot_stats)),
                  env, tmp_path / "robot.log")
-    monitor = Proc(module_cmd("vla_edge_ros.ros.action_monitor", "--out", str(mon_out)), env,
+    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(mon_out)), env,
                    tmp_path / "monitor.log")
-    camera = Proc(module_cmd("vla_edge_ros.ros.test_camera", "--ros-args", "-p", "compressed:=true",
+    camera = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", "--ros-args", "-p", "compressed:=true",
                              "-p", "width:=160", "-p", "height:=120", "-p", "rate_hz:=30.0"), env,
                   tmp_path / "camera.log")
     # One host stands in for two machines: the edge side runs at a lower CPU priority so that its start-up

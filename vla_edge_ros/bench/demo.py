@@ -307,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"vla_demo: --param wants NAME:=VALUE, got {p!r}", file=sys.stderr)
             return 2
         runtime_cmd += ["-p", p]
-    camera_cmd = [py, "-m", "vla_edge_ros.ros.test_camera"]
+    camera_cmd = [py, "-m", "vla_edge_ros.ros.tools.test_camera"]
     if args.camera_stall_after_s is not None:
         camera_cmd += ["--stall-after-s", str(args.camera_stall_after_s),
                        "--stall-for-s", str(args.camera_stall_for_s or 3.0)]

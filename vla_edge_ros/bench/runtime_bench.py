@@ -62,7 +62,7 @@ def main(argv=None) -> int:
 
     from vla_edge_ros.ros.runtime import Runtime
 
-    camera = subprocess.Popen([sys.executable, "-m", "vla_edge_ros.ros.test_camera"], env=env,
+    camera = subprocess.Popen([sys.executable, "-m", "vla_edge_ros.ros.tools.test_camera"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     rclpy.init(args=["vla_runtime_bench", "--ros-args", "--log-level", "warn"],
                signal_handler_options=SignalHandlerOptions.NO)

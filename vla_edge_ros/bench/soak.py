@@ -266,7 +266,7 @@ def run(opts: argparse.Namespace) -> int:
                 break
             time.sleep(0.2)
         if not failure:
-            camera = Child([sys.executable, "-m", "vla_edge_ros.ros.test_camera", "--ros-args",
+            camera = Child([sys.executable, "-m", "vla_edge_ros.ros.tools.test_camera", "--ros-args",
                             "-p", f"rate_hz:={opts.camera_rate_hz}", "-p", f"width:={opts.camera_width}",
                             "-p", f"height:={opts.camera_height}"], env, log_dir / "camera.log", name="camera")
             while listener.kinds_total["fresh"] == 0:

@@ -229,7 +229,7 @@ def run_once(bag: Path, policy: str, setting: str, duration: float, out_dir: Pat
     if listener is not None:
         listener.reset()
     replay = Child(
-        [sys.executable, "-m", "vla_edge_ros.ros.bag_replay", str(bag), "--camera-hz", str(camera_hz), "--decode",
+        [sys.executable, "-m", "vla_edge_ros.ros.tools.bag_replay", str(bag), "--camera-hz", str(camera_hz), "--decode",
          "--loop", "--duration-s", str(duration), "--wait-for", "/camera/image_raw", "--wait-timeout-s",
          str(startup_timeout), "--stats-out", str(replay_stats)],
         env, logs / f"{tag}.replay.log", name="replay", cwd=REPO)

@@ -1,7 +1,7 @@
 """Generate config/runtime.yaml and the parameter tables of the docs from the registry (vla_edge_ros/params.py).
 
-    python -m vla_edge_ros.ros.param_docs --write   # rewrite config/runtime.yaml and every doc table
-    python -m vla_edge_ros.ros.param_docs --check   # exit 1 when any of them differs from the registry
+    python -m vla_edge_ros.ros.tools.param_docs --write   # rewrite config/runtime.yaml and every doc table
+    python -m vla_edge_ros.ros.tools.param_docs --check   # exit 1 when any of them differs from the registry
 
 Where each node's table goes (DOC_TABLES): the runtime nodes' (vla_camera, vla_inference, vla_action) into the
 README, which a newcomer reads first and which must stay short; the simulated arm's (vla_sim) into docs/SIM.md,
@@ -17,13 +17,13 @@ from pathlib import Path
 
 from vla_edge_ros import params as P
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 YAML_PATH = ROOT / "config" / "runtime.yaml"
 README_PATH = ROOT / "README.md"
 SIM_DOC_PATH = ROOT / "docs" / "SIM.md"
 RUNTIME_NODES = (P.CAMERA, P.INFERENCE, P.ACTION)
 DOC_TABLES = {README_PATH: RUNTIME_NODES, SIM_DOC_PATH: (P.SIM,)}  # doc -> the nodes whose table it carries
-BEGIN = "<!-- BEGIN PARAMETER TABLE (generated: python -m vla_edge_ros.ros.param_docs --write) -->"
+BEGIN = "<!-- BEGIN PARAMETER TABLE (generated: python -m vla_edge_ros.ros.tools.param_docs --write) -->"
 END = "<!-- END PARAMETER TABLE -->"
 
 _placed = [n for nodes in DOC_TABLES.values() for n in nodes]
@@ -52,7 +52,7 @@ def _range(s: P.ParamSpec) -> str:
 def yaml_text() -> str:
     out = [
         "# ROS 2 parameters of the vla_edge_ros runtime, one section per node.",
-        "# Generated from vla_edge_ros/params.py (python -m vla_edge_ros.ros.param_docs --write); a test checks it.",
+        "# Generated from vla_edge_ros/params.py (python -m vla_edge_ros.ros.tools.param_docs --write); a test checks it.",
         "# Durations are milliseconds as doubles. 'live' parameters can be changed with `ros2 param set`.",
         "# Use: ros2 launch vla_edge_ros runtime.launch.py params_file:=<this file>",
         "#  or: vla_runtime --ros-args --params-file config/runtime.yaml",
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     bad = [str(p) for p, want in wanted.items() if p.read_text(encoding="utf-8") != want]
     if bad:
         print("out of date with vla_edge_ros/params.py: " + ", ".join(bad) +
-              " (run python -m vla_edge_ros.ros.param_docs --write)", file=sys.stderr)
+              " (run python -m vla_edge_ros.ros.tools.param_docs --write)", file=sys.stderr)
         return 1
     return 0
 

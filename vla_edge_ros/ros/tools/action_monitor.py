@@ -1,4 +1,4 @@
-"""`python -m vla_edge_ros.ros.action_monitor`: record the action stream as an independent consumer sees it.
+"""`python -m vla_edge_ros.ros.tools.action_monitor`: record the action stream as an independent consumer sees it.
 
 Subscribes ``action_topic`` (JointState: kind in header.frame_id) and ``action_status_topic`` (DiagnosticStatus:
 kind, source stamp, age, seq, reason) and writes one JSON object per received message (local monotonic receive

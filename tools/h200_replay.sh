@@ -4,8 +4,8 @@
 # Qwen2.5-1.5B-geometry checkpoint generated here (no weights can be downloaded). Acceptance: the admission
 # controller admits chunks and <= 0.1 % of admitted chunks miss the deadline over a 2-minute replay.
 #
-#   device:  bash vla_edge_ros/bench/h200_replay.sh            (files under $OUT; needs .whl/ carried along)
-#   local :  PY=python3.12 bash vla_edge_ros/bench/h200_replay.sh --local   (numpy backend, tiny model, 10 s)
+#   device:  bash tools/h200_replay.sh            (files under $OUT; needs .whl/ carried along)
+#   local :  PY=python3.12 bash tools/h200_replay.sh --local   (numpy backend, tiny model, 10 s)
 #
 # Inputs (git-ignored .whl/): .whl/*.whl (PyCUDA + deps), .whl/ros/*.whl (ROS 2 Jazzy + rosbags, cp312),
 # .whl/extra/pillow-*.whl (used only when PIL is missing: vla_bag_replay decodes the JPEG frames),
@@ -25,7 +25,7 @@
 # in $PREFIX/lib; LD_LIBRARY_PATH then gets that folder and the wheels' bundled ros_*.libs folders -- what
 # ros_wheels_bootstrapper.pth does in a venv (a .pth file is not processed from PYTHONPATH).
 set -uo pipefail
-cd "$(dirname "$0")/../.." || exit 1
+cd "$(dirname "$0")/.." || exit 1
 MODE=device
 [ "${1:-}" = "--local" ] && MODE=local
 PY=${PY:-python3}
