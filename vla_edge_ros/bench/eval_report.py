@@ -12,6 +12,8 @@ import textwrap
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from vla_edge_ros.bench.figures import save_figure
+
 
 def _pct(v: Optional[float], digits: int = 0) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100.0 * v:.{digits}f}"
@@ -140,7 +142,7 @@ def make_plots(rows: Sequence[Mapping[str, Any]], out: Path) -> list[Path]:
         ax.set_title(f"{task}: success vs injected latency")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    paths.append(_save(fig, out / "success_vs_latency.png"))
+    paths.append(save_figure(fig, out / "success_vs_latency.png"))
 
     fig, ax = plt.subplots(figsize=(11, 0.6 * len(rows) + 1.5))
     ys = list(range(len(rows)))[::-1]
@@ -158,14 +160,6 @@ def make_plots(rows: Sequence[Mapping[str, Any]], out: Path) -> list[Path]:
     ax.set_xlabel("success rate (95 % Wilson interval)")
     ax.set_title("success per setting")
     ax.grid(axis="x", alpha=0.3)
-    paths.append(_save(fig, out / "success_by_setting.png"))
+    paths.append(save_figure(fig, out / "success_by_setting.png"))
     return paths
 
-
-def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -32,6 +32,7 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
+from vla_edge_ros.bench.figures import save_figure
 from vla_edge_ros import params as registry
 from vla_edge_ros.bench.procs import Child, ros_child_env, rss_mb
 
@@ -424,7 +425,7 @@ def make_plots(results: dict[str, dict[str, dict]], out: Path) -> list[Path]:
         ax.set_ylabel("fraction of admitted chunks")
         ax.legend()
         ax.grid(alpha=0.3)
-    paths.append(_save(fig, out / "latency_cdf.png"))
+    paths.append(save_figure(fig, out / "latency_cdf.png"))
     # rates
     metrics = [("deadline_miss_rate", "deadline miss"), ("refusal_rate", "refused"), ("fallback_rate", "fallback"),
                ("hold_rate", "hold")]
@@ -440,7 +441,7 @@ def make_plots(results: dict[str, dict[str, dict]], out: Path) -> list[Path]:
         ax.set_title(f"miss / refusal / fallback / hold rates ({setting})")
         ax.legend()
         ax.grid(axis="y", alpha=0.3)
-    paths.append(_save(fig, out / "rates.png"))
+    paths.append(save_figure(fig, out / "rates.png"))
     # memory and KV occupancy over time
     fig, axes = plt.subplots(2, len(settings), figsize=(6 * len(settings), 7), squeeze=False)
     for col, setting in enumerate(settings):
@@ -464,7 +465,7 @@ def make_plots(results: dict[str, dict[str, dict]], out: Path) -> list[Path]:
         for ax in axes[:, col]:
             ax.legend()
             ax.grid(alpha=0.3)
-    paths.append(_save(fig, out / "memory.png"))
+    paths.append(save_figure(fig, out / "memory.png"))
     # saliency retention
     fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4), squeeze=False)
     for ax, setting in zip(axes[0], settings):
@@ -484,17 +485,9 @@ def make_plots(results: dict[str, dict[str, dict]], out: Path) -> list[Path]:
         if any_data:
             ax.legend()
         ax.grid(alpha=0.3)
-    paths.append(_save(fig, out / "saliency.png"))
+    paths.append(save_figure(fig, out / "saliency.png"))
     return paths
 
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
 
 
 def write_report(results: dict[str, dict[str, dict]], out: Path, meta: dict[str, Any]) -> Path:
