@@ -39,9 +39,9 @@ setup(
         # the simulated arm (vla_sim, sim/): MuJoCo MetaWorld with its scripted experts (37 MB wheel; rendered
         # with MUJOCO_GL=egl, Mesa on a CPU). Versions measured together with numpy 2.4.
         "sim": ["metaworld==3.1.1", "mujoco==3.3.0", "gymnasium>=1.1"],
-        # behaviour cloning (vla_train, train/: the only place torch is imported). torch 2.13.0: the CPU build this
-        # machine kind keeps on disk; any other version downloads GBs of CUDA build
-        "train": ["torch==2.13.0", "rosbags>=0.10.4", "Pillow", "tqdm", "matplotlib"],
+        # behaviour cloning (vla_train, train/: the only place torch is imported); torch's own build for the machine
+        # (CUDA where there is a GPU). CI installs the local CPU build 2.13.0+cpu (.ci/run).
+        "train": ["torch>=2.4", "rosbags>=0.10.4", "Pillow", "tqdm", "matplotlib"],
         # pytest < 8.4: on a ROS 2 install, pytest auto-loads the launch_testing and launch_pytest plugins
         # (pytest11 entry points), and Jazzy's launch_pytest 3.4 reads fixture._pytestfixturefunction, which
         # pytest 8.4 removed (ros2/launch#947); pytest 9 also drops the py.path `path` hook argument that
