@@ -114,3 +114,24 @@ def test_training_forward_is_the_chunk_the_runtime_runs(tmp_path):
     # the same frames at the same positions after eviction, but frame 1's K/V saw frame 0 on arrival in the
     # engine: the approximation shows (documented in train/dataset.py, not hidden)
     assert min(diffs[3:]) > 1e-3, diffs
+
+
+def test_packed_batch_is_each_sample_alone(tmp_path):
+    """packed_logits over a mixed batch (prefixes of different lengths, one empty; 1-3 frames each) gives every
+    sample the logits it gets alone, with no padding: the index arithmetic puts each token where it belongs."""
+    cfg, policy = checkpoint(tmp_path)
+    policy.eval()
+    rng = np.random.default_rng(3)
+    prefixes = [torch.as_tensor(list(p.encode()), dtype=torch.long) for p in (INSTRUCTION, "", "go", "a b c d e")]
+    counts = [3, 1, 2, 1]
+    frames = torch.as_tensor(rng.integers(0, 256, (sum(counts), 16, 32, 3)).astype(np.float32))
+    gen = torch.as_tensor(rng.integers(0, cfg.n_action_bins, (4, cfg.action_dims + 1))) + cfg.action_token_offset
+    with torch.no_grad():
+        together = policy.teacher_forced_logits(prefixes, frames, counts, gen)
+        starts = np.cumsum([0] + counts)
+        for b in range(4):
+            alone = policy.teacher_forced_logits([prefixes[b]], frames[starts[b]:starts[b + 1]], [counts[b]],
+                                                 gen[b:b + 1])
+            np.testing.assert_allclose(together[b].numpy(), alone[0].numpy(), atol=1e-5)
+        swapped = policy.teacher_forced_logits(prefixes[::-1], frames, counts[::-1], gen.flip(0))
+    assert float((swapped[3] - together[0]).abs().max()) > 1e-3  # a wrong frame assignment would show

@@ -16,7 +16,7 @@ from vla_edge_ros.engine.config import DEFAULT_ACTION_NAMES, ModelConfig  # noqa
 from vla_edge_ros.engine.factory import make_engine  # noqa: E402
 from vla_edge_ros.train import cli  # noqa: E402
 from vla_edge_ros.train.dataset import START_BIN, ContextSpec, DemoDataset, end_bin  # noqa: E402
-from vla_edge_ros.train.trainer import TrainConfig, train  # noqa: E402
+from vla_edge_ros.train.trainer import DeviceData, TrainConfig, train  # noqa: E402
 
 TINY = dict(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, patch_grid=(2, 4), patch_size=8,
             batch_size=8, lr=3e-3, warmup_steps=2, eval_every=10, eval_samples=64, threads=1, progress=False)
@@ -48,6 +48,42 @@ def test_past_frames_are_what_eviction_leaves(bag):
         assert len(p) == 3 and p == sorted(p) and len(set(p)) == 3 and all(5 <= i < 11 for i in p)
         seen.add(tuple(p))
     assert len(seen) > 5  # sparse subsets, not always the newest
+
+
+def test_vectorised_past_frames_are_the_per_sample_rule(bag):
+    episodes, _ = read_episodes(bag)
+    ds = DemoDataset(episodes, (16, 32), 512, 256, ContextSpec(max_past_frames=3, frame_stride=2), 0.2, seed=0)
+    t = np.arange(12).repeat(4)
+    k = np.tile(np.arange(4), 12)
+    got = ds.past_steps(t, k, None)
+    assert got.shape == (48, 3)
+    for row, ti, ki in zip(got, t, k):
+        n = min(ki, ti // 2)  # the k most recent, 2 steps apart, clipped at the episode start
+        want = [-1] * (3 - n) + [ti - 2 * j for j in range(n, 0, -1)]  # right-aligned, oldest first
+        assert row.tolist() == want, (ti, ki, row)
+
+
+def test_device_gather_is_the_numpy_batch(bag):
+    """trainer.DeviceData gathers (shift by clamped indices) exactly what dataset.to_batch does, and to_batch's
+    shift is an edge-padded crop."""
+    episodes, _ = read_episodes(bag)
+    ds = DemoDataset(episodes, (16, 32), 512, 256, ContextSpec(max_past_frames=2, shift_px=3), 0.2, seed=0)
+    data = DeviceData(ds, torch.device("cpu"), tokens_per_frame=8)
+    rng = np.random.default_rng(5)
+    for _ in range(4):
+        rows = ds.sample_rows(rng, 9)
+        want, got = ds.to_batch(rows), data.batch(rows)
+        assert (rows.shifts != 0).any()
+        np.testing.assert_array_equal(got.frames.numpy(), want.frames)
+        np.testing.assert_array_equal(got.targets.numpy(), want.targets)
+        assert got.frame_counts.tolist() == want.frame_counts.tolist()
+        for b, ids in enumerate(want.prefix_ids):
+            assert got.prefix_lens[b] == len(ids) and got.prefix_ids[b, :len(ids)].tolist() == ids.tolist()
+        assert got.context_len == max(len(p) + 8 * c for p, c in zip(want.prefix_ids, want.frame_counts))
+    e, (dy, dx) = int(rows.episodes[0]), rows.shifts[0]
+    frame = episodes[e].frames[rows.current[0]]
+    padded = np.pad(frame, ((3, 3), (3, 3), (0, 0)), mode="edge")[3 + dy:3 + dy + 16, 3 + dx:3 + dx + 32]
+    np.testing.assert_array_equal(want.frames[want.frame_counts[0] - 1], padded)
 
 
 def test_split_quantiles_and_targets(bag):

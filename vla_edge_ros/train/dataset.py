@@ -32,6 +32,10 @@ Images are resized to the checkpoint's patch_grid * patch_size with engine/visio
 copy when the bag is recorded at that size) and shifted by up to ``shift_px`` pixels (edge padding; the same
 shift for all frames of a sample) as augmentation. Episodes are split into train / held-out by a seeded
 permutation, and q01/q99 come from the training episodes only.
+
+Batches are drawn as indices (Rows: episode, frame steps, shift per sample; vectorised, no per-sample loop), so
+the trainer can gather them from one frame tensor on its device (train/trainer.py DeviceData); ``to_batch``
+gathers the same Rows in numpy, the reference that a test holds the device gather to.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ from vla_edge_ros.data.bag_reader import BagEpisode
 from vla_edge_ros.engine.vision import check_image, resize
 
 START_BIN = 0  # gen[0] target (see the module docstring)
+_UNPICKED = np.iinfo(np.int64).min  # sorts before every picked "-frames back"
 PAST_SAMPLING = ("recent", "subset")
 
 
@@ -93,6 +98,32 @@ class TrainEpisode:
 
 
 @dataclass
+class Rows:
+    """A batch as indices -- what both the numpy Batch (to_batch) and the trainer's device gather read.
+
+    ``frames`` holds each sample's frame steps right-aligned, oldest -> current, -1 where a sample has fewer
+    past frames than the widest one (right-aligned: a row's valid entries are contiguous, so a row-major boolean
+    pick gives every sample's frames in order); the last column is the current step."""
+    episodes: np.ndarray  # (B,) int64
+    frames: np.ndarray  # (B, K + 1) int64 steps, -1 = none
+    shifts: np.ndarray  # (B, 2) int64 (dy, dx): one image shift per sample, zeros without augmentation
+
+    def __len__(self) -> int:
+        return int(self.episodes.shape[0])
+
+    @property
+    def current(self) -> np.ndarray:
+        return self.frames[:, -1]
+
+    @property
+    def frame_counts(self) -> np.ndarray:
+        return (self.frames >= 0).sum(axis=1)
+
+    def take(self, sl: slice) -> "Rows":
+        return Rows(self.episodes[sl], self.frames[sl], self.shifts[sl])
+
+
+@dataclass
 class Batch:
     prefix_ids: list[np.ndarray]  # per sample (P_b,)
     frames: np.ndarray  # (sum F_b, H, W, 3) float32 pixels in [0, 255]: each sample's past frames, then current
@@ -101,6 +132,12 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.prefix_ids)
+
+
+def shift_index(n: int, shift: np.ndarray) -> np.ndarray:
+    """(F,) shifts -> (F, n) source rows of an edge-padded shift: out[y] = in[clip(y + shift, 0, n - 1)], which
+    is np.pad(mode="edge") then the crop at s + shift, without the copy (numpy or torch index arithmetic)."""
+    return np.clip(np.arange(n)[None, :] + np.asarray(shift)[:, None], 0, n - 1)
 
 
 def to_model_pixels(frames: np.ndarray, image_hw: tuple[int, int]) -> np.ndarray:
@@ -164,61 +201,109 @@ class DemoDataset:
         return np.concatenate([[START_BIN], np.asarray(bins, dtype=np.int64), [end_bin(self.n_bins)]])
 
     # ---- samples -----------------------------------------------------------------------------------------
-    def past_indices(self, t: int, k: int, rng: np.random.Generator | None) -> list[int]:
-        """Steps of the past frames for current step t (oldest first), at most k, never before the episode."""
+    def past_steps(self, t: np.ndarray, k, rng: np.random.Generator | None) -> np.ndarray:
+        """Past frames of current steps t (B,), at most k (an int or (B,)) each, never before the episode:
+        (B, max k) steps right-aligned, oldest -> newest, -1 = none. ``rng`` None: "recent" whatever the
+        context's sampling (evaluation); else one draw of distinct candidates per sample (module docstring)."""
         c = self.context
+        t = np.asarray(t, dtype=np.int64)
+        k = np.broadcast_to(np.asarray(k, dtype=np.int64), t.shape)
+        width = int(k.max()) if k.size else 0
         avail = t // c.frame_stride
         if c.past_sampling == "recent" or rng is None:
-            k = min(k, avail)
-            return [t - j * c.frame_stride for j in range(k, 0, -1)]
-        cands = min(avail, max(c.window, k))
-        k = min(k, cands)
-        picked = np.sort(rng.choice(np.arange(1, cands + 1), size=k, replace=False))[::-1] if k else []
-        return [t - int(j) * c.frame_stride for j in picked]
+            kk = np.minimum(k, avail)
+            back = width - np.arange(width)[None, :]  # column -> frames back: width .. 1 (the newest last)
+            ok = back <= kk[:, None]
+            return np.where(ok, t[:, None] - back * c.frame_stride, -1)
+        cands = np.minimum(avail, np.maximum(c.window, k))
+        kk = np.minimum(k, cands)
+        n_cands = int(cands.max()) if cands.size else 0
+        keys = rng.random((len(t), n_cands))
+        keys[np.arange(1, n_cands + 1)[None, :] > cands[:, None]] = np.inf  # beyond a sample's candidates
+        picked = np.zeros((len(t), width), np.int64)  # frames back; 0 = not picked
+        first = np.argsort(keys, axis=1, kind="stable")[:, :width] + 1  # random candidates, valid ones first
+        picked[:, :first.shape[1]] = first
+        picked = np.where(np.arange(width)[None, :] < kk[:, None], picked, 0)  # kk_b distinct picks
+        order = np.sort(np.where(picked > 0, -picked, _UNPICKED), axis=1)  # unpicked, then oldest -> newest
+        return np.where(order > _UNPICKED, t[:, None] + order * c.frame_stride, -1)
 
-    def _shift(self, frames: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+    def past_indices(self, t: int, k: int, rng: np.random.Generator | None) -> list[int]:
+        """Steps of the past frames for current step t (oldest first), at most k, never before the episode."""
+        row = self.past_steps(np.array([t]), k, rng)[0]
+        return [int(v) for v in row if v >= 0]
+
+    def rows(self, steps: np.ndarray, k, rng: np.random.Generator | None, augment: bool = True) -> Rows:
+        """(B, 2) (episode, current step) -> Rows with up to k past frames each; shifts drawn from ``rng`` when
+        ``augment`` (zeros without an rng)."""
+        steps = np.asarray(steps, dtype=np.int64).reshape(-1, 2)
+        past = self.past_steps(steps[:, 1], k, rng)
         s = self.context.shift_px
-        if not s or rng is None:
-            return frames
-        dy, dx = (int(v) for v in rng.integers(-s, s + 1, size=2))
-        h, w = frames.shape[1:3]
-        padded = np.pad(frames, ((0, 0), (s, s), (s, s), (0, 0)), mode="edge")
-        return padded[:, s + dy:s + dy + h, s + dx:s + dx + w]
+        shifts = (rng.integers(-s, s + 1, size=(len(steps), 2)) if augment and s and rng is not None
+                  else np.zeros((len(steps), 2), np.int64))
+        return Rows(steps[:, 0].copy(), np.concatenate([past, steps[:, 1:]], axis=1), shifts.astype(np.int64))
 
-    def make_batch(self, rows: Sequence[tuple[int, int, list[int]]], rng: np.random.Generator | None) -> Batch:
-        """rows of (episode, current step, past steps) -> Batch; ``rng`` None: no augmentation."""
-        prefixes, frames, counts, targets = [], [], [], []
-        for e, t, past in rows:
-            ep = self.episodes[e]
-            prefixes.append(ep.prefix_ids)
-            frames.append(self._shift(ep.pixels[list(past) + [t]].astype(np.float32), rng))
-            counts.append(len(past) + 1)
-            targets.append(self.targets(ep.bins[t]))
-        return Batch(prefixes, np.concatenate(frames), np.asarray(counts, np.int64), np.stack(targets))
-
-    def sample(self, rng: np.random.Generator, batch_size: int, split: str = "train") -> Batch:
-        """A training batch: steps uniform over the split, one k for the batch (module docstring)."""
+    def sample_rows(self, rng: np.random.Generator, batch_size: int, split: str = "train") -> Rows:
+        """A training batch as indices: steps uniform over the split, one k for the batch (module docstring)."""
         steps = self._steps[split]
         if len(steps) == 0:
             raise ValueError(f"the {split} split is empty")
         picks = steps[rng.integers(0, len(steps), size=batch_size)]
         k = int(rng.integers(0, self.context.max_past_frames + 1))
-        return self.make_batch([(int(e), int(t), self.past_indices(int(t), k, rng)) for e, t in picks], rng)
+        return self.rows(picks, k, rng)
 
-    def eval_batches(self, batch_size: int, split: str = "heldout", max_samples: int = 2048, seed: int = 0,
-                     past_frames: int | None = None) -> list[Batch]:
-        """A fixed evaluation set: up to ``max_samples`` steps of the split (seeded), no augmentation, with
-        ``past_frames`` most recent past frames each (clipped at the episode start; None: k drawn uniformly in
-        [0, max_past_frames] per sample)."""
-        steps = self._steps[split]
+    def to_batch(self, rows: Rows) -> Batch:
+        """Rows -> numpy Batch: the reference of the trainer's device gather (the same index arithmetic)."""
+        counts = rows.frame_counts
+        frames = []
+        for e, steps, (dy, dx) in zip(rows.episodes, rows.frames, rows.shifts):
+            px = self.episodes[int(e)].pixels[steps[steps >= 0]]
+            ys = shift_index(px.shape[1], [dy])[0]
+            xs = shift_index(px.shape[2], [dx])[0]
+            frames.append(px[:, ys][:, :, xs].astype(np.float32))
+        targets = np.stack([self.targets(self.episodes[int(e)].bins[int(t)])
+                            for e, t in zip(rows.episodes, rows.current)])
+        return Batch([self.episodes[int(e)].prefix_ids for e in rows.episodes], np.concatenate(frames),
+                     counts.astype(np.int64), targets)
+
+    def make_batch(self, rows: Sequence[tuple[int, int, list[int]]], rng: np.random.Generator | None) -> Batch:
+        """rows of (episode, current step, past steps) -> Batch; ``rng`` None: no augmentation."""
+        width = max((len(p) for _, _, p in rows), default=0)
+        frames = np.full((len(rows), width + 1), -1, np.int64)
+        for i, (_, t, past) in enumerate(rows):
+            frames[i, width - len(past):] = [*past, t]
+        s = self.context.shift_px
+        shifts = (rng.integers(-s, s + 1, size=(len(rows), 2)) if s and rng is not None
+                  else np.zeros((len(rows), 2), np.int64))
+        return self.to_batch(Rows(np.array([e for e, _, _ in rows], np.int64), frames, shifts))
+
+    def sample(self, rng: np.random.Generator, batch_size: int, split: str = "train") -> Batch:
+        """A training batch (numpy; the trainer gathers sample_rows on its device instead)."""
+        return self.to_batch(self.sample_rows(rng, batch_size, split))
+
+    def eval_rows(self, batch_size: int, split: str = "heldout", max_samples: int = 2048, seed: int = 0,
+                  past_frames: int | None = None, steps: np.ndarray | None = None) -> list[Rows]:
+        """A fixed evaluation set: up to ``max_samples`` steps of the split (or the (N, 2) ``steps`` given),
+        seeded, no augmentation, with ``past_frames`` most recent past frames each (clipped at the episode
+        start; None: k drawn uniformly in [0, max_past_frames] per sample), in batches of similar length."""
+        steps = self._steps[split] if steps is None else np.asarray(steps, dtype=np.int64).reshape(-1, 2)
         if len(steps) == 0:
             return []
         rng = np.random.default_rng(seed)
         if len(steps) > max_samples:
             steps = steps[np.sort(rng.choice(len(steps), size=max_samples, replace=False))]
-        rows = []
-        for e, t in steps:
-            k = int(rng.integers(0, self.context.max_past_frames + 1)) if past_frames is None else past_frames
-            rows.append((int(e), int(t), self.past_indices(int(t), k, None)))
-        rows.sort(key=lambda r: len(r[2]))  # similar lengths together: less padding
-        return [self.make_batch(rows[i:i + batch_size], None) for i in range(0, len(rows), batch_size)]
+        k = (rng.integers(0, self.context.max_past_frames + 1, size=len(steps)) if past_frames is None
+             else np.full(len(steps), past_frames))
+        rows = self.rows(steps, k, None, augment=False)
+        order = np.argsort(rows.frame_counts, kind="stable")  # similar lengths together: less padding
+        rows = rows.take(order)
+        out = []
+        for i in range(0, len(rows), batch_size):
+            r = rows.take(slice(i, i + batch_size))
+            keep = int(r.frame_counts.max())  # the batch's widest sample sets its width
+            out.append(Rows(r.episodes, r.frames[:, -keep:], r.shifts))
+        return out
+
+    def eval_batches(self, batch_size: int, split: str = "heldout", max_samples: int = 2048, seed: int = 0,
+                     past_frames: int | None = None) -> list[Batch]:
+        """eval_rows as numpy Batches."""
+        return [self.to_batch(r) for r in self.eval_rows(batch_size, split, max_samples, seed, past_frames)]

@@ -10,9 +10,10 @@ row-major 16 x 16 patches -- and its parameters carry the checkpoint's HF names 
 load_checkpoint reads back. test/test_train_model.py holds it to NumpyEngine on the same weights.
 
 Two ways in:
-- ``teacher_forced_logits`` (training): one causal pass over prefix + past frames + current frame + decode
-  inputs per sample (train/dataset.py says why this is the runtime's context), right-padded, so a real token
-  never sees a pad;
+- ``teacher_forced_logits`` / ``packed_logits`` (training): one causal pass over prefix + past frames + current
+  frame + decode inputs per sample (train/dataset.py says why this is the runtime's context), right-padded, so
+  a real token never sees a pad; the batch's sequences are assembled by index arithmetic (no per-sample loop),
+  which keeps a training step on the GPU;
 - ``TorchStream`` (checks, and a torch engine when one is wanted): reference_chunk's streaming chunk -- a KV
   manager decides what is retained, a frame's pre-RoPE K/V are computed once on arrival and rotated at their
   current packed position in every later chunk, greedy decode.
@@ -215,22 +216,46 @@ class VLAPolicy(nn.Module):
                               frame_counts: Sequence[int], gen_inputs: torch.Tensor) -> torch.Tensor:
         """Per sample: [prefix bytes][its frames' patch tokens, oldest -> current][gen_inputs embedded], one causal
         pass at positions 0.. (packed). -> logits (B, gen_inputs + 1, n_action_bins): row 0 from the current
-        frame's last token (gen[0]), row i from decode input i - 1 (gen[i])."""
-        emb = self.model.embed_tokens
-        vt = self.vision_tokens(frames)
-        per_sample = torch.split(vt, [int(c) for c in frame_counts])
-        seqs, ends = [], []
+        frame's last token (gen[0]), row i from decode input i - 1 (gen[i]). A list of prefixes: packed_logits."""
+        dev = gen_inputs.device
+        lens = torch.as_tensor([int(p.shape[0]) for p in prefix_ids], dtype=torch.long, device=dev)
+        padded = torch.zeros(len(prefix_ids), max(1, int(lens.max()) if len(lens) else 1), dtype=torch.long,
+                             device=dev)
         for b, ids in enumerate(prefix_ids):
-            ctx = [emb(ids), per_sample[b].reshape(-1, self.cfg.hidden_size)]
-            ends.append(int(ids.shape[0]) + per_sample[b].shape[0] * per_sample[b].shape[1])
-            seqs.append(torch.cat(ctx + [emb(gen_inputs[b])]))
-        x = nn.utils.rnn.pad_sequence(seqs, batch_first=True)  # right padding: after every real token
-        B, L = x.shape[:2]
-        positions = torch.arange(L, device=x.device).expand(B, L)
-        h, _ = self.decoder(x, positions)
-        rows = torch.as_tensor(ends, device=x.device)[:, None] - 1 + torch.arange(gen_inputs.shape[1] + 1,
-                                                                                 device=x.device)
-        return self.action_logits(h[torch.arange(B, device=x.device)[:, None], rows])
+            padded[b, :ids.shape[0]] = ids.to(dev)
+        counts = torch.as_tensor([int(c) for c in frame_counts], dtype=torch.long, device=dev)
+        return self.packed_logits(padded, lens, frames, counts, gen_inputs)
+
+    def packed_logits(self, prefix_ids: torch.Tensor, prefix_lens: torch.Tensor, frames: torch.Tensor,
+                      frame_counts: torch.Tensor, gen_inputs: torch.Tensor, context_len: int | None = None):
+        """teacher_forced_logits for a whole batch by index arithmetic: prefix_ids (B, Pmax) right-padded with
+        prefix_lens (B,), frames (sum F_b, H, W, 3) in sample order with frame_counts (B,), gen_inputs (B, G);
+        ``context_len`` = max_b P_b + F_b * n_patches when the caller knows it (saves a device sync). Sample b's
+        sequence is [P_b prefix tokens][F_b * n_patches vision tokens][G decode inputs], right-padded with zero
+        rows (after every real token, so causal attention never lets a real token see one)."""
+        cfg = self.cfg
+        dev = gen_inputs.device
+        B, G = gen_inputs.shape
+        tpf = cfg.n_patches
+        vt = self.vision_tokens(frames).reshape(-1, cfg.hidden_size)  # (sum F_b * tpf, hidden)
+        ctx = prefix_lens + frame_counts * tpf  # (B,) where each sample's decode inputs start
+        if context_len is None:
+            context_len = int(ctx.max())
+        L = int(context_len) + G
+        pos = torch.arange(L, device=dev).expand(B, L)
+        is_prefix = pos < prefix_lens[:, None]
+        is_vision = ~is_prefix & (pos < ctx[:, None])
+        gen_at = pos - ctx[:, None]
+        is_gen = (gen_at >= 0) & (gen_at < G)
+        tok = torch.where(is_prefix, prefix_ids.gather(1, pos.clamp(max=prefix_ids.shape[1] - 1)),
+                          torch.where(is_gen, gen_inputs.gather(1, gen_at.clamp(0, G - 1)), 0))
+        first_token = (torch.cumsum(frame_counts, 0) - frame_counts) * tpf  # (B,) sample's first vision token
+        vis_at = (first_token[:, None] + pos - prefix_lens[:, None]).clamp(0, max(0, vt.shape[0] - 1))
+        x = torch.where(is_vision[..., None], vt[vis_at], self.model.embed_tokens(tok))
+        x = x * (is_prefix | is_vision | is_gen)[..., None].to(x.dtype)  # padding rows are zeros
+        h, _ = self.decoder(x, pos)
+        rows = ctx[:, None] - 1 + torch.arange(G + 1, device=dev)
+        return self.action_logits(h.gather(1, rows[..., None].expand(B, G + 1, h.shape[-1])))
 
 
 # ---- the streaming chunk (engine/reference.py reference_chunk) ------------------------------------------------

@@ -7,7 +7,9 @@ What one run does:
    q01/q99, n_action_bins 256, patch_grid, patch_size; vocabulary = 256 byte tokens + the action bins, as
    engine/config.py requires) and a seeded VLAPolicy (train/model.py);
 3. trains with AdamW (linear warm-up, cosine decay, gradient clipping) on batches of runtime contexts, the loss
-   the mean cross-entropy over all action_dims + 2 rows (START, bins, END; train/dataset.py);
+   the mean cross-entropy over all action_dims + 2 rows (START, bins, END; train/dataset.py); the frames live
+   on the training device and a batch is gathered there from the dataset's index Rows (DeviceData), so a step
+   is bound by the model, not by per-sample Python;
 4. evaluates on the held-out episodes every ``eval_every`` steps (teacher-forced loss and action-token accuracy)
    and at the end (also greedy decoding, as the engines decode, and with the full past context);
 5. writes ``config.json`` + ``model.safetensors`` (engine/checkpoint.write_checkpoint: what load_checkpoint and
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from vla_edge_ros.data.bag_reader import bag_digest, read_bags
 from vla_edge_ros.engine.checkpoint import write_checkpoint
 from vla_edge_ros.engine.config import BYTE_TOKENS, DEFAULT_ACTION_NAMES, ModelConfig, tiny_default_dict
-from vla_edge_ros.train.dataset import START_BIN, Batch, ContextSpec, DemoDataset, end_bin
+from vla_edge_ros.train.dataset import START_BIN, ContextSpec, DemoDataset, Rows, end_bin
 from vla_edge_ros.train.model import VLAPolicy
 
 N_ACTION_BINS = 256
@@ -106,36 +108,84 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _tensors(batch: Batch, offset: int, device: torch.device):
-    prefix = [torch.as_tensor(p, device=device) for p in batch.prefix_ids]
-    frames = torch.as_tensor(batch.frames, device=device)
-    targets = torch.as_tensor(batch.targets, device=device)
-    return prefix, frames, batch.frame_counts.tolist(), targets[:, :-1] + offset, targets
+@dataclass
+class DeviceBatch:
+    """A batch as the model's packed_logits takes it, every tensor on the training device."""
+    prefix_ids: torch.Tensor  # (B, Pmax) int64, right-padded
+    prefix_lens: torch.Tensor  # (B,)
+    frames: torch.Tensor  # (sum F_b, H, W, 3) float32 pixels in [0, 255], shifted
+    frame_counts: torch.Tensor  # (B,)
+    targets: torch.Tensor  # (B, action_dims + 2) bins: START, the action's bins, END
+    context_len: int  # max_b P_b + F_b * tokens_per_frame (known on the host: no device sync)
+
+    def __len__(self) -> int:
+        return int(self.targets.shape[0])
 
 
-def batch_loss(policy: VLAPolicy, batch: Batch, device: torch.device):
-    prefix, frames, counts, gen_in, targets = _tensors(batch, policy.cfg.action_token_offset, device)
-    logits = policy.teacher_forced_logits(prefix, frames, counts, gen_in)
+class DeviceData:
+    """The dataset's frames (one uint8 tensor, float16 when resized), action bins and instruction prefixes on
+    the training device; ``batch`` turns dataset Rows into a DeviceBatch by index arithmetic -- the shift is a
+    clamped row / column index (dataset.shift_index), the gather one advanced index over all frames -- so the
+    CPU only draws a few hundred integers per step and the GPU does the rest."""
+
+    def __init__(self, ds: DemoDataset, device: torch.device, tokens_per_frame: int):
+        self.ds, self.device, self.tpf = ds, device, int(tokens_per_frame)
+        eps = ds.episodes
+        self.offsets = np.concatenate([[0], np.cumsum([ep.steps for ep in eps])[:-1]]).astype(np.int64)
+        self.pixels = torch.from_numpy(np.concatenate([ep.pixels for ep in eps])).to(device)
+        bins = np.concatenate([ep.bins for ep in eps]).astype(np.int64)
+        B0 = np.full((len(bins), 1), START_BIN, np.int64)
+        self.targets = torch.from_numpy(np.concatenate([B0, bins, np.full_like(B0, end_bin(ds.n_bins))], 1)).to(device)
+        self.prefix_lens = np.array([len(ep.prefix_ids) for ep in eps], np.int64)
+        prefix = np.zeros((len(eps), max(1, int(self.prefix_lens.max()))), np.int64)
+        for e, ep in enumerate(eps):
+            prefix[e, :len(ep.prefix_ids)] = ep.prefix_ids
+        self.prefix = torch.from_numpy(prefix).to(device)
+
+    def batch(self, rows: Rows) -> DeviceBatch:
+        valid = rows.frames >= 0
+        counts = valid.sum(axis=1)
+        glob = self.offsets[rows.episodes]
+        frames = (glob[:, None] + rows.frames)[valid]  # (sum F_b,) in sample order, oldest -> current
+        shifts = np.repeat(rows.shifts, counts, axis=0)  # one shift per sample, for all its frames
+        lens = self.prefix_lens[rows.episodes]
+        packed = torch.from_numpy(np.concatenate([frames, shifts[:, 0], shifts[:, 1], rows.episodes,
+                                                  glob + rows.current, counts, lens])).to(self.device)
+        n, b = len(frames), len(rows)
+        f, dy, dx, ep, cur, cnt, ln = torch.split(packed, [n, n, n, b, b, b, b])
+        H, W = self.pixels.shape[1:3]
+        ys = (torch.arange(H, device=self.device)[None, :] + dy[:, None]).clamp(0, H - 1)  # shift_index
+        xs = (torch.arange(W, device=self.device)[None, :] + dx[:, None]).clamp(0, W - 1)
+        px = self.pixels[f[:, None, None], ys[:, :, None], xs[:, None, :]].float()  # (n, H, W, 3)
+        return DeviceBatch(self.prefix[ep], ln, px, cnt, self.targets[cur],
+                           int((lens + counts * self.tpf).max()))
+
+
+def batch_loss(policy: VLAPolicy, batch: DeviceBatch):
+    targets = batch.targets
+    logits = policy.packed_logits(batch.prefix_ids, batch.prefix_lens, batch.frames, batch.frame_counts,
+                                  targets[:, :-1] + policy.cfg.action_token_offset, batch.context_len)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), logits, targets
 
 
 @torch.no_grad()
-def greedy_bins(policy: VLAPolicy, batch: Batch, device: torch.device) -> np.ndarray:
+def greedy_bins(policy: VLAPolicy, batch: DeviceBatch) -> np.ndarray:
     """gen[0..action_dims + 1] as bins, decoded greedily (each input is the model's own previous choice)."""
-    prefix, frames, counts, gen_in, targets = _tensors(batch, policy.cfg.action_token_offset, device)
-    gen_in = torch.zeros_like(gen_in)
+    off = policy.cfg.action_token_offset
+    targets = batch.targets
+    gen_in = torch.zeros_like(targets[:, :-1])
     picked = torch.zeros_like(targets)
     for i in range(targets.shape[1]):
-        row = policy.teacher_forced_logits(prefix, frames, counts, gen_in)[:, i].argmax(-1)
+        row = policy.packed_logits(batch.prefix_ids, batch.prefix_lens, batch.frames, batch.frame_counts, gen_in,
+                                   batch.context_len)[:, i].argmax(-1)
         picked[:, i] = row
         if i < gen_in.shape[1]:
-            gen_in[:, i] = row + policy.cfg.action_token_offset
+            gen_in[:, i] = row + off
     return picked.cpu().numpy()
 
 
 @torch.no_grad()
-def evaluate(policy: VLAPolicy, batches: Sequence[Batch], ds: DemoDataset, device: torch.device,
-             greedy: bool = False) -> dict[str, Any]:
+def evaluate(policy: VLAPolicy, data: DeviceData, batches: Sequence[Rows], greedy: bool = False) -> dict[str, Any]:
     """Held-out figures: loss, action-token accuracy (all dims / the dims that vary in the data), START / END
     accuracy, mean |bin error| (varying dims) and mean |action error| per dimension (un-normalised units)."""
     if not batches:
@@ -144,10 +194,12 @@ def evaluate(policy: VLAPolicy, batches: Sequence[Batch], ds: DemoDataset, devic
     policy.eval()
     dims = policy.cfg.action_dims
     losses, preds, targets = [], [], []
-    for b in batches:
-        loss, logits, tgt = batch_loss(policy, b, device)
+    ds = data.ds
+    for rows in batches:
+        b = data.batch(rows)
+        loss, logits, tgt = batch_loss(policy, b)
         losses.append((float(loss), len(b)))
-        preds.append(greedy_bins(policy, b, device) if greedy else logits.argmax(-1).cpu().numpy())
+        preds.append(greedy_bins(policy, b) if greedy else logits.argmax(-1).cpu().numpy())
         targets.append(tgt.cpu().numpy())
     policy.train(was_training)
     p, t = np.concatenate(preds), np.concatenate(targets)
@@ -250,7 +302,8 @@ def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]
     opt = _optimizer(policy, tc)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(tc))
     rng = np.random.default_rng(tc.seed)
-    heldout = ds.eval_batches(tc.batch_size, "heldout", tc.eval_samples, tc.seed)
+    data = DeviceData(ds, device, mcfg.n_patches)
+    heldout = ds.eval_rows(tc.batch_size, "heldout", tc.eval_samples, tc.seed)
     try:
         from tqdm import tqdm
         bar = tqdm(total=tc.steps, unit="step", desc="vla_train", disable=None if tc.progress else True,
@@ -263,8 +316,7 @@ def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]
     policy.train()
     for step in range(1, tc.steps + 1):
         t0 = time.perf_counter()
-        batch = ds.sample(rng, tc.batch_size)
-        loss, _, _ = batch_loss(policy, batch, device)
+        loss, _, _ = batch_loss(policy, data.batch(ds.sample_rows(rng, tc.batch_size)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), tc.grad_clip)
@@ -273,7 +325,7 @@ def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]
         losses.append(loss.item())
         step_s.append(time.perf_counter() - t0)
         if heldout and (step % tc.eval_every == 0 or step == tc.steps):
-            evals.append({"step": step, **evaluate(policy, heldout, ds, device)})
+            evals.append({"step": step, **evaluate(policy, data, heldout)})
             e = evals[-1]
             line = (f"step {step}: train loss {losses[-1]:.4f}, held-out loss {e['loss']:.4f}, action-token acc "
                     f"{e['action_token_acc_varying_dims']:.3f} (varying dims), bin MAE {e['bin_mae_varying_dims']:.1f}, "
@@ -290,10 +342,10 @@ def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]
     final: dict[str, Any] = {}
     if heldout:
         final["teacher_forced"] = evals[-1]
-        final["greedy"] = evaluate(policy, heldout, ds, device, greedy=True)
-        full = ds.eval_batches(tc.batch_size, "heldout", tc.eval_samples, tc.seed,
-                               past_frames=tc.context.max_past_frames)
-        final["greedy_full_context"] = evaluate(policy, full, ds, device, greedy=True)
+        final["greedy"] = evaluate(policy, data, heldout, greedy=True)
+        full = ds.eval_rows(tc.batch_size, "heldout", tc.eval_samples, tc.seed,
+                            past_frames=tc.context.max_past_frames)
+        final["greedy_full_context"] = evaluate(policy, data, full, greedy=True)
     out.mkdir(parents=True, exist_ok=True)
     write_checkpoint(out, cfg_dict, policy.export_tensors(), dtype=tc.weights_dtype)
     plot_curves(out / "loss_curve.png", losses, evals)
