@@ -220,7 +220,8 @@ def test_spread_is_the_quantile_of_overruns_over_the_mean_estimate():
 
 
 def test_a_burst_of_slow_chunks_leaves_the_spread_after_as_many_refusals():
-    ac = AdmissionController(deadline_ms=33.0, safety_margin_ms=2.0, ema_alpha=0.2, probe_after_refusals=0)
+    ac = AdmissionController(deadline_ms=33.0, safety_margin_ms=2.0, ema_alpha=0.2, probe_after_refusals=0,
+                             cost_quantile=0.99)
     for _ in range(100):
         ac.record(12.0, 8.0, 8, False)  # steady 20 ms chunks: spread ~0
     for _ in range(4):

@@ -185,7 +185,7 @@ def test_failures_in_activate_deactivate_cleanup_leave_defined_states(ctx, monke
         def close_fails():
             raise OSError("device busy (injected)")
 
-        engine._engine.close = close_fails
+        engine.close = close_fails
         assert node.safe_transition("cleanup") is False
         assert node.current_state_label() == "unconfigured" and node.engine is None
         st = status(node)

@@ -106,4 +106,4 @@ def test_single_node_executables_start_and_stop(tmp_path, kind, expect):
         rc = proc.stop()
     assert rc == 0, proc.output()
     s = read_json(stats)
-    assert s["role"] == ("edge" if "inference" in module else "robot")
+    assert s["role"] == ("edge" if kind == "inference" else "robot")
