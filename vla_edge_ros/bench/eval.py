@@ -293,6 +293,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--camera-hz", dest="camera_hz", type=float, help=f"default {FULL['camera_hz']:g}")
     ap.add_argument("--control-hz", dest="control_hz", type=float, default=registry.BY_NAME["control_hz"].default)
     ap.add_argument("--image-size", dest="image_size", type=int, help=f"square image px (default {FULL['image_size']})")
+    ap.add_argument("--image-wh", type=int, nargs=2, metavar=("W", "H"), default=None,
+                    help="a non-square image instead (a trained policy's size, e.g. 128 64: its deploy block)")
     ap.add_argument("--seed-start", dest="seed_start", type=int, default=DEFAULT_SEED_START)
     ap.add_argument("--runtime-param", dest="runtime_params", action="append", default=[], metavar="NAME:=VALUE",
                     help="extra vla_runtime parameter (repeatable)")
@@ -327,7 +329,8 @@ def build(args: argparse.Namespace) -> tuple[list[Setting], RunConfig]:
                            _csv(args.backends), baselines, args.checkpoint)
     period_ms = 1000.0 / args.camera_hz
     cfg = RunConfig(episodes=args.episodes, horizon=args.horizon, camera_hz=args.camera_hz,
-                    control_hz=args.control_hz, image_width=args.image_size, image_height=args.image_size,
+                    control_hz=args.control_hz, image_width=args.image_wh[0] if args.image_wh else args.image_size,
+                    image_height=args.image_wh[1] if args.image_wh else args.image_size,
                     seed_start=args.seed_start, checkpoint=args.checkpoint, startup_timeout_s=args.startup_timeout,
                     domain_id=args.domain_id, camera_deadline_ms=max(3.0 * period_ms, 200.0),
                     stale_after_ms=max(3.0 * period_ms, 200.0), runtime_params=tuple(args.runtime_params))
