@@ -26,7 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-from vla_edge_ros import params
+from vla_edge_ros.core.stale_inputs import StaleInputs
 
 FRESH, REPEAT, HOLD = "fresh", "repeat", "hold"
 KINDS = (FRESH, REPEAT, HOLD)
@@ -43,7 +43,7 @@ class TickDecision:
     reason: str  # why this kind: 'new_action', 'no_new_action', 'no_action_yet', 'frame_stale', ...
 
 
-class ActionArbiter:
+class ActionArbiter(StaleInputs):
     def __init__(self, action_dims: int = 7, gripper_index: int = 6, stale_after_ms: float = 200.0,
                  initial_gripper: float = 0.0) -> None:
         if action_dims < 1:
@@ -80,24 +80,7 @@ class ActionArbiter:
         self.rejected: dict[str, int] = {}
         self.last_reject_message = ""
 
-    # ---- configuration ----------------------------------------------------------------------------------
-    def set_stale_after_ms(self, stale_after_ms: float) -> None:
-        reason = params.validate("stale_after_ms", stale_after_ms)
-        if reason:
-            raise ValueError(reason)
-        with self._lock:
-            self._stale_after_ns = int(round(float(stale_after_ms) * 1e6))
-
-    @property
-    def stale_after_ms(self) -> float:
-        return self._stale_after_ns / 1e6
-
     # ---- inputs -----------------------------------------------------------------------------------------
-    def _reject(self, reason: str, message: str) -> bool:
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        self.last_reject_message = message
-        return False
-
     def offer(self, action: np.ndarray, frame_stamp_ns: int, now_ns: int) -> bool:
         """A new action (from inference or the fresh-action topic). Returns False (counted) when rejected."""
         arr = np.asarray(action, dtype=np.float64).reshape(-1) if action is not None else None
@@ -131,19 +114,6 @@ class ActionArbiter:
             self._frame_stamp_ns = int(frame_stamp_ns)
             self.frames_noted += 1
 
-    def mark_inputs_stale(self, reason: str) -> None:
-        """Force hold until ``clear_stale(reason)`` (several reasons may be active at once)."""
-        with self._lock:
-            self._stale_reasons[reason] = self._stale_reasons.get(reason, 0) + 1
-
-    def clear_stale(self, reason: str) -> None:
-        with self._lock:
-            self._stale_reasons.pop(reason, None)
-
-    @property
-    def stale_reasons(self) -> tuple[str, ...]:
-        with self._lock:
-            return tuple(self._stale_reasons)
 
     # ---- the tick ---------------------------------------------------------------------------------------
     def _hold_reason(self, now_ns: int) -> Optional[str]:

@@ -45,7 +45,7 @@ from typing import Optional
 
 import numpy as np
 
-from vla_edge_ros import params
+from vla_edge_ros.core.stale_inputs import StaleInputs
 from vla_edge_ros.core.action_arbiter import FRESH, HOLD, REPEAT
 
 LATEST, TEMPORAL_ENSEMBLE, BLEND = "latest", "temporal_ensemble", "blend"
@@ -83,7 +83,7 @@ class _Chunk:
         return k if k < len(self.values) else None
 
 
-class ChunkExecutor:
+class ChunkExecutor(StaleInputs):
     def __init__(self, action_dims: int = 7, horizon: int = 1, merge: str = LATEST, gripper_index: Optional[int] = 6,
                  stale_after_ms: float = 200.0, initial_gripper: float = 0.0, ensemble_m: float = 0.01,
                  blend_steps: int = 4, future_tolerance_ms: float = 5.0) -> None:
@@ -126,24 +126,7 @@ class ChunkExecutor:
         self.rejected: dict[str, int] = {}
         self.last_reject_message = ""
 
-    # ---- configuration ----------------------------------------------------------------------------------
-    def set_stale_after_ms(self, stale_after_ms: float) -> None:
-        reason = params.validate("stale_after_ms", stale_after_ms)
-        if reason:
-            raise ValueError(reason)
-        with self._lock:
-            self._stale_after_ns = int(round(float(stale_after_ms) * 1e6))
-
-    @property
-    def stale_after_ms(self) -> float:
-        return self._stale_after_ns / 1e6
-
     # ---- inputs -----------------------------------------------------------------------------------------
-    def _reject(self, reason: str, message: str) -> bool:
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        self.last_reject_message = message
-        return False
-
     def offer(self, chunk: np.ndarray, frame_stamp_ns: int, dt_ns: int, now_ns: int) -> bool:
         """A new chunk (H x action_dims; a flat action_dims vector when H = 1) computed from the frame stamped
         ``frame_stamp_ns``, one step per ``dt_ns``. Returns False (counted by reason) when rejected."""
@@ -219,19 +202,6 @@ class ChunkExecutor:
             self._frame_received_ns = int(now_ns)
             self.frames_noted += 1
 
-    def mark_inputs_stale(self, reason: str) -> None:
-        """Force hold (at once, mid-chunk too) until ``clear_stale(reason)``."""
-        with self._lock:
-            self._stale_reasons[reason] = self._stale_reasons.get(reason, 0) + 1
-
-    def clear_stale(self, reason: str) -> None:
-        with self._lock:
-            self._stale_reasons.pop(reason, None)
-
-    @property
-    def stale_reasons(self) -> tuple[str, ...]:
-        with self._lock:
-            return tuple(self._stale_reasons)
 
     # ---- the plan ---------------------------------------------------------------------------------------
     def _plan_at_locked(self, t: int):
