@@ -72,6 +72,22 @@ def vision_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             "vision.pos_embed": (cfg.n_patches, cfg.hidden_size)}
 
 
+def _shape_mismatch(name: str, want: tuple[int, ...], found: tuple[int, ...]) -> str:
+    return f"tensor {name}: expected shape {list(want)}, found {list(found)}"
+
+
+def check_weights(cfg: ModelConfig, weights: Mapping[str, Any]) -> None:
+    """Every decoder tensor of an in-memory weight mapping (what a backend may be given instead of a checkpoint
+    directory) is present with its expected shape; EngineError naming the first that is not. The file-level
+    checks of a checkpoint on disk are load_checkpoint's."""
+    for name, shape in expected_shapes(cfg).items():
+        if name not in weights:
+            raise EngineError(f"weights: missing tensor {name}")
+        found = tuple(np.shape(weights[name]))
+        if found != shape:
+            raise EngineError(f"weights: {_shape_mismatch(name, shape, found)}")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # container parsing
 
@@ -289,8 +305,7 @@ def load_checkpoint(ckpt_dir: str | Path, cfg: ModelConfig, dtype: Any = np.floa
             raise EngineError(f"checkpoint {ckpt}: tensor {name}: expected dtype F32, F16 or BF16, found {e.dtype} "
                               f"(in {e.file.name})")
         if e.shape != shape:
-            raise EngineError(f"checkpoint {ckpt}: tensor {name}: expected shape {list(shape)}, found "
-                              f"{list(e.shape)} (in {e.file.name})")
+            raise EngineError(f"checkpoint {ckpt}: {_shape_mismatch(name, shape, e.shape)} (in {e.file.name})")
     out: dict[str, np.ndarray] = {}
     for name in want:
         out[name] = _read_tensor(entries[name], dtype)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 
 from vla_edge_ros import params as P
 from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.geometry import check_decode_tokens, check_positions, check_tokens_per_frame, prefix_token_ids
 from vla_edge_ros.engine.interface import Engine, EngineError
 
 ENGINE_PARAMS = ("checkpoint", "backend", "instruction", "tokens_per_frame", "decode_tokens", "kv_budget_tokens",
@@ -59,7 +60,7 @@ def make_engine(params: Mapping[str, Any], log: Callable[[str], None] = print) -
     instruction = v["instruction"]
     if not isinstance(instruction, str):
         raise EngineError(f"instruction must be a string, got {type(instruction).__name__}")
-    prefix_tokens = len(instruction.encode("utf-8"))
+    prefix_tokens = len(prefix_token_ids(instruction))
     reasons = P.validate_all(v, prefix_tokens=prefix_tokens)
     if reasons:
         raise EngineError("invalid engine parameters: " + "; ".join(reasons))
@@ -67,11 +68,9 @@ def make_engine(params: Mapping[str, Any], log: Callable[[str], None] = print) -
     ckpt = resolve_checkpoint(v["checkpoint"])
     cfg = ModelConfig.from_json(ckpt)
     tpf, dec = v["tokens_per_frame"], v["decode_tokens"]
-    if tpf != cfg.n_patches:
-        raise EngineError(f"tokens_per_frame={tpf} must equal the patch embedder's {cfg.n_patches} tokens "
-                          f"(patch_grid {list(cfg.patch_grid)} of {cfg.source})")
-    if dec < cfg.action_dims:
-        raise EngineError(f"decode_tokens={dec} is smaller than the model's {cfg.action_dims} action dimensions")
+    # the parameters against the model before anything is loaded (the backends check what they are handed again)
+    check_tokens_per_frame(cfg, tpf)
+    check_decode_tokens(cfg, dec)
 
     backend, cuda_mod = v["backend"], None
     if backend in ("auto", "cuda"):
@@ -83,9 +82,7 @@ def make_engine(params: Mapping[str, Any], log: Callable[[str], None] = print) -
             log(f"engine: backend=numpy (auto: {why}), checkpoint {ckpt}")
     chosen = "cuda" if cuda_mod is not None else "numpy"
     budget = P.resolve_kv_budget(v["kv_budget_tokens"], chosen, tpf)
-    if cfg.max_position_embeddings <= budget + dec:
-        raise EngineError(f"kv_budget_tokens={budget} + decode_tokens={dec} must stay below "
-                          f"max_position_embeddings={cfg.max_position_embeddings} of {cfg.source}")
+    check_positions(cfg, budget, dec)
 
     from vla_edge_ros.core.kv.manager import KVManager
     try:

@@ -32,19 +32,15 @@ from typing import Mapping
 import numpy as np
 
 from vla_edge_ros.core.action_tokenizer import ActionTokenizer
-from vla_edge_ros.engine.checkpoint import expected_shapes
+from vla_edge_ros.engine.checkpoint import check_weights
 from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.geometry import check_chunk_geometry, prefix_token_ids  # noqa: F401  (re-exported)
 from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
 from vla_edge_ros.engine.rope import RopeTable
 from vla_edge_ros.engine.vision import PatchEmbedder, pooled
 
 NEG_INF = np.float32(-np.inf)
 _SAFE_EXP = 60.0  # |score| below this: exp(score) stays a normal float32 (no max-subtraction needed)
-
-
-def prefix_token_ids(instruction: str) -> np.ndarray:
-    """Instruction -> UTF-8 bytes -> token ids (byte b -> id b)."""
-    return np.frombuffer(instruction.encode("utf-8"), dtype=np.uint8).astype(np.int64)
 
 
 def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -88,23 +84,8 @@ class NumpyEngine(Engine):
         self.cfg = cfg
         self.kv = kv
         self.decode_tokens = int(decode_tokens)
-        if self.decode_tokens < cfg.action_dims:
-            raise EngineError(f"decode_tokens={decode_tokens} is smaller than the {cfg.action_dims} action "
-                              "dimensions (one decode step per dimension)")
-        if kv.tokens_per_frame != cfg.n_patches:
-            raise EngineError(f"tokens_per_frame={kv.tokens_per_frame} must equal the patch embedder's "
-                              f"{cfg.n_patches} tokens (patch_grid {list(cfg.patch_grid)})")
-        self.prefix_ids = prefix_token_ids(instruction)
-        if kv.prefix_tokens != len(self.prefix_ids):
-            raise EngineError(f"KV manager pins {kv.prefix_tokens} prefix tokens but the instruction encodes to "
-                              f"{len(self.prefix_ids)} bytes")
-        want = expected_shapes(cfg)
-        for name, shape in want.items():
-            if name not in weights:
-                raise EngineError(f"weights: missing tensor {name}")
-            if tuple(np.shape(weights[name])) != shape:
-                raise EngineError(f"weights: tensor {name}: expected shape {list(shape)}, found "
-                                  f"{list(np.shape(weights[name]))}")
+        self.prefix_ids = check_chunk_geometry(cfg, kv, instruction, self.decode_tokens)
+        check_weights(cfg, weights)
 
         self.H, self.KV, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.G = self.H // self.KV

@@ -27,6 +27,7 @@ from vla_edge_ros.engine.cuda.plan import (BLOCK, T_CHUNK, DeviceLimits, Launch,
                                            memory_plan, plan)
 from vla_edge_ros.engine.cuda.probe import cuda_status
 from vla_edge_ros.engine.cuda.vram import check_budget
+from vla_edge_ros.engine.geometry import check_chunk_geometry
 from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
 
 
@@ -49,18 +50,10 @@ class CudaEngine(Engine):
         self.tuning = tuning if isinstance(tuning, Tuning) else Tuning.from_mapping(tuning)
         self.decode_tokens, self.max_vram_gb = int(decode_tokens), float(max_vram_gb)
         self.defines = tuple(defines) + tuple(os.environ.get("VLA_CUDA_DEFINES", "").split())
-        if self.decode_tokens < cfg.action_dims:
-            raise EngineError(f"decode_tokens={decode_tokens} is smaller than the {cfg.action_dims} action dimensions")
-        if kv.tokens_per_frame != cfg.n_patches:
-            raise EngineError(f"tokens_per_frame={kv.tokens_per_frame} must equal the patch embedder's "
-                              f"{cfg.n_patches} tokens (patch_grid {list(cfg.patch_grid)})")
+        self.prefix_ids = check_chunk_geometry(cfg, kv, instruction, self.decode_tokens)
         if kv.tokens_per_frame > T_CHUNK:
             raise EngineError(f"tokens_per_frame={kv.tokens_per_frame}: the CUDA prefill handles at most "
                               f"{T_CHUNK} tokens per frame")
-        self.prefix_ids = np.frombuffer(instruction.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-        if kv.prefix_tokens != len(self.prefix_ids):
-            raise EngineError(f"KV manager pins {kv.prefix_tokens} prefix tokens but the instruction encodes to "
-                              f"{len(self.prefix_ids)} bytes")
         from vla_edge_ros.core.action_tokenizer import ActionTokenizer
         self.tokenizer = ActionTokenizer(cfg.vocab_size, cfg.action_q01, cfg.action_q99, cfg.n_action_bins)
         dev = cuda.Device(0)
@@ -130,13 +123,8 @@ class CudaEngine(Engine):
 
     def _load_weights(self, checkpoint) -> dict[str, np.ndarray]:
         if isinstance(checkpoint, Mapping):
-            from vla_edge_ros.engine.checkpoint import expected_shapes
-            for name, shape in expected_shapes(self.cfg).items():
-                if name not in checkpoint:
-                    raise EngineError(f"weights: missing tensor {name}")
-                if tuple(np.shape(checkpoint[name])) != shape:
-                    raise EngineError(f"weights: tensor {name}: expected shape {list(shape)}, found "
-                                      f"{list(np.shape(checkpoint[name]))}")
+            from vla_edge_ros.engine.checkpoint import check_weights
+            check_weights(self.cfg, checkpoint)
             return {k: as_bf16_bits(v) for k, v in checkpoint.items()}
         from vla_edge_ros.engine.checkpoint import load_checkpoint
         return load_checkpoint(checkpoint, self.cfg, dtype="bfloat16")
