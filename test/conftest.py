@@ -1,62 +1,69 @@
-"""Shared fixtures of the test suite.
+"""Shared fixtures of the test suite (the helpers behind them: ros_env.py).
 
-- ``ros_domain``: a ROS_DOMAIN_ID no other test process on this machine holds (ros_env.allocate_domain_ids), for
-  tests that do not keep a module-level one;
-- ``ros_processes``: starts vla_edge_ros executables (runtime, test camera, sim...) as child processes in an
-  isolated ROS environment (that domain, loopback discovery, a temporary ROS_HOME, the package's Fast DDS
-  profile) and stops every one of them with SIGINT at the end of the test, reporting any that had to be killed.
+- ``ros_domain``: the test module's ROS_DOMAIN_ID, one no other test process on this machine holds
+  (ros_env.allocate_domain_ids); a module marked ``pytest.mark.ros_domains(n)`` gets the first of n consecutive
+  ids (vla_eval runs one setting per domain);
+- ``ros_processes`` / ``module_ros_processes``: a ros_env.RosProcesses for one test / for one module's
+  module-scoped fixtures: vla_edge_ros executables (runtime, test camera, action monitor, bag replay, sim...)
+  started as child processes in the isolated ROS environment of that domain (loopback discovery, a temporary
+  ROS_HOME, the package's Fast DDS profile); at the end every one still running is stopped with SIGINT, and any
+  that had to be killed fails the test;
+- ``ros_context``: an rclpy Context in this process on that domain, with the same settings;
+- ``torch_cuda``: torch on a usable GPU (the GPU tests; skipped without PyCUDA, a GPU or torch).
 """
 from __future__ import annotations
 
 import pytest
 
-from ros_env import Proc, allocate_domain_ids, module_cmd, ros_env
+from ros_env import RosProcesses, allocate_domain_ids, rclpy_context
 
 
-@pytest.fixture
-def ros_domain() -> int:
-    return allocate_domain_ids(1)
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ros_domains(n): the module needs n consecutive ROS domain ids "
+                                       "(the ros_domain fixture is the first)")
 
 
-class RosProcesses:
-    """Factory of child processes sharing one isolated ROS environment (see the module docstring)."""
+@pytest.fixture(scope="module")
+def ros_domain(request) -> int:
+    marker = request.node.get_closest_marker("ros_domains")
+    return allocate_domain_ids(marker.args[0] if marker else 1)
 
-    def __init__(self, domain_id: int, tmp_path):
-        self.domain_id = domain_id
-        self.tmp = tmp_path
-        self.env = ros_env(domain_id, tmp_path / "ros_home")
-        self.procs: list[Proc] = []
 
-    def start(self, module: str, *args: str, name: str = "") -> Proc:
-        name = name or module.rsplit(".", 1)[-1]
-        proc = Proc(module_cmd(module, *args), self.env, self.tmp / f"{name}_{len(self.procs)}.log")
-        self.procs.append(proc)
-        return proc
-
-    def runtime(self, *ros_args: str, role: str = "all", stats_out=None) -> Proc:
-        """vla_runtime with the given ``-p name:=value`` arguments (numpy backend unless overridden)."""
-        extra = ["--stats-out", str(stats_out)] if stats_out else []
-        return self.start("vla_edge_ros.ros.runtime", "--role", role, *extra, "--ros-args",
-                          "-p", "backend:=numpy", *ros_args, name="runtime")
-
-    def camera(self, *ros_args: str) -> Proc:
-        """vla_test_camera (60 Hz rgb8 640x480 unless overridden)."""
-        return self.start("vla_edge_ros.ros.tools.test_camera", *(["--ros-args", *ros_args] if ros_args else []),
-                          name="camera")
-
-    def stop_all(self) -> list[str]:
-        killed = []
-        for p in reversed(self.procs):  # SIGINT to all first: they shut down in parallel
-            p.interrupt()
-        for p in reversed(self.procs):
-            if p.stop() == -9:
-                killed.append(f"{p.name} (log {p.log_path})")
-        return killed
+def _processes(domain_id: int, tmp):
+    procs = RosProcesses(domain_id, tmp)
+    yield procs
+    killed = procs.stop_all()
+    assert not killed, f"processes did not exit on SIGINT and were killed: {killed}"
 
 
 @pytest.fixture
 def ros_processes(ros_domain, tmp_path):
-    procs = RosProcesses(ros_domain, tmp_path)
-    yield procs
-    killed = procs.stop_all()
-    assert not killed, f"processes did not exit on SIGINT and were killed: {killed}"
+    yield from _processes(ros_domain, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_ros_processes(ros_domain, tmp_path_factory):
+    yield from _processes(ros_domain, tmp_path_factory.mktemp("ros_module"))
+
+
+@pytest.fixture
+def ros_context(ros_domain, tmp_path):
+    pytest.importorskip("rclpy")
+    with rclpy_context(ros_domain, tmp_path / "ros_home") as ctx:
+        yield ctx
+
+
+@pytest.fixture(scope="module")
+def torch_cuda():
+    """torch, with TF32 off (the GPU tests compare against float32 references)."""
+    from vla_edge_ros.engine.cuda import cuda_status
+
+    ok, why = cuda_status()
+    if not ok:
+        pytest.skip(f"no usable GPU: {why}")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch

@@ -1,22 +1,29 @@
 """Environment and process helpers for the ROS integration tests (real rclpy processes).
 
-Every test module takes its own ROS_DOMAIN_ID from ``allocate_domain_ids`` (a lock file per id, held for the
-life of the test process), so modules, parallel pytest runs on one machine and leftover processes never
-cross-talk and no id range is kept by hand; discovery stays on localhost; ROS_HOME is a temporary directory (rclpy would
-otherwise write logs to ~/.ros); Fast DDS uses the package's profile (32 MiB shared-memory segment).
-Node processes are stopped with SIGINT and the tests check they exit.
+One place for what every ROS test needs (conftest.py turns it into fixtures):
+- a ROS_DOMAIN_ID per test module from ``allocate_domain_ids`` (a lock file per id, held for the life of the test
+  process), so modules, parallel pytest runs on one machine and leftover processes never cross-talk and no id
+  range is kept by hand;
+- the environment: discovery on localhost, ROS_HOME a temporary directory (rclpy would otherwise write logs to
+  ~/.ros), Fast DDS with the package's profile (32 MiB shared-memory segment); ``apply_env`` / ``rclpy_context``
+  give this process the same settings for an in-test rclpy node;
+- ``RosProcesses``: the vla_edge_ros executables a test starts (runtime, test camera, action monitor, bag replay,
+  sim...), each with its output in a log file, stopped with SIGINT (``stop`` returns their exit codes for the test
+  to assert); whatever is still running at the end is stopped by the fixture, and one that ignores SIGINT is
+  killed and reported.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from vla_edge_ros.bench.procs import Child, ros_child_env
 
@@ -75,11 +82,120 @@ def apply_env(domain_id: int, tmp: Optional[Path] = None) -> dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def rclpy_context(domain_id: int, home: Path):
+    """An rclpy Context of its own in this process, on ``domain_id`` with the tests' settings (apply_env);
+    shut down afterwards."""
+    import rclpy
+
+    apply_env(domain_id, home)
+    ctx = rclpy.context.Context()
+    rclpy.init(context=ctx, args=[])
+    try:
+        yield ctx
+    finally:
+        rclpy.shutdown(context=ctx)
+
+
 Proc = Child  # the tests' name for vla_edge_ros.bench.procs.Child (stop() waits 15 s by default)
+ACTIVE_LINE = "active: admitting chunks"  # vla_edge_ros/ros/inference_node.py logs it on activate
+RUNTIME, CAMERA, MONITOR = "vla_edge_ros.ros.runtime", "vla_edge_ros.ros.tools.test_camera", \
+    "vla_edge_ros.ros.tools.action_monitor"
+BAG_REPLAY, SIM = "vla_edge_ros.ros.tools.bag_replay", "vla_edge_ros.ros.sim_node"
 
 
 def module_cmd(module: str, *args: str) -> list[str]:
     return [PY, "-m", module, *args]
+
+
+def runtime_cmd(*ros_args: str, role: str = "all", stats_out=None, stats_every_s: Optional[float] = None,
+                cli: Sequence[str] = (), backend: Optional[str] = "numpy") -> list[str]:
+    """vla_runtime's command line: ``--role``, the stats options, ``cli``, then ``--ros-args`` with
+    ``-p backend:=<backend>`` (none when backend is None) and ``ros_args``."""
+    args = ["--role", role]
+    if stats_out is not None:
+        args += ["--stats-out", str(stats_out)]
+    if stats_every_s is not None:
+        args += ["--stats-every-s", str(stats_every_s)]
+    args += list(cli)
+    params = (["-p", f"backend:={backend}"] if backend else []) + list(ros_args)
+    return module_cmd(RUNTIME, *args, *(["--ros-args", *params] if params else []))
+
+
+class RosProcesses:
+    """The child processes of one test (or one module) sharing one isolated ROS environment: ``domain_id``,
+    loopback discovery, ``<tmp>/ros_home`` as ROS_HOME, the package's Fast DDS profile. Each process writes its
+    output to ``<tmp>/<name>.log``. ``stop`` stops the given ones in order (SIGINT, then wait) and returns their
+    exit codes by name; ``stop_all`` (the fixtures' teardown) stops whatever is still running."""
+
+    def __init__(self, domain_id: int, tmp: Path):
+        self.domain_id = domain_id
+        self.tmp = Path(tmp)
+        self.home = self.tmp / "ros_home"
+        self.env = ros_env(domain_id, self.home)
+        self.procs: list[Proc] = []
+
+    def apply_env(self) -> dict[str, str]:
+        """The same settings in THIS process (for an in-test rclpy node talking to the children)."""
+        return apply_env(self.domain_id, self.home)
+
+    # ---- starting ---------------------------------------------------------------------------------------------
+    def start_cmd(self, cmd: Sequence[str], name: str, extra_env: Optional[dict] = None) -> Proc:
+        """Any command line in this environment (plus ``extra_env``); ``name`` names it and its log."""
+        used, unique, n = {p.name for p in self.procs}, name, 1
+        while unique in used:  # a second process of that name: name_2, ...
+            n += 1
+            unique = f"{name}_{n}"
+        proc = Proc(list(cmd), {**self.env, **(extra_env or {})}, self.tmp / f"{unique}.log", name=unique)
+        self.procs.append(proc)
+        return proc
+
+    def start(self, module: str, *args, name: str = "", extra_env: Optional[dict] = None) -> Proc:
+        """``python -m module args...`` (name: the module's last part unless given)."""
+        return self.start_cmd(module_cmd(module, *map(str, args)), name or module.rsplit(".", 1)[-1], extra_env)
+
+    def runtime(self, *ros_args: str, role: str = "all", stats_out=None, stats_every_s: Optional[float] = None,
+                cli: Sequence[str] = (), backend: Optional[str] = "numpy", name: str = "runtime",
+                extra_env: Optional[dict] = None) -> Proc:
+        """vla_runtime (numpy backend unless overridden) with the given ``--ros-args`` (see runtime_cmd)."""
+        return self.start_cmd(runtime_cmd(*ros_args, role=role, stats_out=stats_out, stats_every_s=stats_every_s,
+                                          cli=cli, backend=backend), name, extra_env)
+
+    def camera(self, *ros_args: str, cli: Sequence[str] = (), name: str = "camera") -> Proc:
+        """vla_test_camera (60 Hz rgb8 640x480 unless overridden), ``cli`` options before ``--ros-args``."""
+        return self.start(CAMERA, *cli, *(["--ros-args", *ros_args] if ros_args else []), name=name)
+
+    def monitor(self, out: Path, name: str = "monitor") -> Proc:
+        """The action monitor, recording /vla/action and /vla/action_status as JSON lines in ``out``."""
+        return self.start(MONITOR, "--out", out, name=name)
+
+    def run(self, module: str, *args, timeout_s: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+        """``python -m module args...`` to its end (a one-shot tool); stdout and stderr captured as text. A child
+        still running after ``timeout_s`` is killed (subprocess.TimeoutExpired)."""
+        return subprocess.run(module_cmd(module, *map(str, args)), env=self.env, cwd=str(cwd), capture_output=True,
+                              text=True, timeout=timeout_s)
+
+    # ---- waiting and stopping ---------------------------------------------------------------------------------
+    @staticmethod
+    def wait_active(runtime: Proc, timeout_s: float = 60.0) -> None:
+        """Until the runtime's inference node admits chunks (asserted, with its output)."""
+        assert wait_for(lambda: ACTIVE_LINE in runtime.output(), timeout_s), runtime.output()
+
+    @staticmethod
+    def stop(*procs: Proc) -> dict[str, int]:
+        """Stop each in the order given (SIGINT, wait up to 15 s, else SIGKILL: -9); exit codes by name."""
+        return {p.name: p.stop() for p in procs}
+
+    def stop_all(self) -> list[str]:
+        """Stop every process still running (SIGINT to all first: they shut down in parallel); closes every log.
+        Returns those that had to be killed (ignored SIGINT), with their logs."""
+        running = [p for p in reversed(self.procs) if p.alive()]
+        for p in running:
+            p.interrupt()
+        killed = [f"{p.name} (log {p.log_path})" for p in running if p.stop() == -9]
+        for p in self.procs:  # exited by themselves or killed by the test: only the log to close
+            p.stop()
+        return killed
 
 
 def single_node_cmd(kind: str, *args: str) -> list[str]:
@@ -157,25 +273,21 @@ def runs(kinds: list[str]) -> list[tuple[str, int, int]]:
 
 
 @contextlib.contextmanager
-def runtime_with_param_clients(domain_id: int, tmp: Path, client_name: str, client_nodes: tuple[str, ...],
+def runtime_with_param_clients(procs: RosProcesses, client_name: str, client_nodes: tuple[str, ...],
                                stats_every_s: float, setup_node=None):
     """``vla_runtime`` (numpy backend, 1024-token budget, stats JSON every ``stats_every_s``) + a 30 Hz 160x120
-    test camera, and an rclpy node in this process (own context, spun in a thread) with a parameter client per
-    node of ``client_nodes``; ``setup_node(node)`` may add subscriptions. Yields a dict with ``clients``,
-    ``stats`` (path), ``runtime`` (Proc) and ``node`` once the runtime admits chunks and the parameter services
-    answer; afterwards both processes must exit 0 on SIGINT."""
+    test camera started by ``procs``, and an rclpy node in this process (own context, spun in a thread) with a
+    parameter client per node of ``client_nodes``; ``setup_node(node)`` may add subscriptions. Yields a dict with
+    ``clients``, ``stats`` (path), ``runtime`` (Proc) and ``node`` once the runtime admits chunks and the
+    parameter services answer; afterwards both processes must exit 0 on SIGINT."""
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.parameter_client import AsyncParameterClient
 
-    env = ros_env(domain_id, tmp / "home")
-    apply_env(domain_id, tmp / "home")
-    stats = tmp / "runtime.json"
-    runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", "--stats-out", str(stats), "--stats-every-s",
-                              str(stats_every_s), "--ros-args", "-p", "backend:=numpy", "-p", "kv_budget_tokens:=1024"),
-                   env, tmp / "runtime.log")
-    camera = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", "--ros-args", "-p", "width:=160", "-p", "height:=120",
-                             "-p", "rate_hz:=30.0"), env, tmp / "camera.log")
+    procs.apply_env()
+    stats = procs.tmp / "runtime.json"
+    runtime = procs.runtime("-p", "kv_budget_tokens:=1024", stats_out=stats, stats_every_s=stats_every_s)
+    camera = procs.camera("-p", "width:=160", "-p", "height:=120", "-p", "rate_hz:=30.0")
     ctx = rclpy.context.Context()
     rclpy.init(context=ctx, args=[])
     node = rclpy.create_node(client_name, context=ctx)
@@ -186,7 +298,7 @@ def runtime_with_param_clients(domain_id: int, tmp: Path, client_name: str, clie
     threading.Thread(target=ex.spin, daemon=True).start()
     clients = {n: AsyncParameterClient(node, n) for n in client_nodes}
     try:
-        assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
+        procs.wait_active(runtime)
         for name, c in clients.items():
             assert c.wait_for_services(timeout_sec=20.0)
             call_answered(lambda: c.get_parameters(["use_sim_time"]), what=f"{name}/get_parameters")
@@ -195,5 +307,5 @@ def runtime_with_param_clients(domain_id: int, tmp: Path, client_name: str, clie
         ex.shutdown(timeout_sec=2.0)
         node.destroy_node()
         rclpy.shutdown(context=ctx)
-        rc_cam, rc_rt = camera.stop(), runtime.stop()
-        assert (rc_cam, rc_rt) == (0, 0), runtime.output()[-3000:]
+    codes = procs.stop(camera, runtime)
+    assert codes == {"camera": 0, "runtime": 0}, runtime.output()[-3000:]

@@ -1,9 +1,5 @@
 """vla_bag_replay publishes a converted bag into a real rclpy subscriber with the bag's timing."""
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,22 +14,18 @@ from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPo
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 
-from ros_env import allocate_domain_ids
+from ros_env import BAG_REPLAY
 from vla_edge_ros.data import oxe_to_bag, rlds
 
-ROOT = Path(__file__).resolve().parents[1]
-DOMAIN_ID = allocate_domain_ids(1)
 STEPS, EPISODES, GAP_S = 6, 2, 0.5
 
 
 @pytest.fixture(scope="module")
-def ros_env(tmp_path_factory):
-    env = dict(os.environ, ROS_DOMAIN_ID=str(DOMAIN_ID), ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST",
-               ROS_HOME=str(tmp_path_factory.mktemp("ros_home")), RMW_IMPLEMENTATION="rmw_fastrtps_cpp",
-               FASTRTPS_DEFAULT_PROFILES_FILE=str(ROOT / "config" / "fastdds_profile.xml"), PYTHONUNBUFFERED="1")
-    for k in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "RMW_IMPLEMENTATION", "FASTRTPS_DEFAULT_PROFILES_FILE", "ROS_HOME"):
-        os.environ[k] = env[k]  # the in-process subscriber's middleware reads these
-    return env
+def ros(module_ros_processes):
+    """The module's RosProcesses (vla_bag_replay runs); this process gets the same middleware settings (the
+    in-process subscriber's)."""
+    module_ros_processes.apply_env()
+    return module_ros_processes
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +37,11 @@ def bag(tmp_path_factory):
 
 
 class Sink:
-    """An rclpy subscriber node in its own context (domain DOMAIN_ID) and executor thread."""
+    """An rclpy subscriber node in its own context (on ``domain_id``) and executor thread."""
 
-    def __init__(self):
+    def __init__(self, domain_id: int):
         self.ctx = Context()
-        rclpy.init(context=self.ctx, domain_id=DOMAIN_ID)
+        rclpy.init(context=self.ctx, domain_id=domain_id)
         self.node = Node("replay_sink", context=self.ctx)
         self.got: dict[str, list] = {}
         best_effort = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=100,
@@ -81,24 +73,24 @@ class Sink:
 
 
 @pytest.fixture
-def sink(ros_env):
-    s = Sink()
+def sink(ros):
+    s = Sink(ros.domain_id)
     yield s
     s.close()
 
 
-def replay(env, *args, timeout=30.0):
-    cmd = [sys.executable, "-m", "vla_edge_ros.ros.tools.bag_replay", *map(str, args)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+def replay(ros, *args, timeout=30.0):
+    """vla_bag_replay with ``args`` to its end: the CompletedProcess (stdout, stderr, returncode)."""
+    return ros.run(BAG_REPLAY, *args, timeout_s=timeout)
 
 
 def stamp_ns(msg):
     return msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
 
 
-def test_replay_counts_values_and_timing(ros_env, bag, sink, tmp_path):
+def test_replay_counts_values_and_timing(ros, bag, sink, tmp_path):
     rate = 2.0
-    r = replay(ros_env, bag, "--rate", rate, "--wait-for", "/vla/recorded_action", "--wait-for",
+    r = replay(ros, bag, "--rate", rate, "--wait-for", "/vla/recorded_action", "--wait-for",
                "/camera/image_raw/compressed", "--stats-out", tmp_path / "r.json")
     assert r.returncode == 0, r.stderr
     time.sleep(0.3)
@@ -127,10 +119,10 @@ def test_replay_counts_values_and_timing(ros_env, bag, sink, tmp_path):
     assert summary["published"]["/vla/recorded_action"] == EPISODES * STEPS and summary["passes"] == 1
 
 
-def test_camera_retiming_decode_and_start_offset(ros_env, bag, sink):
+def test_camera_retiming_decode_and_start_offset(ros, bag, sink):
     # start at episode 1 (bag offset = one episode + gap), decode JPEG to rgb8, 60 Hz camera, stop after 1.5 s
     offset = STEPS * 0.2 + GAP_S
-    r = replay(ros_env, bag, "--camera-hz", 60, "--decode", "--start-offset", offset, "--duration-s", 1.5,
+    r = replay(ros, bag, "--camera-hz", 60, "--decode", "--start-offset", offset, "--duration-s", 1.5,
                "--wait-for", "/camera/image_raw", "--wait-for", "/vla/recorded_action")
     assert r.returncode == 0, r.stderr
     time.sleep(0.3)
@@ -148,27 +140,23 @@ def test_camera_retiming_decode_and_start_offset(ros_env, bag, sink):
     np.testing.assert_allclose(first_action.position, rlds.synthetic_action(1, STEPS)[0], atol=1e-6)
 
 
-def test_loop_runs_until_sigint(ros_env, bag, sink):
+def test_loop_runs_until_sigint(ros, bag, sink):
     # wait_for given as a ROS parameter this time (every option is one)
-    cmd = [sys.executable, "-m", "vla_edge_ros.ros.tools.bag_replay", str(bag), "--rate", "8", "--loop",
-           "--ros-args", "-p", "wait_for:=['/vla/recorded_action']"]
-    proc = subprocess.Popen(cmd, env=ros_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        t_end = time.monotonic() + 20
-        while len(sink.got.get("/vla/recorded_action", [])) < 2 * EPISODES * STEPS + 2 and time.monotonic() < t_end:
-            time.sleep(0.05)
-        assert len(sink.got.get("/vla/recorded_action", [])) > 2 * EPISODES * STEPS  # went past one pass
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=10)
-    assert proc.returncode == 0, err
-    assert '"passes": ' in err and '"passes": 0' not in err
+    proc = ros.start(BAG_REPLAY, bag, "--rate", "8", "--loop", "--ros-args",
+                     "-p", "wait_for:=['/vla/recorded_action']", name="replay_loop")
+    t_end = time.monotonic() + 20
+    while len(sink.got.get("/vla/recorded_action", [])) < 2 * EPISODES * STEPS + 2 and time.monotonic() < t_end:
+        time.sleep(0.05)
+    assert len(sink.got.get("/vla/recorded_action", [])) > 2 * EPISODES * STEPS  # went past one pass
+    assert ros.stop(proc) == {"replay_loop": 0}, proc.output()
+    out = proc.output()  # its output (stdout and stderr): the summary is its 'replay finished' log line
+    assert '"passes": ' in out and '"passes": 0' not in out
 
 
-def test_bad_arguments_are_reported(ros_env, tmp_path):
-    r = replay(ros_env, tmp_path / "missing_bag")
+def test_bad_arguments_are_reported(ros, tmp_path):
+    r = replay(ros, tmp_path / "missing_bag")
     assert r.returncode == 2 and "does not exist" in r.stderr
-    r = replay(ros_env, "--bag", tmp_path / "other_missing_bag")  # the launch file's spelling
+    r = replay(ros, "--bag", tmp_path / "other_missing_bag")  # the launch file's spelling
     assert r.returncode == 2 and "other_missing_bag" in r.stderr
 
 
@@ -192,18 +180,18 @@ def damaged_copy(bags, storage, tmp_path) -> tuple[Path, Path]:
     return out, data
 
 
-def replay_json(env, bag_dir, tmp_path, *args):
+def replay_json(ros, bag_dir, tmp_path, *args):
     out = tmp_path / "summary.json"
-    r = replay(env, bag_dir, "--rate", 20, "--stats-out", out, *args)
+    r = replay(ros, bag_dir, "--rate", 20, "--stats-out", out, *args)
     assert "Traceback" not in r.stderr, r.stderr
     return r, (json.loads(out.read_text()) if out.exists() else None)
 
 
 @pytest.mark.parametrize("storage", ["mcap", "sqlite3"])
-def test_truncated_bag(ros_env, bags, storage, tmp_path):
+def test_truncated_bag(ros, bags, storage, tmp_path):
     bag_dir, data = damaged_copy(bags, storage, tmp_path)
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    r, summary = replay_json(ros_env, bag_dir, tmp_path)
+    r, summary = replay_json(ros, bag_dir, tmp_path)
     if storage == "mcap":
         # MCAP is a sequence of self-contained records: the complete ones before the cut are replayed
         assert r.returncode == 3, r.stderr
@@ -217,13 +205,13 @@ def test_truncated_bag(ros_env, bags, storage, tmp_path):
         assert "cannot be read (sqlite3)" in r.stderr and "malformed" in r.stderr, r.stderr
     # a data file cut to nothing, or with its first bytes overwritten: refused with the reason
     data.write_bytes(b"")
-    r, _ = replay_json(ros_env, bag_dir, tmp_path)
+    r, _ = replay_json(ros, bag_dir, tmp_path)
     assert r.returncode == 2 and "cannot be read" in r.stderr and ("empty" in r.stderr or "database" in r.stderr), \
         r.stderr
 
 
 @pytest.mark.parametrize("storage", ["mcap", "sqlite3"])
-def test_corrupt_messages_skipped_and_counted(ros_env, bags, storage, tmp_path):
+def test_corrupt_messages_skipped_and_counted(ros, bags, storage, tmp_path):
     """Bytes overwritten inside one recorded action and one JPEG frame in the middle of the bag: those two
     messages are skipped and reported, everything else is replayed."""
     from rosbags.rosbag2 import Reader
@@ -245,7 +233,7 @@ def test_corrupt_messages_skipped_and_counted(ros_env, bags, storage, tmp_path):
     blob[at + soi:at + soi + 3] = b"\x00\x00\x00"  # not a JPEG any more
     data.write_bytes(bytes(blob))
 
-    r, summary = replay_json(ros_env, bag_dir, tmp_path, "--decode")
+    r, summary = replay_json(ros, bag_dir, tmp_path, "--decode")
     assert r.returncode == 3, r.stderr
     assert summary["skipped_messages"] == {"/vla/recorded_action": 1, "/camera/image_raw/compressed": 1}, summary
     assert "deserialize" in summary["skip_reasons"]["/vla/recorded_action"]
@@ -255,28 +243,28 @@ def test_corrupt_messages_skipped_and_counted(ros_env, bags, storage, tmp_path):
 
 
 @pytest.mark.parametrize("storage", ["mcap", "sqlite3"])
-def test_missing_or_broken_metadata(ros_env, bags, storage, tmp_path):
+def test_missing_or_broken_metadata(ros, bags, storage, tmp_path):
     bag_dir, data = damaged_copy(bags, storage, tmp_path)
     meta = bag_dir / "metadata.yaml"
     text = meta.read_text()
     meta.unlink()
-    r, _ = replay_json(ros_env, bag_dir, tmp_path)
+    r, _ = replay_json(ros, bag_dir, tmp_path)
     assert r.returncode == 2 and "metadata.yaml is missing" in r.stderr and data.name in r.stderr, r.stderr
     assert "ros2 bag reindex" in r.stderr
     meta.write_text(text[: len(text) // 2] + "\n  - [unclosed\n")
-    r, _ = replay_json(ros_env, bag_dir, tmp_path)
+    r, _ = replay_json(ros, bag_dir, tmp_path)
     assert r.returncode == 2 and "cannot be read" in r.stderr and "metadata.yaml" in r.stderr, r.stderr
     meta.write_text(text)
     data.unlink()
-    r, _ = replay_json(ros_env, bag_dir, tmp_path)
+    r, _ = replay_json(ros, bag_dir, tmp_path)
     assert r.returncode == 2 and "missing" in r.stderr and data.name in r.stderr, r.stderr
-    r, _ = replay_json(ros_env, data, tmp_path)  # a file, not a bag directory
+    r, _ = replay_json(ros, data, tmp_path)  # a file, not a bag directory
     assert r.returncode == 2 and "does not exist" in r.stderr
-    r, _ = replay_json(ros_env, meta, tmp_path)
+    r, _ = replay_json(ros, meta, tmp_path)
     assert r.returncode == 2 and "not a directory" in r.stderr
 
 
-def test_read_error_mid_playback_keeps_what_was_replayed(ros_env, bag, monkeypatch):
+def test_read_error_mid_playback_keeps_what_was_replayed(ros, bag, monkeypatch):
     """The reader failing in the middle of the bag (a damaged block further in): playback ends with what was
     published, the error is recorded, nothing raises out of the player thread."""
     from rosbags.rosbag2.errors import ReaderError
@@ -284,7 +272,7 @@ def test_read_error_mid_playback_keeps_what_was_replayed(ros_env, bag, monkeypat
     from vla_edge_ros.ros.tools import bag_replay
 
     ctx = Context()
-    rclpy.init(context=ctx, domain_id=DOMAIN_ID)
+    rclpy.init(context=ctx, domain_id=ros.domain_id)
     try:
         node = bag_replay.BagReplay({"bag": str(bag), "rate": 50.0}, context=ctx)
         real_open = bag_replay.open_bag

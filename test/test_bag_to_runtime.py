@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from ros_env import allocate_domain_ids, load_monitor, module_cmd, Proc, read_json, ros_env, wait_for
+from ros_env import BAG_REPLAY, load_monitor, read_json, wait_for
 
 pytest.importorskip("rclpy")
 pytest.importorskip("rosbags")
 
 from vla_edge_ros.data import oxe_to_bag, rlds  # noqa: E402
 
-DOMAIN_ID = allocate_domain_ids(1)
 BRIDGE = Path(__file__).resolve().parents[2] / "shared" / "data" / "oxe" / "bridge_dataset" / "1.0.0"
 
 
@@ -34,25 +33,18 @@ def _clip(tmp_path: Path) -> tuple[Path, str]:
     return tmp_path / "clip_bag", name
 
 
-def test_replayed_clip_drives_the_runtime(tmp_path):
+def test_replayed_clip_drives_the_runtime(tmp_path, ros_processes):
     bag, name = _clip(tmp_path)
-    env = ros_env(DOMAIN_ID, tmp_path / "home")
     stats, monitor_out = tmp_path / "runtime.json", tmp_path / "actions.jsonl"
-    runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", "--role", "all", "--stats-out", str(stats),
-                              "--ros-args", "-p", "backend:=numpy", "-p", "kv_budget_tokens:=1024",
-                              # the 60 Hz re-timing repeats each 5 Hz frame on purpose: not a frozen camera
-                              "-p", "frozen_frame_limit:=0"), env, tmp_path / "runtime.log")
-    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(monitor_out)), env,
-                   tmp_path / "monitor.log")
-    replay = None
-    try:
-        assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
-        replay = Proc(module_cmd("vla_edge_ros.ros.tools.bag_replay", "--bag", str(bag), "--decode", "--camera-hz", "60",
-                                 "--loop"), env, tmp_path / "replay.log")
-        wait_for(lambda: not replay.alive(), 10.0)
-        assert replay.alive(), replay.output()[-2000:]
-    finally:
-        codes = {"replay": replay.stop() if replay else 0, "runtime": runtime.stop(), "monitor": monitor.stop()}
+    runtime = ros_processes.runtime("-p", "kv_budget_tokens:=1024",
+                                    # the 60 Hz re-timing repeats each 5 Hz frame on purpose: not a frozen camera
+                                    "-p", "frozen_frame_limit:=0", stats_out=stats)
+    monitor = ros_processes.monitor(monitor_out)
+    ros_processes.wait_active(runtime)
+    replay = ros_processes.start(BAG_REPLAY, "--bag", bag, "--decode", "--camera-hz", "60", "--loop", name="replay")
+    wait_for(lambda: not replay.alive(), 10.0)
+    assert replay.alive(), replay.output()[-2000:]
+    codes = ros_processes.stop(replay, runtime, monitor)
     assert codes == {"replay": 0, "runtime": 0, "monitor": 0}, (codes, runtime.output()[-3000:])
 
     actions, _ = load_monitor(monitor_out)

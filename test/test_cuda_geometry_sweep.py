@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.cuda import cuda_status
 from vla_edge_ros.engine.cuda.plan import LaunchConstants
 
 pytestmark = pytest.mark.gpu
@@ -58,20 +57,6 @@ CASES = _cases()
 def _case_id(c: dict) -> str:
     return (f"hd{c['hd']}-G{c['G']}-kv{c['n_kvh']}-{'tied' if c['tie'] else 'untied'}-theta{c['theta']:g}"
             f"-L{c['layers']}-I{c['inter']}")
-
-
-@pytest.fixture(scope="module")
-def torch_cuda():
-    ok, why = cuda_status()
-    if not ok:
-        pytest.skip(f"no usable GPU: {why}")
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no GPU")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return torch
 
 
 def hf_config(c: dict):
@@ -115,6 +100,7 @@ def cosine(a, b) -> float:
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_geometry_matches_hf(torch_cuda, tmp_path, case):
     torch = torch_cuda
+    pytest.importorskip("transformers")
     from transformers import Qwen2ForCausalLM
     from vla_edge_ros.core.kv.manager import KVManager
     from vla_edge_ros.engine.cuda import CudaEngine

@@ -82,19 +82,6 @@ def test_probe_never_raises_and_explains():
 gpu = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def torch_cuda():
-    ok, why = cuda_status()
-    if not ok:
-        pytest.skip(f"no usable GPU: {why}")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no GPU")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return torch
-
-
 def random_checkpoint(torch, cfg_dict: dict, path, seed: int) -> dict:
     """Random bf16 weights (GPU-generated, the benchmark's generator), written as safetensors with config.json;
     returns torch tensors."""

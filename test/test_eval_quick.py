@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ros_env import allocate_domain_ids, apply_env
+from ros_env import apply_env
 
-DOMAIN_ID = allocate_domain_ids(3)  # one per eval setting
+pytestmark = pytest.mark.ros_domains(3)  # vla_eval runs each of its 3 settings on its own domain from ros_domain on
 pytest.importorskip("rclpy")
 import vla_edge_ros.sim  # noqa: E402,F401  selects MUJOCO_GL before mujoco is imported
 
@@ -27,12 +27,12 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def test_quick_eval_runs_every_setting_through_real_processes(tmp_path):
+def test_quick_eval_runs_every_setting_through_real_processes(tmp_path, ros_domain):
     from vla_edge_ros.bench import eval as vla_eval
 
-    apply_env(DOMAIN_ID, tmp_path / "home")
+    apply_env(ros_domain, tmp_path / "ros_home")
     out = tmp_path / "eval"
-    argv = ["--quick", "--baselines", "expert,hold", "--domain-id", str(DOMAIN_ID), "--out", str(out),
+    argv = ["--quick", "--baselines", "expert,hold", "--domain-id", str(ros_domain), "--out", str(out),
             "--no-progress"]
     expected, cfg = vla_eval.build(vla_eval.parse_args(argv))
     rc = vla_eval.main(argv)

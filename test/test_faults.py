@@ -28,9 +28,6 @@ from vla_edge_ros.engine.fault_injection import (
 )
 from vla_edge_ros.engine.interface import ChunkResult, Engine
 
-from ros_env import allocate_domain_ids
-
-DOMAIN_ID = allocate_domain_ids(1)
 # Faults start after ~2 s of chunks: the start-up transient (camera process starting) is over by then.
 RAISE_AT, OOM_AT, MEMERROR_AT, HANG_AT, HANG_MS = 60, 110, 160, 210, 900
 SPEC = f"raise@{RAISE_AT},oom@{OOM_AT},memerror@{MEMERROR_AT},hang:{HANG_MS}@{HANG_AT}"
@@ -177,17 +174,17 @@ def test_one_hung_chunk_does_not_lock_admission_out():
 
 # ---- ROS: a real runtime process under injected faults ----------------------------------------------------
 class DiagListener:
-    """/diagnostics in this process: every 'vla_inference: engine' status (level, values)."""
+    """/diagnostics in this process (on the domain of ``procs``, a RosProcesses): every 'vla_inference: engine'
+    status (level, values)."""
 
-    def __init__(self, ros_home):
+    def __init__(self, procs):
         import rclpy
         from diagnostic_msgs.msg import DiagnosticArray
         from rclpy.executors import SingleThreadedExecutor
 
-        from ros_env import apply_env
         from vla_edge_ros.ros import qos
 
-        apply_env(DOMAIN_ID, ros_home)
+        procs.apply_env()
         self.rclpy = rclpy
         self.ctx = rclpy.context.Context()
         rclpy.init(context=self.ctx, args=[])
@@ -219,20 +216,15 @@ class DiagListener:
         self.rclpy.shutdown(context=self.ctx)
 
 
-def test_runtime_keeps_commanding_through_injected_faults(tmp_path):
+def test_runtime_keeps_commanding_through_injected_faults(tmp_path, ros_processes):
     pytest.importorskip("rclpy")
-    from ros_env import Proc, load_monitor, module_cmd, read_json, ros_env, runs, wait_for
+    from ros_env import load_monitor, read_json, runs, wait_for
 
-    env = ros_env(DOMAIN_ID, tmp_path / "home")
-    rt_env = {**env, ENV_VAR: SPEC}
     stats, monitor_out = tmp_path / "runtime.json", tmp_path / "actions.jsonl"
-    diag = DiagListener(tmp_path / "home")
-    runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", "--stats-out", str(stats), "--stats-every-s", "0.5",
-                              "--ros-args", "-p", "backend:=numpy", "-p", "kv_budget_tokens:=512"),
-                   rt_env, tmp_path / "runtime.log")
-    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(monitor_out)), env,
-                   tmp_path / "monitor.log")
-    camera = None
+    diag = DiagListener(ros_processes)
+    runtime = ros_processes.runtime("-p", "kv_budget_tokens:=512", stats_out=stats, stats_every_s=0.5,
+                                    extra_env={ENV_VAR: SPEC})
+    monitor = ros_processes.monitor(monitor_out)
     loop = {}
 
     def progressed():
@@ -246,16 +238,15 @@ def test_runtime_keeps_commanding_through_injected_faults(tmp_path):
             loop["completed"] >= HANG_AT - 3 + 20
 
     try:
-        assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
+        ros_processes.wait_active(runtime)
         assert "FAULT INJECTION ENABLED" in runtime.output()
-        camera = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", "--ros-args", "-p", "width:=320",
-                                 "-p", "height:=240"), env, tmp_path / "camera.log")
+        camera = ros_processes.camera("-p", "width:=320", "-p", "height:=240")
         ok = wait_for(progressed, 120.0, poll_s=0.5)
         assert ok, (loop, runtime.output()[-3000:])
         pid_alive = runtime.alive() and monitor.alive() and camera.alive()
         time.sleep(1.5)  # one more /diagnostics period after recovery
+        codes = ros_processes.stop(camera, runtime, monitor)
     finally:
-        codes = {"camera": camera.stop() if camera else 0, "runtime": runtime.stop(), "monitor": monitor.stop()}
         diag.close()
     assert pid_alive
     assert codes == {"camera": 0, "runtime": 0, "monitor": 0}, (codes, runtime.output()[-3000:])

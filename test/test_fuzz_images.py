@@ -34,7 +34,6 @@ rclpy = pytest.importorskip("rclpy")
 
 from vla_edge_ros.core.image_convert import ENCODINGS  # noqa: E402  (the declared supported set)
 
-DOMAIN_RAW, DOMAIN_COMPRESSED = 60, 61
 N_RAW, N_COMPRESSED = 8000, 2500  # >= 10 000 together
 MAX_BYTES = 4 * 1024 * 1024  # max_image_bytes for the node under test (smaller than default: cheap bombs)
 FUTURE_LIMIT_NS = 10_000 * 1_000_000  # stamps more than 10 s ahead are absurd (image_convert default)
@@ -243,7 +242,8 @@ def compressed_case(i: int, rng: random.Random, now_ns: int, pool: list[np.ndarr
 
 # ---- the harness ----------------------------------------------------------------------------------------
 class Harness:
-    """In-process Runtime(role='camera') + a publisher/diagnostics-listener node, both on ``domain``."""
+    """In-process Runtime(role='camera') + a publisher/diagnostics-listener node, both on ``domain``
+    (the module's ros_domain)."""
 
     def __init__(self, domain: int, tmp_path, transport: str):
         from diagnostic_msgs.msg import DiagnosticArray
@@ -253,7 +253,7 @@ class Harness:
         from vla_edge_ros.ros import qos
         from vla_edge_ros.ros.runtime import Runtime
 
-        apply_env(domain, tmp_path / "home")
+        apply_env(domain, tmp_path / "ros_home")
         self.ctx = rclpy.context.Context()
         rclpy.init(context=self.ctx, args=[])
         self.rt = Runtime("camera", context=self.ctx, parameter_overrides={
@@ -349,10 +349,10 @@ def _report(title: str, sent: int, expected: Counter, snap: dict, lost: int, wal
         print(f"[fuzz]   {r:18s} {n:6d}")
 
 
-def test_fuzz_raw_images_through_camera_subscription(tmp_path):
+def test_fuzz_raw_images_through_camera_subscription(ros_domain, tmp_path):
     from sensor_msgs.msg import Image
 
-    h = Harness(DOMAIN_RAW, tmp_path, "raw")
+    h = Harness(ros_domain, tmp_path, "raw")
     rng = random.Random(1234)
     expected: Counter = Counter()
     content_checked = 0
@@ -392,10 +392,10 @@ def test_fuzz_raw_images_through_camera_subscription(tmp_path):
     _report("sensor_msgs/Image", N_RAW, expected, snap, h.lost, time.monotonic() - t0)
 
 
-def test_fuzz_compressed_images_through_camera_subscription(tmp_path):
+def test_fuzz_compressed_images_through_camera_subscription(ros_domain, tmp_path):
     from sensor_msgs.msg import CompressedImage
 
-    h = Harness(DOMAIN_COMPRESSED, tmp_path, "compressed")
+    h = Harness(ros_domain, tmp_path, "compressed")
     rng = random.Random(99)
     prng = np.random.default_rng(5)
     pool = [prng.integers(0, 256, (rng.randint(8, 48), rng.randint(8, 64), 3), dtype=np.uint8) for _ in range(16)]
@@ -432,13 +432,13 @@ def test_fuzz_compressed_images_through_camera_subscription(tmp_path):
     _report("sensor_msgs/CompressedImage", N_COMPRESSED, expected, snap, h.lost, time.monotonic() - t0)
 
 
-def test_flood_of_mixed_images_is_fully_accounted(tmp_path):
+def test_flood_of_mixed_images_is_fully_accounted(ros_domain, tmp_path):
     """No lock-step: 3000 mixed raw images back to back (~0.2 ms apart). The best-effort, keep-last-1
     subscription may legitimately drop some; every message that reaches the callback is either accepted or
     counted by reason, the node survives, and a valid frame afterwards is accepted."""
     from sensor_msgs.msg import Image
 
-    h = Harness(DOMAIN_RAW + 2, tmp_path, "raw")
+    h = Harness(ros_domain, tmp_path, "raw")
     rng = random.Random(7)
     n = 3000
     try:

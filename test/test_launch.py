@@ -23,17 +23,16 @@ if shutil.which("ros2") is None:
     pytest.skip("the ros2 command line (a ROS 2 installation) is not available", allow_module_level=True)
 
 from launch_pytest.tools import process as process_tools  # noqa: E402
-from ros_env import allocate_domain_ids, ros_env  # noqa: E402
+from ros_env import ros_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DOMAIN_ID = allocate_domain_ids(1)
 ACTIVE_LINE = "active: admitting chunks"  # vla_edge_ros/ros/inference_node.py, on activate
 CAMERA_LINE = "publishing rgb8 640x480"  # vla_edge_ros/ros/tools/test_camera.py, at start-up (default size/encoding)
 
 
 @pytest.fixture
-def launch_proc(tmp_path):
-    env = ros_env(DOMAIN_ID, tmp_path)
+def launch_proc(ros_domain, tmp_path):
+    env = ros_env(ros_domain, tmp_path)
     env.pop("FASTRTPS_DEFAULT_PROFILES_FILE", None)  # the launch file must set it itself
     return launch.actions.ExecuteProcess(
         cmd=["ros2", "launch", str(ROOT / "launch" / "runtime.launch.py"), "backend:=numpy",

@@ -10,21 +10,22 @@ import time
 
 import pytest
 
-from ros_env import allocate_domain_ids, apply_env, call_answered, module_cmd, Proc, read_json, ros_env, wait_for
+from ros_env import call_answered, read_json, wait_for
 
-DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 
 
 class LifecycleClient:
-    def __init__(self, tmp):
+    """Lifecycle service clients and a /diagnostics listener in this process, on the domain of ``procs``."""
+
+    def __init__(self, procs):
         from diagnostic_msgs.msg import DiagnosticArray
         from lifecycle_msgs.srv import ChangeState, GetState
         from rclpy.executors import SingleThreadedExecutor
 
         from vla_edge_ros.ros import qos
 
-        apply_env(DOMAIN_ID, tmp / "home")
+        procs.apply_env()
         self.ctx = rclpy.context.Context()
         rclpy.init(context=self.ctx, args=[])
         self.node = rclpy.create_node("lifecycle_test_client", context=self.ctx)
@@ -78,14 +79,11 @@ class LifecycleClient:
         rclpy.shutdown(context=self.ctx)
 
 
-def _start(tmp, *ros_params, autostart=False, camera=True):
-    env = ros_env(DOMAIN_ID, tmp / "home")
-    stats = tmp / "runtime.json"
-    args = ["--stats-out", str(stats), "--stats-every-s", "0.3"] + ([] if autostart else ["--no-autostart"])
-    runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", *args, "--ros-args", "-p", "backend:=numpy",
-                              "-p", "kv_budget_tokens:=512", *ros_params), env, tmp / "runtime.log")
-    cam = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", "--ros-args", "-p", "width:=160", "-p", "height:=120",
-                          "-p", "rate_hz:=30.0"), env, tmp / "camera.log") if camera else None
+def _start(procs, *ros_params, autostart=False, camera=True):
+    stats = procs.tmp / "runtime.json"
+    runtime = procs.runtime("-p", "kv_budget_tokens:=512", *ros_params, stats_out=stats, stats_every_s=0.3,
+                            cli=[] if autostart else ["--no-autostart"])
+    cam = procs.camera("-p", "width:=160", "-p", "height:=120", "-p", "rate_hz:=30.0") if camera else None
     return runtime, cam, stats
 
 
@@ -96,11 +94,11 @@ def _stats(stats):
         return None
 
 
-def test_configure_activate_deactivate_cleanup_and_invalid_transition(tmp_path):
+def test_configure_activate_deactivate_cleanup_and_invalid_transition(ros_processes):
     from lifecycle_msgs.msg import Transition as T
 
-    runtime, cam, stats = _start(tmp_path)
-    lc = LifecycleClient(tmp_path)
+    runtime, cam, stats = _start(ros_processes)
+    lc = LifecycleClient(ros_processes)
     try:
         lc.ready()
         assert lc.state() == "unconfigured"
@@ -158,16 +156,16 @@ def test_configure_activate_deactivate_cleanup_and_invalid_transition(tmp_path):
         assert lc.state() == "inactive"
     finally:
         lc.close()
-        codes = (runtime.stop(), cam.stop())
-    assert codes == (0, 0), runtime.output()[-3000:]
+    codes = ros_processes.stop(runtime, cam)
+    assert codes == {"runtime": 0, "camera": 0}, runtime.output()[-3000:]
 
 
-def test_failed_configure_reports_reason_and_stays_unconfigured(tmp_path):
+def test_failed_configure_reports_reason_and_stays_unconfigured(tmp_path, ros_processes):
     from lifecycle_msgs.msg import Transition as T
 
-    runtime, cam, stats = _start(tmp_path, "-p", f"checkpoint:={tmp_path / 'no_such_checkpoint'}",
+    runtime, cam, stats = _start(ros_processes, "-p", f"checkpoint:={tmp_path / 'no_such_checkpoint'}",
                                  autostart=True, camera=False)
-    lc = LifecycleClient(tmp_path)
+    lc = LifecycleClient(ros_processes)
     try:
         assert wait_for(lambda: "configure failed" in runtime.output(), 30.0), runtime.output()
         lc.ready()
@@ -195,5 +193,4 @@ def test_failed_configure_reports_reason_and_stays_unconfigured(tmp_path):
             lc.diag
     finally:
         lc.close()
-        rc = runtime.stop()
-    assert rc == 0, runtime.output()[-3000:]
+    assert ros_processes.stop(runtime) == {"runtime": 0}, runtime.output()[-3000:]

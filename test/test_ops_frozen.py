@@ -12,18 +12,17 @@ import time
 import numpy as np
 import pytest
 
-from ros_env import (allocate_domain_ids, apply_env, call_answered, module_cmd, Proc, read_json, read_json_when, ros_env,
-                     wait_for)
+from ros_env import call_answered, read_json, read_json_when, wait_for
 
-DOMAIN_ID = allocate_domain_ids(1)
 FROZEN_LIMIT = 10
 rclpy = pytest.importorskip("rclpy")
 
 
 class FakeCameraAndDiag:
-    """Publishes rgb8 frames at 30 Hz (moving or frozen) and records the camera's /diagnostics status."""
+    """Publishes rgb8 frames at 30 Hz (moving or frozen) and records the camera's /diagnostics status, on the
+    domain of ``procs`` (a RosProcesses)."""
 
-    def __init__(self, home):
+    def __init__(self, procs):
         from diagnostic_msgs.msg import DiagnosticArray
         from rclpy.executors import SingleThreadedExecutor
         from rclpy.parameter_client import AsyncParameterClient
@@ -31,7 +30,7 @@ class FakeCameraAndDiag:
 
         from vla_edge_ros.ros import qos
 
-        apply_env(DOMAIN_ID, home)
+        procs.apply_env()
         self.ctx = rclpy.context.Context()
         rclpy.init(context=self.ctx, args=[])
         self.node = rclpy.create_node("frozen_test_camera", context=self.ctx)
@@ -90,14 +89,11 @@ class FakeCameraAndDiag:
         rclpy.shutdown(context=self.ctx)
 
 
-def test_frozen_camera_reported_and_held_on(tmp_path):
-    env = ros_env(DOMAIN_ID, tmp_path / "home")
+def test_frozen_camera_reported_and_held_on(tmp_path, ros_processes):
     stats_path = tmp_path / "runtime.json"
-    runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", "--stats-out", str(stats_path), "--stats-every-s", "0.2",
-                              "--ros-args", "-p", "backend:=numpy", "-p", "kv_budget_tokens:=512",
-                              "-p", f"frozen_frame_limit:={FROZEN_LIMIT}", "-p", "hold_on_frozen:=true"),
-                   env, tmp_path / "runtime.log")
-    cam = FakeCameraAndDiag(tmp_path / "home")
+    runtime = ros_processes.runtime("-p", "kv_budget_tokens:=512", "-p", f"frozen_frame_limit:={FROZEN_LIMIT}",
+                                    "-p", "hold_on_frozen:=true", stats_out=stats_path, stats_every_s=0.2)
+    cam = FakeCameraAndDiag(ros_processes)
 
     def stats():
         for _ in range(20):
@@ -118,7 +114,7 @@ def test_frozen_camera_reported_and_held_on(tmp_path):
         return {k: b[k] - a[k] for k in ("fresh", "repeat", "hold")}
 
     try:
-        assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
+        ros_processes.wait_active(runtime)
         # moving picture: fresh actions, camera not frozen
         when(lambda s: s["ticks"]["fresh"] > 10 and s["camera"]["accepted"] > 20)
         assert stats()["camera"]["frozen"] is False
@@ -154,5 +150,4 @@ def test_frozen_camera_reported_and_held_on(tmp_path):
         assert wait_for(lambda: cam.last_diag()[2]["frozen"] == "False", 5.0)
     finally:
         cam.close()
-        rc = runtime.stop()
-    assert rc == 0, runtime.output()[-3000:]
+    assert ros_processes.stop(runtime) == {"runtime": 0}, runtime.output()[-3000:]

@@ -15,9 +15,6 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from ros_env import allocate_domain_ids, apply_env
-
-DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 
 from vla_edge_ros.core.double_buffer import DoubleBuffer  # noqa: E402
@@ -27,15 +24,6 @@ from vla_edge_ros.ros.inference_node import InferenceNode  # noqa: E402
 
 # deadline_ms generous: tracemalloc slows every allocation and the machine is shared; chunks must run here.
 NUMPY = {"backend": "numpy", "kv_budget_tokens": 512, "warmup_chunks": 2, "deadline_ms": 1000.0}
-
-
-@pytest.fixture()
-def ctx(tmp_path):
-    apply_env(DOMAIN_ID, tmp_path / "home")
-    c = rclpy.context.Context()
-    rclpy.init(context=c, args=[])
-    yield c
-    rclpy.shutdown(context=c)
 
 
 def make_node(ctx, **overrides) -> InferenceNode:
@@ -64,8 +52,8 @@ def traced_mib() -> float:
     return tracemalloc.get_traced_memory()[0] / 2**20
 
 
-def test_cleanup_returns_model_and_kv_memory_to_baseline(ctx):
-    node = make_node(ctx)
+def test_cleanup_returns_model_and_kv_memory_to_baseline(ros_context):
+    node = make_node(ros_context)
     # Import-time objects of the engine modules are not model memory: load them before the baseline.
     import importlib
 
@@ -111,11 +99,11 @@ def test_cleanup_returns_model_and_kv_memory_to_baseline(ctx):
         node.destroy_node()
 
 
-def test_failed_configure_reported_then_configure_with_valid_checkpoint(ctx, tmp_path, capfd):
+def test_failed_configure_reported_then_configure_with_valid_checkpoint(ros_context, tmp_path, capfd):
     from vla_edge_ros.engine.factory import resolve_checkpoint
 
     ckpt = tmp_path / "ckpt_not_there_yet"
-    node = make_node(ctx, checkpoint=str(ckpt))
+    node = make_node(ros_context, checkpoint=str(ckpt))
     try:
         assert node.safe_transition("configure") is False
         assert node.current_state_label() == "unconfigured" and node.engine is None and node.loop is None
@@ -145,10 +133,10 @@ def test_failed_configure_reported_then_configure_with_valid_checkpoint(ctx, tmp
     assert "configure failed" in err and str(ckpt) in err  # the reason is logged
 
 
-def test_failures_in_activate_deactivate_cleanup_leave_defined_states(ctx, monkeypatch):
+def test_failures_in_activate_deactivate_cleanup_leave_defined_states(ros_context, monkeypatch):
     from vla_edge_ros.core.inference_loop import InferenceLoop
 
-    node = make_node(ctx)
+    node = make_node(ros_context)
     try:
         assert node.safe_transition("configure")
         # activate fails (the loop thread cannot start): FAILURE -> still inactive, reason reported
@@ -199,7 +187,7 @@ def test_failures_in_activate_deactivate_cleanup_leave_defined_states(ctx, monke
         node.destroy_node()
 
 
-def test_diagnostics_show_hung_chunk_then_error_then_recovery(ctx, monkeypatch):
+def test_diagnostics_show_hung_chunk_then_error_then_recovery(ros_context, monkeypatch):
     """The node's status through a hung chunk (WARN past deadline_ms while it runs, ERROR past HUNG_CHUNK_MS)
     and a chunk exception (ERROR naming it, then WARN "recovered", then OK), with the loop's counters."""
     import threading
@@ -208,7 +196,7 @@ def test_diagnostics_show_hung_chunk_then_error_then_recovery(ctx, monkeypatch):
 
     hang_ms = diagnostics.HUNG_CHUNK_MS + 400
     monkeypatch.setenv(ENV_VAR, f"hang:{hang_ms:g}@3,raise@6")
-    node = make_node(ctx, deadline_ms=100.0)
+    node = make_node(ros_context, deadline_ms=100.0)
     stop = threading.Event()
 
     def camera():
@@ -264,11 +252,11 @@ def test_diagnostics_show_hung_chunk_then_error_then_recovery(ctx, monkeypatch):
         node.destroy_node()
 
 
-def test_a_deadline_no_chunk_can_meet_is_said_at_configure_and_on_diagnostics(ctx, capfd):
+def test_a_deadline_no_chunk_can_meet_is_said_at_configure_and_on_diagnostics(ros_context, capfd):
     """A model too slow for the deadline (a 5 ms deadline for a ~15 ms numpy chunk: what a 1.5B model on a small
     GPU looks like): configure still succeeds (the warning path runs), the warm-up figures say it does not fit,
     every live chunk is refused, and /diagnostics says why instead of a bare 'active'."""
-    node = make_node(ctx, deadline_ms=5.0, safety_margin_ms=2.0)
+    node = make_node(ros_context, deadline_ms=5.0, safety_margin_ms=2.0)
     try:
         assert node.safe_transition("configure")
         fit = node.snapshot()["loop"]["deadline_fit"]

@@ -16,15 +16,14 @@ import time
 
 import pytest
 
-from ros_env import allocate_domain_ids, read_json, read_json_when, runtime_with_param_clients, wait_for
+from ros_env import read_json, read_json_when, runtime_with_param_clients, wait_for
 
-DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 
 
 @pytest.fixture(scope="module")
-def system(tmp_path_factory):
-    with runtime_with_param_clients(DOMAIN_ID, tmp_path_factory.mktemp("ops_params"), "ops_param_client",
+def system(module_ros_processes):
+    with runtime_with_param_clients(module_ros_processes, "ops_param_client",
                                     ("vla_inference", "vla_action"), 0.2) as sys_:
         stats_when(sys_, lambda s: s["chunks"]["admitted"] > 5 and s["ticks"]["fresh"] > 5, 30.0)
         yield sys_

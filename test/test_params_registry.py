@@ -9,11 +9,9 @@ import math
 import pytest
 import yaml
 
-from ros_env import allocate_domain_ids, apply_env, ROOT
+from ros_env import rclpy_context, ROOT
 from vla_edge_ros import params as P
 from vla_edge_ros.ros.tools import param_docs
-
-DOMAIN_ID = allocate_domain_ids(1)
 
 
 def test_yaml_has_every_parameter_with_registry_default_and_type():
@@ -105,29 +103,26 @@ def test_launch_file_choices_match_registry():
 
 
 @pytest.fixture(scope="module")
-def ros_nodes(tmp_path_factory):
-    apply_env(DOMAIN_ID, tmp_path_factory.mktemp("ros_home"))
-    rclpy = pytest.importorskip("rclpy")
+def ros_nodes(ros_domain, tmp_path_factory):
+    pytest.importorskip("rclpy")
     from vla_edge_ros.core.double_buffer import DoubleBuffer
     from vla_edge_ros.ros.action_node import ActionNode
     from vla_edge_ros.ros.camera_node import CameraNode
     from vla_edge_ros.ros.inference_node import InferenceNode
 
-    ctx = rclpy.context.Context()
-    rclpy.init(context=ctx, args=[])
-    nodes = {P.CAMERA: CameraNode(DoubleBuffer(), context=ctx), P.ACTION: ActionNode(context=ctx),
-             P.INFERENCE: InferenceNode(DoubleBuffer(), context=ctx)}
-    try:  # the simulated arm needs the optional 'sim' extra (metaworld)
-        import metaworld  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        from vla_edge_ros.ros.sim_node import SimNode
-        nodes[P.SIM] = SimNode(context=ctx)
-    yield nodes
-    for n in nodes.values():
-        n.destroy_node()
-    rclpy.shutdown(context=ctx)
+    with rclpy_context(ros_domain, tmp_path_factory.mktemp("ros_home")) as ctx:
+        nodes = {P.CAMERA: CameraNode(DoubleBuffer(), context=ctx), P.ACTION: ActionNode(context=ctx),
+                 P.INFERENCE: InferenceNode(DoubleBuffer(), context=ctx)}
+        try:  # the simulated arm needs the optional 'sim' extra (metaworld)
+            import metaworld  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            from vla_edge_ros.ros.sim_node import SimNode
+            nodes[P.SIM] = SimNode(context=ctx)
+        yield nodes
+        for n in nodes.values():
+            n.destroy_node()
 
 
 @pytest.mark.parametrize("node_name", P.NODES)

@@ -14,12 +14,11 @@ import time
 
 import pytest
 
-from ros_env import Proc, load_monitor, module_cmd, ros_env, runs, wait_for
+from ros_env import Proc, load_monitor, runs, wait_for
 
 pytest.importorskip("rclpy")
-DOMAIN_CAMERA, DOMAIN_RUNTIME = 80, 81
-CAMERA_ARGS = ("--ros-args", "-p", "width:=320", "-p", "height:=240")
-RUNTIME_ARGS = ("--ros-args", "-p", "backend:=numpy", "-p", "kv_budget_tokens:=512")
+CAMERA_ARGS = ("-p", "width:=320", "-p", "height:=240")  # vla_test_camera's --ros-args
+RUNTIME_ARGS = ("-p", "kv_budget_tokens:=512")  # vla_runtime's (numpy backend)
 
 
 def _fresh_after(path, t0: float, n: int) -> bool:
@@ -42,33 +41,25 @@ def _window(records, t_from: float, t_to: float):
     return [r for r in records if t_from <= r["t"] < t_to]
 
 
-def test_camera_killed_and_restarted(tmp_path):
-    env = ros_env(DOMAIN_CAMERA, tmp_path / "home")
+def test_camera_killed_and_restarted(tmp_path, ros_processes):
     monitor_out = tmp_path / "actions.jsonl"
-    runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", *RUNTIME_ARGS), env, tmp_path / "runtime.log")
-    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(monitor_out)), env,
-                   tmp_path / "monitor.log")
-    cameras = []
-    try:
-        assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
-        cameras.append(Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", *CAMERA_ARGS), env, tmp_path / "cam1.log"))
-        assert wait_for(lambda: _fresh_after(monitor_out, 0.0, 30), 60.0), runtime.output()[-2000:]
-        cameras[0].p.kill()  # SIGKILL: no clean shutdown, DDS learns of it through the liveliness lease
-        cameras[0].p.wait(5)
-        t_kill = time.monotonic()
-        time.sleep(3.0)
-        assert runtime.alive(), runtime.output()[-2000:]
-        t_restart = time.monotonic()
-        cameras.append(Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", *CAMERA_ARGS), env, tmp_path / "cam2.log"))
-        assert wait_for(lambda: _fresh_after(monitor_out, t_restart, 30), 60.0), runtime.output()[-2000:]
-        t_end = time.monotonic()
-        assert runtime.alive() and monitor.alive()
-    finally:
-        codes = {"camera": cameras[-1].stop() if cameras else 0, "runtime": runtime.stop(),
-                 "monitor": monitor.stop()}
-        for c in cameras[:-1]:
-            c.kill()
-    assert codes == {"camera": 0, "runtime": 0, "monitor": 0}, (codes, runtime.output()[-2000:])
+    runtime = ros_processes.runtime(*RUNTIME_ARGS)
+    monitor = ros_processes.monitor(monitor_out)
+    ros_processes.wait_active(runtime)
+    cam1 = ros_processes.camera(*CAMERA_ARGS, name="cam1")
+    assert wait_for(lambda: _fresh_after(monitor_out, 0.0, 30), 60.0), runtime.output()[-2000:]
+    cam1.p.kill()  # SIGKILL: no clean shutdown, DDS learns of it through the liveliness lease
+    cam1.p.wait(5)
+    t_kill = time.monotonic()
+    time.sleep(3.0)
+    assert runtime.alive(), runtime.output()[-2000:]
+    t_restart = time.monotonic()
+    cam2 = ros_processes.camera(*CAMERA_ARGS, name="cam2")
+    assert wait_for(lambda: _fresh_after(monitor_out, t_restart, 30), 60.0), runtime.output()[-2000:]
+    t_end = time.monotonic()
+    assert runtime.alive() and monitor.alive()
+    codes = ros_processes.stop(cam2, runtime, monitor)
+    assert codes == {"cam2": 0, "runtime": 0, "monitor": 0}, (codes, runtime.output()[-2000:])
 
     actions, statuses = load_monitor(monitor_out)
     # Published every tick while the camera was dead and coming back: ~30 Hz, no long gap.
@@ -89,38 +80,29 @@ def test_camera_killed_and_restarted(tmp_path):
         "camera stalled" in runtime.output()  # the middleware's own events saw the dead camera
 
 
-def test_runtime_restarted_while_consumer_listens(tmp_path):
-    env = ros_env(DOMAIN_RUNTIME, tmp_path / "home")
+def test_runtime_restarted_while_consumer_listens(tmp_path, ros_processes):
     monitor_out = tmp_path / "actions.jsonl"
-    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(monitor_out)), env,
-                   tmp_path / "monitor.log")
-    camera = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", *CAMERA_ARGS), env, tmp_path / "camera.log")
-    runtimes: list[Proc] = []
+    monitor = ros_processes.monitor(monitor_out)
+    camera = ros_processes.camera(*CAMERA_ARGS)
+    runtimes: list[Proc] = [ros_processes.runtime(*RUNTIME_ARGS, name="rt0")]
     marks = []  # (how the previous runtime ended, its exit code, t_down, t_start of the next one)
-    try:
-        runtimes.append(Proc(module_cmd("vla_edge_ros.ros.runtime", *RUNTIME_ARGS), env, tmp_path / "rt0.log"))
-        assert wait_for(lambda: _fresh_after(monitor_out, 0.0, 30), 90.0), runtimes[0].output()[-2000:]
-        for n, how in enumerate(("sigint", "sigkill"), start=1):
-            old = runtimes[-1]
-            if how == "sigint":
-                rc = old.stop()
-            else:
-                old.p.kill()
-                rc = old.p.wait(5)
-            t_down = time.monotonic()
-            time.sleep(1.0)
-            t_start = time.monotonic()
-            runtimes.append(Proc(module_cmd("vla_edge_ros.ros.runtime", *RUNTIME_ARGS), env,
-                                 tmp_path / f"rt{n}.log"))
-            marks.append((how, rc, t_down, t_start))
-            assert wait_for(lambda: _fresh_after(monitor_out, t_start, 30), 90.0), runtimes[-1].output()[-2000:]
-        assert monitor.alive() and camera.alive()
-    finally:
-        codes = {"runtime": runtimes[-1].stop() if runtimes else 0, "camera": camera.stop(),
-                 "monitor": monitor.stop()}
-        for r in runtimes[:-1]:
-            r.kill()
-    assert codes == {"runtime": 0, "camera": 0, "monitor": 0}, codes
+    assert wait_for(lambda: _fresh_after(monitor_out, 0.0, 30), 90.0), runtimes[0].output()[-2000:]
+    for n, how in enumerate(("sigint", "sigkill"), start=1):
+        old = runtimes[-1]
+        if how == "sigint":
+            rc = old.stop()
+        else:
+            old.p.kill()
+            rc = old.p.wait(5)
+        t_down = time.monotonic()
+        time.sleep(1.0)
+        t_start = time.monotonic()
+        runtimes.append(ros_processes.runtime(*RUNTIME_ARGS, name=f"rt{n}"))
+        marks.append((how, rc, t_down, t_start))
+        assert wait_for(lambda: _fresh_after(monitor_out, t_start, 30), 90.0), runtimes[-1].output()[-2000:]
+    assert monitor.alive() and camera.alive()
+    codes = ros_processes.stop(runtimes[-1], camera, monitor)
+    assert codes == {"rt2": 0, "camera": 0, "monitor": 0}, codes
     assert marks[0][1] == 0, ("a SIGINT-stopped runtime must exit cleanly", runtimes[0].output()[-2000:])
     assert marks[1][1] == -9
 

@@ -9,21 +9,17 @@ import time
 import numpy as np
 import pytest
 
-from ros_env import allocate_domain_ids, apply_env, Proc, read_json, ros_env, single_node_cmd, wait_for
+from ros_env import read_json, single_node_cmd, wait_for
 
-DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 
 
 @pytest.fixture()
-def ros(tmp_path):
-    apply_env(DOMAIN_ID, tmp_path / "home")
-    ctx = rclpy.context.Context()
-    rclpy.init(context=ctx, args=[])
-    node = rclpy.create_node("camera_test_publisher", context=ctx)
-    yield node, ctx
+def ros(ros_context, ros_processes):
+    """(the test's publisher node, the RosProcesses that start vla_camera on the same domain)."""
+    node = rclpy.create_node("camera_test_publisher", context=ros_context)
+    yield node, ros_processes
     node.destroy_node()
-    rclpy.shutdown(context=ctx)
 
 
 def _image(h, w, enc, step, data, stamp_ns):
@@ -39,26 +35,24 @@ def _image(h, w, enc, step, data, stamp_ns):
 
 
 @contextlib.contextmanager
-def camera_node(node, tmp_path, msg_type, topic, pub_qos, *params, wait_log=None):
-    """`vla_camera` in its own process (``-p`` params, stats JSON in tmp_path) and a publisher of ``msg_type`` on
-    ``topic`` from the test's node; yields ``(pub, proc, stats_path)`` once the subscription is matched (after
-    ``wait_log`` appears in the node's output, when given); the node must exit 0 on SIGINT afterwards."""
-    stats = tmp_path / "camera_stats.json"
+def camera_node(ros, msg_type, topic, pub_qos, *params, wait_log=None):
+    """`vla_camera` in its own process (``-p`` params, stats JSON in the test's directory) and a publisher of
+    ``msg_type`` on ``topic`` from the test's node (``ros``: the fixture); yields ``(pub, proc, stats_path)`` once
+    the subscription is matched (after ``wait_log`` appears in the node's output, when given); the node must exit
+    0 on SIGINT afterwards."""
+    node, procs = ros
+    stats = procs.tmp / "camera_stats.json"
     args = ["--stats-out", str(stats)]
     if params:
         args += ["--ros-args"] + [a for prm in params for a in ("-p", prm)]
-    proc = Proc(single_node_cmd("camera", *args), ros_env(DOMAIN_ID, tmp_path / "home"),
-                tmp_path / "camera.log")
-    try:
-        pub = node.create_publisher(msg_type, topic, pub_qos)
-        if wait_log is not None:
-            assert wait_for(lambda: wait_log in proc.output(), 20.0), proc.output()
-        assert wait_for(lambda: pub.get_subscription_count() > 0, 20.0), proc.output()
-        time.sleep(0.5)
-        yield pub, proc, stats
-    finally:
-        rc = proc.stop()
-    assert rc == 0, proc.output()
+    proc = procs.start_cmd(single_node_cmd("camera", *args), name="camera")
+    pub = node.create_publisher(msg_type, topic, pub_qos)
+    if wait_log is not None:
+        assert wait_for(lambda: wait_log in proc.output(), 20.0), proc.output()
+    assert wait_for(lambda: pub.get_subscription_count() > 0, 20.0), proc.output()
+    time.sleep(0.5)
+    yield pub, proc, stats
+    assert procs.stop(proc) == {"camera": 0}, proc.output()
 
 
 def _publish_all(pub, msgs, period_s=0.02):
@@ -67,13 +61,12 @@ def _publish_all(pub, msgs, period_s=0.02):
         time.sleep(period_s)  # best-effort, keep-last-1 subscriber: give it time to take each message
 
 
-def test_bad_images_counted_by_reason_node_survives(ros, tmp_path):
+def test_bad_images_counted_by_reason_node_survives(ros):
     from sensor_msgs.msg import Image
 
     from vla_edge_ros.ros import qos
 
-    node, _ = ros
-    with camera_node(node, tmp_path, Image, "/camera/image_raw", qos.camera_publisher_qos(deadline_ms=50.0),
+    with camera_node(ros, Image, "/camera/image_raw", qos.camera_publisher_qos(deadline_ms=50.0),
                      "max_image_bytes:=2000000") as (pub, proc, stats):
         now = time.time_ns()
         good = np.zeros((48, 64, 3), np.uint8)
@@ -108,15 +101,14 @@ def test_bad_images_counted_by_reason_node_survives(ros, tmp_path):
     assert "image rejected" in proc.output()
 
 
-def test_compressed_transport_decodes_jpeg_and_rejects_garbage(ros, tmp_path):
+def test_compressed_transport_decodes_jpeg_and_rejects_garbage(ros):
     from PIL import Image as PILImage
     from sensor_msgs.msg import CompressedImage
 
     from vla_edge_ros.ros import qos
     from vla_edge_ros.ros.conversions import ns_to_stamp
 
-    node, _ = ros
-    with camera_node(node, tmp_path, CompressedImage, "/camera/image_raw/compressed",
+    with camera_node(ros, CompressedImage, "/camera/image_raw/compressed",
                      qos.camera_publisher_qos(deadline_ms=50.0), "image_transport:=compressed") as (pub, proc, stats):
         msgs = []
         for i in range(10):
@@ -136,14 +128,13 @@ def test_compressed_transport_decodes_jpeg_and_rejects_garbage(ros, tmp_path):
     assert "(CompressedImage" in proc.output()
 
 
-def test_publisher_without_deadline_gets_plain_qos_fallback(ros, tmp_path):
+def test_publisher_without_deadline_gets_plain_qos_fallback(ros):
     """Most camera drivers offer no QoS deadline: DDS reports the request as incompatible; the node must
     re-subscribe with plain sensor-data QoS instead of silently receiving nothing."""
     from rclpy.qos import qos_profile_sensor_data
     from sensor_msgs.msg import Image
 
-    node, _ = ros
-    with camera_node(node, tmp_path, Image, "/camera/image_raw", qos_profile_sensor_data,
+    with camera_node(ros, Image, "/camera/image_raw", qos_profile_sensor_data,
                      wait_log="re-subscribing with plain") as (pub, proc, stats):
         _publish_all(pub, [_image(8, 8, "mono8", 8, bytes(range(64)), time.time_ns()) for _ in range(10)])
         time.sleep(0.3)
@@ -153,13 +144,12 @@ def test_publisher_without_deadline_gets_plain_qos_fallback(ros, tmp_path):
     assert 5 <= s["camera"]["accepted"] <= 10, s["camera"]
 
 
-def test_frozen_camera_detected(ros, tmp_path):
+def test_frozen_camera_detected(ros):
     from sensor_msgs.msg import Image
 
     from vla_edge_ros.ros import qos
 
-    node, _ = ros
-    with camera_node(node, tmp_path, Image, "/camera/image_raw", qos.camera_publisher_qos(deadline_ms=50.0),
+    with camera_node(ros, Image, "/camera/image_raw", qos.camera_publisher_qos(deadline_ms=50.0),
                      "frozen_frame_limit:=8") as (pub, proc, stats):
         same = np.random.default_rng(3).integers(0, 256, (24, 32, 3), dtype=np.uint8).tobytes()
         _publish_all(pub, [_image(24, 32, "rgb8", 96, same, time.time_ns()) for _ in range(25)])

@@ -10,9 +10,6 @@ import time
 import numpy as np
 import pytest
 
-from ros_env import allocate_domain_ids, apply_env
-
-DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 
 from vla_edge_ros.ros import conversions, diagnostics  # noqa: E402
@@ -32,20 +29,16 @@ class FakeClock:
 
 
 @pytest.fixture()
-def camera(tmp_path):
+def camera(ros_context):
     from rclpy.parameter import Parameter
 
     from vla_edge_ros.ros.camera_node import CameraNode
 
-    apply_env(DOMAIN_ID, tmp_path)
-    ctx = rclpy.context.Context()
-    rclpy.init(context=ctx, args=[])
     clock = FakeClock()
-    node = CameraNode(health_clock_ns=clock, context=ctx,
+    node = CameraNode(health_clock_ns=clock, context=ros_context,
                       parameter_overrides=[Parameter("frozen_frame_limit", value=10)])
     yield node, clock
     node.destroy_node()
-    rclpy.shutdown(context=ctx)
 
 
 def status(node):

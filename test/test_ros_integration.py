@@ -10,32 +10,23 @@ import time
 
 import pytest
 
-from ros_env import allocate_domain_ids, load_monitor, module_cmd, Proc, read_json, ros_env, runs, wait_for
+from ros_env import load_monitor, read_json, runs, wait_for
 
-DOMAIN_ID = allocate_domain_ids(1)
 STALL_AFTER_S, STALL_FOR_S = 9.0, 4.0
 pytest.importorskip("rclpy")
 
 
-def test_camera_runtime_subscriber_stream_and_stall(tmp_path):
-    env = ros_env(DOMAIN_ID, tmp_path / "home")
+def test_camera_runtime_subscriber_stream_and_stall(tmp_path, ros_processes):
     stats, monitor_out = tmp_path / "runtime.json", tmp_path / "actions.jsonl"
-    runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", "--role", "all", "--stats-out", str(stats),
-                              "--ros-args", "-p", "backend:=numpy",
-                              # a small KV budget keeps the numpy chunk cheap on 2 shared cores: this test is
-                              # about the ROS plumbing, not about throughput
-                              "-p", "kv_budget_tokens:=512"), env, tmp_path / "runtime.log")
-    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(monitor_out)), env,
-                   tmp_path / "monitor.log")
-    camera = None
-    try:
-        assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
-        camera = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", "--stall-after-s", str(STALL_AFTER_S),
-                                 "--stall-for-s", str(STALL_FOR_S)), env, tmp_path / "camera.log")
-        assert wait_for(lambda: not camera.alive() or False, STALL_AFTER_S + STALL_FOR_S + 6.0) is False
-        assert runtime.alive() and monitor.alive() and camera.alive()
-    finally:
-        codes = {"camera": camera.stop() if camera else 0, "runtime": runtime.stop(), "monitor": monitor.stop()}
+    # a small KV budget keeps the numpy chunk cheap on 2 shared cores: this test is about the ROS plumbing, not
+    # about throughput
+    runtime = ros_processes.runtime("-p", "kv_budget_tokens:=512", stats_out=stats)
+    monitor = ros_processes.monitor(monitor_out)
+    ros_processes.wait_active(runtime)
+    camera = ros_processes.camera(cli=("--stall-after-s", str(STALL_AFTER_S), "--stall-for-s", str(STALL_FOR_S)))
+    assert wait_for(lambda: not camera.alive() or False, STALL_AFTER_S + STALL_FOR_S + 6.0) is False
+    assert runtime.alive() and monitor.alive() and camera.alive()
+    codes = ros_processes.stop(camera, runtime, monitor)
     assert codes == {"camera": 0, "runtime": 0, "monitor": 0}, (codes, runtime.output()[-3000:])
 
     actions, statuses = load_monitor(monitor_out)
@@ -77,32 +68,25 @@ def test_camera_runtime_subscriber_stream_and_stall(tmp_path):
     assert s["ticks"]["fresh"] >= len(fresh)
 
 
-def test_dead_camera_detected_by_liveliness_and_recovery(tmp_path):
+def test_dead_camera_detected_by_liveliness_and_recovery(tmp_path, ros_processes):
     """The camera process is SIGKILLed: the subscription's liveliness event (not only the frame age) puts the
     action publisher on hold; a new camera process brings fresh actions back and clears the stale reason."""
-    env = ros_env(DOMAIN_ID, tmp_path / "home")
     stats, monitor_out = tmp_path / "runtime.json", tmp_path / "actions.jsonl"
-    runtime = Proc(module_cmd("vla_edge_ros.ros.runtime", "--stats-out", str(stats), "--ros-args",
-                              "-p", "backend:=numpy", "-p", "kv_budget_tokens:=512"), env, tmp_path / "runtime.log")
-    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(monitor_out)), env,
-                   tmp_path / "monitor.log")
-    cam_args = ("--ros-args", "-p", "width:=160", "-p", "height:=120")
-    camera = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", *cam_args), env, tmp_path / "camera1.log")
-    camera2 = None
-    try:
-        assert wait_for(lambda: "active: admitting chunks" in runtime.output(), 60.0), runtime.output()
-        assert wait_for(lambda: sum(a["kind"] == "fresh" for a in load_monitor(monitor_out)[0]) > 20, 30.0)
-        camera.kill()
-        assert wait_for(lambda: "camera publisher lost liveliness" in runtime.output(), 10.0), runtime.output()
-        time.sleep(0.5)
-        camera2 = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", *cam_args), env, tmp_path / "camera2.log")
-        t2 = time.monotonic()
-        assert wait_for(lambda: sum(a["kind"] == "fresh" and a["t"] > t2 for a in load_monitor(monitor_out)[0])
-                        > 20, 30.0), runtime.output()[-2000:]
-    finally:
-        codes = (camera2.stop() if camera2 else 0, runtime.stop(), monitor.stop())
-        camera.kill()
-    assert codes == (0, 0, 0), runtime.output()[-2000:]
+    runtime = ros_processes.runtime("-p", "kv_budget_tokens:=512", stats_out=stats)
+    monitor = ros_processes.monitor(monitor_out)
+    cam_args = ("-p", "width:=160", "-p", "height:=120")
+    camera = ros_processes.camera(*cam_args, name="camera1")
+    ros_processes.wait_active(runtime)
+    assert wait_for(lambda: sum(a["kind"] == "fresh" for a in load_monitor(monitor_out)[0]) > 20, 30.0)
+    camera.kill()
+    assert wait_for(lambda: "camera publisher lost liveliness" in runtime.output(), 10.0), runtime.output()
+    time.sleep(0.5)
+    camera2 = ros_processes.camera(*cam_args, name="camera2")
+    t2 = time.monotonic()
+    assert wait_for(lambda: sum(a["kind"] == "fresh" and a["t"] > t2 for a in load_monitor(monitor_out)[0])
+                    > 20, 30.0), runtime.output()[-2000:]
+    codes = ros_processes.stop(camera2, runtime, monitor)
+    assert codes == {"camera2": 0, "runtime": 0, "monitor": 0}, runtime.output()[-2000:]
     _, statuses = load_monitor(monitor_out)
     reasons = [s["reason"] for s in statuses]
     assert "stale:camera_liveliness_lost" in reasons, runs(reasons)

@@ -6,14 +6,13 @@ import time
 
 import pytest
 
-from ros_env import allocate_domain_ids, read_json, read_json_when, runtime_with_param_clients, wait_for
+from ros_env import read_json, read_json_when, runtime_with_param_clients, wait_for
 
-DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 
 
 @pytest.fixture(scope="module")
-def system(tmp_path_factory):
+def system(module_ros_processes):
     ticks: list[float] = []
 
     def subscribe(node):
@@ -24,7 +23,7 @@ def system(tmp_path_factory):
         node.create_subscription(JointState, "/vla/action", lambda m: ticks.append(time.monotonic()),
                                  qos.reliable_qos(100))
 
-    with runtime_with_param_clients(DOMAIN_ID, tmp_path_factory.mktemp("params"), "param_test_client",
+    with runtime_with_param_clients(module_ros_processes, "param_test_client",
                                     ("vla_inference", "vla_action", "vla_camera"), 0.3, subscribe) as sys_:
         stats = sys_["stats"]
         assert wait_for(lambda: stats.exists() and read_json(stats)["chunks"]["admitted"] > 5, 30.0), \

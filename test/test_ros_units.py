@@ -7,9 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from ros_env import allocate_domain_ids, apply_env
-
-DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 
 from vla_edge_ros import params as P  # noqa: E402
@@ -70,19 +67,10 @@ def test_descriptors_follow_the_registry():
     assert all(c in d.additional_constraints for c in P.EVICTION_POLICIES)
 
 
-@pytest.fixture()
-def ctx(tmp_path):
-    apply_env(DOMAIN_ID, tmp_path)
-    c = rclpy.context.Context()
-    rclpy.init(context=c, args=[])
-    yield c
-    rclpy.shutdown(context=c)
-
-
-def test_param_bridge_validates_live_changes_and_dispatches(ctx):
+def test_param_bridge_validates_live_changes_and_dispatches(ros_context):
     from rclpy.parameter import Parameter
 
-    node = rclpy.create_node("vla_inference", context=ctx)
+    node = rclpy.create_node("vla_inference", context=ros_context)
     seen = []
     bridge = param_bridge.ParamBridge(node, P.INFERENCE, on_change=seen.append)
     r = node.set_parameters([Parameter("safety_margin_ms", value=50.0)])[0]
@@ -103,10 +91,10 @@ def test_param_bridge_validates_live_changes_and_dispatches(ctx):
     node.destroy_node()
 
 
-def test_invalid_startup_parameters_refuse_to_start(ctx):
+def test_invalid_startup_parameters_refuse_to_start(ros_context):
     from rclpy.parameter import Parameter
 
-    node = rclpy.create_node("vla_inference", context=ctx, parameter_overrides=[
+    node = rclpy.create_node("vla_inference", context=ros_context, parameter_overrides=[
         Parameter("deadline_ms", value=5.0), Parameter("safety_margin_ms", value=8.0)])
     with pytest.raises(param_bridge.ParameterRejected, match="safety_margin_ms"):
         param_bridge.ParamBridge(node, P.INFERENCE)

@@ -11,31 +11,27 @@ uses the strict defaults). The JSON is then checked here as well.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from ros_env import allocate_domain_ids, ROOT, ros_env
-
 pytest.importorskip("rclpy")
-DOMAIN_ID = allocate_domain_ids(1)
 DURATION_S = 60
 
 
 @pytest.mark.slow
-def test_soak_60s_within_limits(tmp_path):
+def test_soak_60s_within_limits(tmp_path, ros_processes):
     out = tmp_path / "soak.json"
-    env = ros_env(DOMAIN_ID, tmp_path / "home")
     expected_ticks = DURATION_S * 30
-    cmd = [sys.executable, "-m", "vla_edge_ros.bench.soak", "--duration", str(DURATION_S), "--warmup-s", "10",
-           "--out", str(out), "--keep-logs", str(tmp_path / "logs"),
-           "--param", "backend:=numpy",  # kv_budget_tokens: the numpy default (512), asserted below
-           # CI machines are shared and this window is short: looser tick and gap limits than the soak's own
-           # defaults (0 missed ticks, 2 periods) and no miss-rate limit (0.1 %): the chunk's cost on a 2-core CPU
-           # is a benchmark figure (make soak, docs/FIGURES.md), this test checks that the loop and its figures run.
-           "--max-missed-ticks", str(expected_ticks // 100), "--max-gap-periods", "6", "--max-miss-pct", "100"]
-    p = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=DURATION_S + 200)
+    # the soak script starts the camera and the runtime itself, in the environment it is given (this domain)
+    p = ros_processes.run("vla_edge_ros.bench.soak", "--duration", DURATION_S, "--warmup-s", "10", "--out", out,
+                          "--keep-logs", tmp_path / "logs",
+                          "--param", "backend:=numpy",  # kv_budget_tokens: the numpy default (512), asserted below
+                          # CI machines are shared and this window is short: looser tick and gap limits than the
+                          # soak's own defaults (0 missed ticks, 2 periods) and no miss-rate limit (0.1 %): the
+                          # chunk's cost on a 2-core CPU is a benchmark figure (make soak, docs/FIGURES.md), this
+                          # test checks that the loop and its figures run.
+                          "--max-missed-ticks", expected_ticks // 100, "--max-gap-periods", "6",
+                          "--max-miss-pct", "100", timeout_s=DURATION_S + 200)
     print(p.stdout[-3000:])
     assert p.returncode == 0, (p.returncode, p.stdout[-3000:], p.stderr[-3000:])
     r = json.loads(out.read_text())

@@ -8,10 +8,8 @@ import time
 
 import pytest
 
-from ros_env import (allocate_domain_ids, load_monitor, module_cmd, Proc, read_json, ros_env, runs, single_node_cmd,
-                     wait_for)
+from ros_env import load_monitor, read_json, runs, runtime_cmd, single_node_cmd, wait_for
 
-DOMAIN_ID = allocate_domain_ids(1)
 pytest.importorskip("rclpy")
 PERIOD_S = 1.0 / 30.0
 
@@ -24,38 +22,28 @@ def _fresh_after(path, t0: float) -> int:
     return sum(1 for a in actions if a["kind"] == "fresh" and a["t"] > t0)
 
 
-def test_edge_killed_robot_holds_every_tick_and_resumes(tmp_path):
-    env = ros_env(DOMAIN_ID, tmp_path / "home")
+def test_edge_killed_robot_holds_every_tick_and_resumes(tmp_path, ros_processes):
     mon_out, robot_stats = tmp_path / "actions.jsonl", tmp_path / "robot.json"
-    edge_cmd = module_cmd("vla_edge_ros.ros.runtime", "--role", "edge", "--ros-args", "-p", "backend:=numpy",
-                          "-p", "kv_budget_tokens:=512", "-p", "image_transport:=compressed")
-    robot = Proc(module_cmd("vla_edge_ros.ros.runtime", "--role", "robot", "--stats-out", str(robot_stats)),
-                 env, tmp_path / "robot.log")
-    monitor = Proc(module_cmd("vla_edge_ros.ros.tools.action_monitor", "--out", str(mon_out)), env,
-                   tmp_path / "monitor.log")
-    camera = Proc(module_cmd("vla_edge_ros.ros.tools.test_camera", "--ros-args", "-p", "compressed:=true",
-                             "-p", "width:=160", "-p", "height:=120", "-p", "rate_hz:=30.0"), env,
-                  tmp_path / "camera.log")
+    robot = ros_processes.runtime(role="robot", stats_out=robot_stats, backend=None, name="robot")
+    monitor = ros_processes.monitor(mon_out)
+    camera = ros_processes.camera("-p", "compressed:=true", "-p", "width:=160", "-p", "height:=120",
+                                  "-p", "rate_hz:=30.0")
     # One host stands in for two machines: the edge side runs at a lower CPU priority so that its start-up
     # (imports, engine build, warm-up) does not take the robot's CPU the way it could not on separate hardware.
-    edge_cmd = ["nice", "-n", "10"] + edge_cmd
-    edge = Proc(edge_cmd, env, tmp_path / "edge1.log")
-    edge2 = None
-    try:
-        assert wait_for(lambda: _fresh_after(mon_out, 0.0) > 30, 60.0), edge.output()[-2000:]
-        time.sleep(1.0)
-        t_kill = time.monotonic()
-        edge.kill()  # the link is cut: no goodbye, no more fresh actions
-        time.sleep(3.0)
-        t_restart = time.monotonic()
-        edge2 = Proc(edge_cmd, env, tmp_path / "edge2.log")
-        assert wait_for(lambda: _fresh_after(mon_out, t_restart) > 30, 60.0), edge2.output()[-2000:]
-        time.sleep(0.5)
-        assert robot.alive() and monitor.alive()
-    finally:
-        codes = {"edge2": edge2.stop() if edge2 else 0, "camera": camera.stop(), "robot": robot.stop(),
-                 "monitor": monitor.stop()}
-        edge.kill()
+    edge_cmd = ["nice", "-n", "10"] + runtime_cmd("-p", "kv_budget_tokens:=512", "-p", "image_transport:=compressed",
+                                                  role="edge")
+    edge = ros_processes.start_cmd(edge_cmd, name="edge1")
+    assert wait_for(lambda: _fresh_after(mon_out, 0.0) > 30, 60.0), edge.output()[-2000:]
+    time.sleep(1.0)
+    t_kill = time.monotonic()
+    edge.kill()  # the link is cut: no goodbye, no more fresh actions
+    time.sleep(3.0)
+    t_restart = time.monotonic()
+    edge2 = ros_processes.start_cmd(edge_cmd, name="edge2")
+    assert wait_for(lambda: _fresh_after(mon_out, t_restart) > 30, 60.0), edge2.output()[-2000:]
+    time.sleep(0.5)
+    assert robot.alive() and monitor.alive()
+    codes = ros_processes.stop(edge2, camera, robot, monitor)
     assert codes == {"edge2": 0, "camera": 0, "robot": 0, "monitor": 0}, (codes, robot.output()[-2000:])
 
     actions, statuses = load_monitor(mon_out)
@@ -94,16 +82,12 @@ def test_edge_killed_robot_holds_every_tick_and_resumes(tmp_path):
     ("inference", "active: admitting chunks"),  # vla_inference = role edge
     ("action", "robot side: taking fresh actions from /vla/action_fresh"),  # vla_action = role robot
 ])
-def test_single_node_executables_start_and_stop(tmp_path, kind, expect):
-    env = ros_env(DOMAIN_ID, tmp_path / "home")
+def test_single_node_executables_start_and_stop(tmp_path, ros_processes, kind, expect):
     stats = tmp_path / "stats.json"
-    proc = Proc(single_node_cmd(kind, "--stats-out", str(stats), "--ros-args", "--params-file", "config/runtime.yaml",
-                           "-p", "backend:=numpy"), env, tmp_path / "node.log")
-    try:
-        assert wait_for(lambda: expect in proc.output() or not proc.alive(), 60.0), proc.output()
-        assert proc.alive(), proc.output()
-    finally:
-        rc = proc.stop()
-    assert rc == 0, proc.output()
+    proc = ros_processes.start_cmd(single_node_cmd(kind, "--stats-out", str(stats), "--ros-args", "--params-file",
+                                                   "config/runtime.yaml", "-p", "backend:=numpy"), name="node")
+    assert wait_for(lambda: expect in proc.output() or not proc.alive(), 60.0), proc.output()
+    assert proc.alive(), proc.output()
+    assert ros_processes.stop(proc) == {"node": 0}, proc.output()
     s = read_json(stats)
     assert s["role"] == ("edge" if kind == "inference" else "robot")
