@@ -23,7 +23,7 @@ def test_real_geometries():
     assert small.intermediate_size == 4864 and small.num_key_value_heads == 2
     tiny = ModelConfig.from_json(tiny_default_dict())
     geometry = (tiny.hidden_size, tiny.num_hidden_layers, tiny.num_attention_heads, tiny.num_key_value_heads)
-    assert geometry == (256, 4, 4, 2)
+    assert geometry == (256, 2, 4, 2)  # 2 layers: the CPU default (config.tiny_default_dict says why)
     assert (tiny.intermediate_size, tiny.vocab_size, tiny.max_position_embeddings) == (704, 512, 8192)
     assert tiny.n_patches == 32 and tiny.patch_dim == 768 and tiny.image_hw == (64, 128)
     assert tiny.action_token_offset == 256
@@ -107,7 +107,7 @@ def test_tiny_default_is_deterministic_atomic_and_repaired(tmp_path):
 def test_tiny_default_uses_env_cache(tmp_path, monkeypatch):
     from vla_edge_ros.engine.tiny_default import ensure_tiny_default
     monkeypatch.setenv("VLA_EDGE_ROS_CACHE", str(tmp_path / "cache"))
-    assert ensure_tiny_default() == tmp_path / "cache" / "tiny-default-v1"
+    assert ensure_tiny_default() == tmp_path / "cache" / "tiny-default-v2"
 
 
 # ---- factory -----------------------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_make_engine_default_runs_the_tiny_model(tmp_path, monkeypatch, no_cuda_
     logs = []
     eng = make_engine({"backend": "auto", "kv_budget_tokens": 256, "eviction_policy": "fifo"}, log=logs.append)
     assert eng.name == "numpy" and any("backend=numpy" in m and "no GPU in this test" in m for m in logs)
-    assert (tmp_path / "tiny-default-v1" / "model.safetensors").is_file()
+    assert (tmp_path / "tiny-default-v2" / "model.safetensors").is_file()
     assert eng.kv.prefix_tokens == len("pick up the object") and eng.kv.budget_tokens == 256
     img = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
     res = None
@@ -278,7 +278,7 @@ def test_plain_rope_spellings_are_accepted():
 
 
 def test_sliding_window_only_where_it_cannot_bind():
-    d = tiny_default_dict()  # 4 layers, max_position_embeddings 8192
+    d = {**tiny_default_dict(), "num_hidden_layers": 4}  # 4 layers, max_position_embeddings 8192
     ok = [{"use_sliding_window": False, "sliding_window": 16, "max_window_layers": 0},  # off
           {"use_sliding_window": True, "sliding_window": 16},  # HF's max_window_layers 28 >= 4 layers: none slide
           {"use_sliding_window": True, "sliding_window": 8192, "max_window_layers": 0},  # window >= every context

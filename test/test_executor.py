@@ -180,19 +180,24 @@ def _random_events(rng, dt_ms=33.0, duration_ms=6000.0):
     return sorted(ev, key=lambda e: (e[0], ("frame", "mark", "clear", "offer", "tick").index(e[1])))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_horizon_1_behaves_like_action_arbiter(seed):
+# (seed, merge, stamp clock offset): H = 1 is the arbiter whatever the merge scheme and however far the stamps'
+# clock is off the receiver's (a robot/edge split without synchronised clocks: ahead by 1 s, behind by 5 s)
+@pytest.mark.parametrize("seed, merge, skew_ms", [(0, "latest", 0), (1, "latest", 0), (2, "latest", 0),
+                                                  (3, "temporal_ensemble", 0), (4, "blend", 0),
+                                                  (5, "latest", 1000), (6, "blend", -5000)])
+def test_horizon_1_behaves_like_action_arbiter(seed, merge, skew_ms):
     rng = np.random.default_rng(seed)
     arb = ActionArbiter(stale_after_ms=100.0, initial_gripper=0.3)
-    ex = ChunkExecutor(horizon=1, merge="latest", stale_after_ms=100.0, initial_gripper=0.3)
+    ex = ChunkExecutor(horizon=1, merge=merge, stale_after_ms=100.0, initial_gripper=0.3)
     dt_ns = 33 * MS
     n_ticks = 0
     for now, kind, payload in _random_events(rng):
         if kind == "frame":
-            arb.note_frame(payload, now)
-            ex.note_frame(payload, now)
+            arb.note_frame(payload + skew_ms * MS, now)
+            ex.note_frame(payload + skew_ms * MS, now)
         elif kind == "offer":
-            assert arb.offer(payload[0], payload[1], now) == ex.offer(payload[0], payload[1], dt_ns, now)
+            action, stamp = payload[0], payload[1] + skew_ms * MS
+            assert arb.offer(action, stamp, now) == ex.offer(action, stamp, dt_ns, now)
         elif kind in ("mark", "clear"):
             for target in (arb, ex):
                 (target.mark_inputs_stale if kind == "mark" else target.clear_stale)("flap")
@@ -201,14 +206,36 @@ def test_horizon_1_behaves_like_action_arbiter(seed):
             n_ticks += 1
             assert (e.kind, e.seq, e.source_stamp_ns) == (a.kind, a.seq, a.source_stamp_ns), (now, a, e)
             assert np.array_equal(e.values, a.values), (now, a, e)
-            if a.kind != "repeat":  # repeat reasons say more than the arbiter's 'no_new_action'
-                assert e.reason == ("new_chunk" if a.kind == "fresh" else a.reason)
+            assert e.reason == ("new_chunk" if a.kind == "fresh" else a.reason), (now, a, e)
     a_stats, e_stats = arb.stats(), ex.stats()
     assert e_stats["ticks"] == a_stats["ticks"] and sum(a_stats["ticks"].values()) == n_ticks
     assert e_stats["hold_reasons"] == a_stats["hold_reasons"] and e_stats["rejected"] == a_stats["rejected"]
     # the sequence exercised every path being compared
     assert min(a_stats["ticks"].values()) > 10 and a_stats["rejected"].get("out_of_order", 0) > 0
     assert {"frame_stale", "action_stale", "stale:flap", "awaiting_fresh"} <= set(a_stats["hold_reasons"])
+    assert e_stats["repeat_reasons"] == {"no_new_action": a_stats["ticks"]["repeat"]}
+
+
+def test_set_horizon_drops_the_plan_of_the_old_shape_and_counts():
+    ex = ChunkExecutor(action_dims=2, horizon=1, gripper_index=None)
+    assert ex.offer([1.0, 2.0], 0, DT, 1 * MS) and ex.tick(2 * MS).kind == "fresh"
+    assert not ex.offer(ramp(4), 5 * MS, DT, 6 * MS) and ex.stats()["rejected"] == {"bad_shape": 1}
+    ex.set_horizon(4)
+    assert ex.tick(7 * MS).reason == "awaiting_fresh"  # the H = 1 plan is gone, not replayed
+    assert ex.offer(ramp(4), 10 * MS, DT, 11 * MS)
+    assert [ex.tick(t * MS).step for t in (12, 22, 32, 42)] == [0, 1, 2, 3]
+    ex.set_horizon(4)  # unchanged: nothing dropped, not counted
+    assert ex.stats()["horizon_changes"] == 1 and ex.stats()["live_chunks"] == 1
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError):
+            ex.set_horizon(bad)
+
+
+def test_future_stamps_are_checked_only_when_steps_are_timed_by_them():
+    one = ChunkExecutor(action_dims=2, horizon=1, gripper_index=None)
+    assert one.offer([1.0, 1.0], 10_000 * MS, DT, 0)  # provenance only: accepted, as by the arbiter
+    four = ChunkExecutor(action_dims=2, horizon=4, gripper_index=None)
+    assert not four.offer(ramp(4), 10_000 * MS, DT, 0) and four.stats()["rejected"] == {"future_stamp": 1}
 
 
 def test_every_rejection_reason_is_counted_and_the_plan_goes_on():

@@ -15,7 +15,11 @@ the next inference runs; the executor decides, at each tick, which step of which
   hold at once, mid-chunk too), or once the chunk has run out and the newest frame or chunk was *received*
   longer than ``stale_after_ms`` ago. Within a chunk's horizon a silent camera does not stop the arm: the
   chunk is the plan made for exactly that time. After a hold the executor waits for a chunk offered after it
-  (never resumes a pre-hold plan). With H = 1 and ``dt`` = the tick period this is ``ActionArbiter`` exactly.
+  (never resumes a pre-hold plan).
+* H = 1 is ``ActionArbiter`` exactly, whatever ``dt`` and the stamps: a single step is a plan only for the tick
+  that first plays it (every later tick is a repeat with reason ``no_new_action``, inputs checked on every
+  tick), there is nothing to merge (every scheme is ``latest``), and the stamp is provenance only, so it is not
+  checked against the clock (a robot/edge split with unsynchronised clocks must not hold because of skew).
 * Merging overlapping chunks:
   ``latest`` — the newest chunk wins from its first due step.
   ``temporal_ensemble`` (ACT) — the step due now is the average of every live chunk's prediction for this
@@ -26,12 +30,13 @@ the next inference runs; the executor decides, at each tick, which step of which
   was computed), then ``blend_steps`` steps blend linearly into the new chunk. Only times the executing chunk
   has a step for are replaced: a chunk that ran out commits nothing (its repeated last step is a fallback).
   ``committed_prefix`` gives the same steps ahead of time, for token models that force-decode them.
-* Admission: ``runs_out_ns()`` is when the executing plan's last step is due; the inference loop sets the next
-  chunk's deadline to that minus its safety margin and execution horizon.
+* Admission: ``runs_out_ns()`` is when the executing plan's last step is due. The inference loop models the same
+  time on its own clock (core/chunk_schedule.py: the next chunk starts once the executing one has played
+  ``execution_horizon_steps`` steps and must be in before it runs out, minus the safety margin).
 
-Bad input (wrong shape, empty, NaN/inf, dt <= 0, stamp from the future, a stamp older than the newest chunk's
-by up to ``stale_after_ms``: a reordered message) is rejected, counted by reason, and the executor goes on with
-what it had. A jump back by more is a restarted source and is accepted (counted), as in ``ActionArbiter``.
+Bad input (wrong shape, empty, NaN/inf, dt <= 0, a stamp from the future (H > 1), a stamp older than the newest
+chunk's by up to ``stale_after_ms``: a reordered message) is rejected, counted by reason, and the executor goes on
+with what it had. A jump back by more is a restarted source and is accepted (counted), as in ``ActionArbiter``.
 
 Thread-safe: ``offer`` from the inference thread, ``note_frame`` from the camera callback, ``tick`` from the
 timer, stale marks from middleware events; one short lock guards the state.
@@ -125,6 +130,19 @@ class ChunkExecutor(StaleInputs):
         self.skipped_gap = 0  # steps jumped over between two ticks of the same chunk (late / irregular ticks)
         self.rejected: dict[str, int] = {}
         self.last_reject_message = ""
+        self.horizon_changes = 0
+
+    def set_horizon(self, horizon: int) -> None:
+        """Change H (a new checkpoint configured, or the robot side of a split following its edge): the plan of
+        the old shape is dropped (the next tick holds until a chunk of the new shape arrives); counted."""
+        if isinstance(horizon, bool) or int(horizon) != horizon or horizon < 1:
+            raise ValueError(f"horizon must be an integer >= 1, got {horizon!r}")
+        with self._lock:
+            if int(horizon) == self.horizon:
+                return
+            self.horizon = int(horizon)
+            self._chunks.clear()
+            self.horizon_changes += 1
 
     # ---- inputs -----------------------------------------------------------------------------------------
     def offer(self, chunk: np.ndarray, frame_stamp_ns: int, dt_ns: int, now_ns: int) -> bool:
@@ -152,7 +170,7 @@ class ChunkExecutor(StaleInputs):
                 return self._reject("non_finite", f"chunk contains NaN/inf at (step, dim) {where}")
             if dt <= 0:
                 return self._reject("bad_dt", f"dt_ns must be > 0, got {dt}")
-            if stamp - now > self._future_tolerance_ns:
+            if self.horizon > 1 and stamp - now > self._future_tolerance_ns:
                 return self._reject("future_stamp", f"frame stamp {stamp} is {(stamp - now) / 1e6:.3f} ms ahead of "
                                                     f"now {now} (tolerance {self._future_tolerance_ns / 1e6} ms)")
             reset = False
@@ -178,6 +196,9 @@ class ChunkExecutor(StaleInputs):
 
     def _merge_in_locked(self, new: _Chunk, now: int) -> None:
         old = self._chunks[-1]
+        if self.horizon == 1:  # one step: nothing to merge, the newest wins (ActionArbiter)
+            self._chunks.clear()
+            return
         if self.merge == TEMPORAL_ENSEMBLE:
             return  # merged per tick; old chunks stay until they run out (pruned at each tick)
         if old.step_at(now) is not None:
@@ -208,6 +229,9 @@ class ChunkExecutor(StaleInputs):
         """(values, source chunk, step in it, ran_out, chunks merged) for time ``t``; None without a plan."""
         if not self._chunks:
             return None
+        if self.horizon == 1:  # a plan only for the tick that plays it first: later ticks check the inputs
+            c = self._chunks[-1]
+            return c.values[0], c, 0, True, 1
         if self.merge == TEMPORAL_ENSEMBLE:
             live = [(c, k) for c in self._chunks if (k := c.step_at(t)) is not None]  # oldest first
             if len(live) > 1:
@@ -287,6 +311,8 @@ class ChunkExecutor(StaleInputs):
                 else:
                     kind = REPEAT
                     reason = "ran_out" if ran_out else ("same_step" if step == src.last_step else "next_step")
+                    if self.horizon == 1:
+                        reason = "no_new_action"  # the arbiter's word: with one step every repeat is this
                     self.skipped_gap += max(0, step - src.last_step - 1)
                     self.repeat_reasons[reason] = self.repeat_reasons.get(reason, 0) + 1
                 src.last_step = step
@@ -308,7 +334,9 @@ class ChunkExecutor(StaleInputs):
                 "last_reject_message": self.last_reject_message, "stamp_resets": self.stamp_resets,
                 "skipped_latency": self.skipped_latency, "skipped_gap": self.skipped_gap,
                 "merges": self.merges, "committed_steps_kept": self.committed_steps_kept, "evicted": self.evicted,
-                "live_chunks": len(self._chunks), "stale_reasons": sorted(self._stale_reasons),
+                "live_chunks": len(self._chunks), "horizon_changes": self.horizon_changes,
+                "newest_seq": self._newest.seq if self._newest is not None else 0,
+                "stale_reasons": sorted(self._stale_reasons),
                 "frames_noted": self.frames_noted, "stale_after_ms": self._stale_after_ns / 1e6,
                 "last_kind": self._last_kind,
             }

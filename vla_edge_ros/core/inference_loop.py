@@ -1,17 +1,22 @@
 """The inference thread body, free of ROS: the lifecycle node only constructs, starts, pauses and reads it.
 
-One chunk per control cycle. Cycles sit on a fixed grid (``CycleClock``, period ``period_ms``); the deadline
-of a chunk is its cycle's start + ``deadline_ms``. Per cycle:
+At most one chunk per control cycle. Cycles sit on a fixed grid (``CycleClock``, period ``period_ms``, the
+control period); a chunk holds ``action_horizon`` H actions, one per period. When and by when a chunk runs is
+``ChunkSchedule``'s (core/chunk_schedule.py): with H = 1 every cycle, deadline = cycle start + ``deadline_ms``;
+with H > 1 the next chunk starts once the executing one has played ``execution_horizon_steps`` steps and, when
+they overlap, must be in before the executing one (on schedule) runs out. Per cycle:
 
 1. live parameter changes queued by ``update`` are applied (so a change never lands mid-chunk): admission
    settings, loop settings and the engine's KV settings (``engine.apply_kv_changes``) go through this one
    queue, validated once in ``update`` and applied by the one thread that runs the chunks;
-2. the thread waits (only itself; the camera never waits) for an unread frame in the double buffer;
+2. a cycle in which no chunk is due (the executing chunk has not played its execution horizon) is skipped;
+   otherwise the thread waits (only itself; the camera never waits) for an unread frame in the double buffer;
 3. the admission controller compares the estimated chunk time with the time left to this cycle's deadline
    minus the safety margin; a refusal is a fallback (the action publisher repeats / holds) and the cycle is over;
 4. admitted: encode the frame, tag it salient when its pooled embedding's cosine distance from the previous
    frame exceeds ``saliency_threshold``, ``engine.run_chunk``, record the real duration (encode counts as
-   prefill: everything that is not decode) and whether it missed the deadline, then ``on_action(result, frame)``;
+   prefill: everything that is not decode) and whether it missed the deadline, then ``on_action(result, frame)``
+   with ``result.frame_stamp_ns`` set to the frame's stamp (the executor times the chunk's steps by it);
 5. the thread sleeps to the next cycle boundary, then takes the freshest frame (older unread frames are counted
    as overwritten by the buffer); when none arrived and the previous frame was refused for lack of time, that
    frame is retried once, now with a whole cycle ahead of it.
@@ -25,7 +30,6 @@ watchdog (the node's diagnostics timer) see a chunk that is hung right now.
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -35,16 +39,15 @@ import numpy as np
 
 from vla_edge_ros import params
 from vla_edge_ros.core.admission import AdmissionController, CycleClock
+from vla_edge_ros.core.chunk_schedule import ChunkSchedule
 from vla_edge_ros.core.double_buffer import DoubleBuffer
+from vla_edge_ros.core.loop_settings import ADMISSION_KEYS, KV_KEYS, LIVE_KEYS, check_live_values, check_loop_values
 from vla_edge_ros.core.metrics import LatencyStats
 
 # outcomes of one step
 ADMITTED, REFUSED, ERROR, LATE = "admitted", "refused", "error", "late_discarded"
 
-_ADMISSION_KEYS = ("deadline_ms", "safety_margin_ms", "ema_alpha", "cost_quantile")
-_LOOP_KEYS = ("saliency_threshold", "period_ms", "late_discard_ms")
-_KV_KEYS = ("kv_budget_tokens", "eviction_policy", "window_frames")  # applied by engine.apply_kv_changes
-LIVE_KEYS = _ADMISSION_KEYS + _LOOP_KEYS + _KV_KEYS  # everything update() takes
+__all__ = ["ADMITTED", "REFUSED", "ERROR", "LATE", "LIVE_KEYS", "InferenceLoop", "cosine_distance"]
 
 
 def cosine_distance(a: np.ndarray, b: np.ndarray) -> float:
@@ -62,10 +65,12 @@ class InferenceLoop:
                  on_action: Callable[[Any, Any], None], on_event: Optional[Callable[[str, dict], None]] = None, *,
                  decode_tokens: int = 8, saliency_threshold: float = 0.2, late_discard_ms: Optional[float] = None,
                  wait_timeout_s: float = 0.1, time_ns: Callable[[], int] = time.monotonic_ns,
-                 thread_name: str = "vla_inference_loop", thread_nice: int = 0) -> None:
+                 thread_name: str = "vla_inference_loop", thread_nice: int = 0, action_horizon: int = 1,
+                 execution_horizon_steps: int = 0) -> None:
         """``late_discard_ms``: a chunk finishing more than this past its deadline has its action discarded
         (default: one period). ``time_ns``: monotonic clock (injectable for tests). ``thread_nice``: nice
-        increment applied to the loop's own thread (see :meth:`_lower_thread_priority`)."""
+        increment applied to the loop's own thread (see :meth:`_lower_thread_priority`). ``action_horizon``,
+        ``execution_horizon_steps``: the chunk schedule (core/chunk_schedule.py)."""
         if decode_tokens < 1:
             raise ValueError(f"decode_tokens must be >= 1, got {decode_tokens}")
         if not 0 <= int(thread_nice) <= 19:
@@ -81,9 +86,11 @@ class InferenceLoop:
         self._time_ns = time_ns
         self.wait_timeout_s = float(wait_timeout_s)
         self.thread_name = thread_name
-        self._check_loop_values({"period_ms": period_ms, "saliency_threshold": saliency_threshold,
-                                 **({} if late_discard_ms is None else {"late_discard_ms": late_discard_ms})})
+        check_loop_values({"period_ms": period_ms, "saliency_threshold": saliency_threshold,
+                           **({} if late_discard_ms is None else {"late_discard_ms": late_discard_ms})})
         self.clock = CycleClock(period_ms, start_ns=time_ns())
+        self.schedule = ChunkSchedule(action_horizon, execution_horizon_steps)
+        self._executing_start_ns: Optional[int] = None  # cycle start of the last chunk delivered (executing)
         self.saliency_threshold = float(saliency_threshold)
         self.late_discard_ms = None if late_discard_ms is None else float(late_discard_ms)
 
@@ -110,6 +117,7 @@ class InferenceLoop:
         self.salient_frames = 0
         self.dropped_while_paused = 0
         self.retried = 0  # refused-for-time frames retried at the next cycle's start
+        self.cycles_not_due = 0  # cycles skipped: the executing chunk had not played its execution horizon
         self.callback_errors = 0
         self.kv_changes_applied = 0
         self.kv_last_evicted: list = []
@@ -128,36 +136,12 @@ class InferenceLoop:
             self.callback_errors += 1
 
     # ---- live parameters --------------------------------------------------------------------------------
-    @staticmethod
-    def _check_loop_values(values: dict) -> None:
-        reasons = []
-        for k, v in values.items():
-            if k == "saliency_threshold":
-                r = params.validate(k, v)
-                if r:
-                    reasons.append(r)
-            elif k in ("period_ms", "late_discard_ms"):
-                try:
-                    fv = float(v)
-                except (TypeError, ValueError):
-                    fv = math.nan
-                if isinstance(v, bool) or not (math.isfinite(fv) and fv > 0.0):
-                    reasons.append(f"{k} must be a positive number of ms, got {v!r}")
-        if reasons:
-            raise ValueError("; ".join(reasons))
-
     def update(self, **values: Any) -> None:
         """Validate now (ValueError with reasons), apply at the start of the next cycle. Keys: ``LIVE_KEYS``."""
-        unknown = [k for k in values if k not in LIVE_KEYS]
-        if unknown:
-            raise ValueError(f"InferenceLoop.update: unknown parameter(s) {', '.join(unknown)}")
-        reasons = [r for k, v in values.items() if k in _ADMISSION_KEYS + _KV_KEYS and (r := params.validate(k, v))]
-        if reasons:
-            raise ValueError("; ".join(reasons))
-        self._check_loop_values({k: v for k, v in values.items() if k in _LOOP_KEYS})
+        check_live_values(values, self.schedule.horizon)  # core/loop_settings.py
         with self._lock:
             merged = {"deadline_ms": self.admission.deadline_ms, "safety_margin_ms": self.admission.safety_margin_ms,
-                      **{k: v for k, v in self._pending.items() if k in _ADMISSION_KEYS}, **values}
+                      **{k: v for k, v in self._pending.items() if k in ADMISSION_KEYS}, **values}
             combo = {"deadline_ms": float(merged["deadline_ms"]), "safety_margin_ms": float(merged["safety_margin_ms"])}
             kv = getattr(self.engine, "kv", None)
             if "kv_budget_tokens" in values and kv is not None:
@@ -173,12 +157,12 @@ class InferenceLoop:
             pending, self._pending = self._pending, {}
         if not pending:
             return
-        adm = {k: v for k, v in pending.items() if k in _ADMISSION_KEYS}
+        adm = {k: v for k, v in pending.items() if k in ADMISSION_KEYS}
         try:
             self.admission.update(**adm)
         except ValueError as exc:  # validated in update(); only a concurrent direct admission change gets here
             self._emit("update_rejected", {"values": adm, "reason": str(exc)})
-        kv = {k: v for k, v in pending.items() if k in _KV_KEYS}
+        kv = {k: v for k, v in pending.items() if k in KV_KEYS}
         if kv:
             try:
                 self.kv_last_evicted = self.engine.apply_kv_changes(kv)
@@ -189,6 +173,8 @@ class InferenceLoop:
             self.saliency_threshold = float(pending["saliency_threshold"])
         if "late_discard_ms" in pending:
             self.late_discard_ms = float(pending["late_discard_ms"])
+        if "execution_horizon_steps" in pending:
+            self.schedule.set_execution_horizon(pending["execution_horizon_steps"])
         if "period_ms" in pending:
             self.clock.set_period_ms(float(pending["period_ms"]), start_ns=self._time_ns())
             self._served_cycle = None
@@ -230,11 +216,12 @@ class InferenceLoop:
 
     def deadline_fit(self) -> dict[str, Any]:
         """The admission estimate of a chunk against the most time a chunk can ever be given (a frame taken at the
-        start of its cycle: deadline_ms - safety_margin_ms). ``fits`` False means every chunk is refused (the
+        start of its cycle: deadline_ms, or with overlapping chunks the executing chunk's remaining steps, minus
+        safety_margin_ms; ChunkSchedule.deadline_ms). ``fits`` False means every chunk is refused (the
         robot repeats / holds, save the periodic probes) until the estimate comes down: a GPU too slow for the
         model, or a deadline too tight for it. None before any estimate exists (the first chunk is admitted)."""
         adm = self.admission
-        budget = adm.deadline_ms - adm.safety_margin_ms
+        budget = self.schedule.deadline_ms(adm.deadline_ms, self.clock.period_ms) - adm.safety_margin_ms
         if not adm.seeded:
             return {"estimate_ms": None, "budget_ms": budget, "fits": None}
         estimate = adm.estimate_ms(self.decode_tokens)
@@ -261,7 +248,8 @@ class InferenceLoop:
         self.frames_taken += 1
         now = self._time_ns()
         self._served_cycle = self.clock.cycle_index(now)
-        deadline_ns = self.clock.deadline_ns(now, self.admission.deadline_ms)
+        cycle_start = self.clock.cycle_start(now)
+        deadline_ns = self.schedule.deadline_ns(cycle_start, self.admission.deadline_ms, self._step_ns())
         decision = self.admission.decide((deadline_ns - now) / 1e6, self.decode_tokens)
         if not decision.admit:
             self.refused += 1
@@ -304,6 +292,11 @@ class InferenceLoop:
             self.last_outcome = LATE
             self._emit("chunk_late_discarded", {"frame_id": frame_id, "late_ms": late_ms, "chunk_ms": total_ms})
             return LATE
+        self._executing_start_ns = cycle_start
+        try:
+            result.frame_stamp_ns = int(getattr(frame, "stamp_ns", 0) or 0)
+        except AttributeError:
+            pass
         try:
             self.on_action(result, frame)
         except Exception as exc:
@@ -339,6 +332,18 @@ class InferenceLoop:
         if since is None:
             return 0.0
         return ((self._time_ns() if now_ns is None else now_ns) - since) / 1e6
+
+    def _step_ns(self) -> int:
+        return max(1, int(round(self.clock.period_ms * 1e6)))
+
+    def _chunk_due(self) -> bool:
+        """Is a chunk due in this cycle (ChunkSchedule.due)? When not, the cycle is served without one."""
+        now = self._time_ns()
+        if self.schedule.due(self.clock.cycle_start(now), self._executing_start_ns, self._step_ns()):
+            return True
+        self._served_cycle = self.clock.cycle_index(now)
+        self.cycles_not_due += 1
+        return False
 
     # ---- thread -----------------------------------------------------------------------------------------
     def _wait_next_cycle(self) -> None:
@@ -391,6 +396,8 @@ class InferenceLoop:
                     self._wait_next_cycle()
                     if self._stop.is_set():
                         break
+                    if not self._chunk_due():
+                        continue
                     frame = self.buffer.read_latest()
                     if frame is None and retry is not None:
                         frame, is_retry = retry, True
@@ -419,6 +426,7 @@ class InferenceLoop:
         self._stop.clear()
         self.clock.set_period_ms(self.clock.period_ms, start_ns=self._time_ns())
         self._served_cycle = None
+        self._executing_start_ns = None
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
@@ -448,6 +456,7 @@ class InferenceLoop:
         """Resume; frames that arrived while paused are discarded (counted) by the loop thread, so the first
         chunk after resuming uses a frame received after it."""
         self._resume_written = self.buffer.written
+        self._executing_start_ns = None  # the action side held while paused: nothing is executing
         self._resumed.set()
         self._emit("resumed", {})
 
@@ -473,6 +482,8 @@ class InferenceLoop:
             "salient_frames": self.salient_frames,
             "dropped_while_paused": self.dropped_while_paused,
             "retried": self.retried,
+            "cycles_not_due": self.cycles_not_due,
+            "chunk_schedule": self.schedule.stats(),
             "callback_errors": self.callback_errors,
             "kv_changes_applied": self.kv_changes_applied,
             "last_error": self.last_error,

@@ -9,6 +9,13 @@ The ``"vla"`` block (all keys optional; defaults below) describes the action hea
     n_action_bins 256                      the LAST 256 vocabulary rows are the action bins over [-1, 1]
     patch_grid    [4, 8]                   rows x columns of patches -> 32 vision tokens per frame
     patch_size    16                       pixels; the image is resized to 64 x 128 (grid * patch_size)
+    action_horizon 1                       H: actions per chunk, one per control period (1 = single step);
+                                           the chunk is an (H, action_dims) array (engine/interface.ChunkResult)
+    chunk_decode  "autoregressive"         how the H x action_dims action tokens are decoded: "autoregressive"
+                                           (one greedy step per token) or "parallel" (all action slots in one
+                                           pass, OpenVLA-OFT style). Parsed and validated here; a backend that
+                                           cannot decode what a checkpoint asks for refuses it at configure by
+                                           name (Engine.chunk_support_problem)
 
 The q01/q99 defaults are generic placeholders (end-effector deltas of a few centimetres / centiradians per
 step, gripper in [0, 1]); a real checkpoint should carry its dataset's statistics.
@@ -74,6 +81,7 @@ HF_DEFAULT_MAX_WINDOW_LAYERS = 28
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")  # all that default RoPE reads
 _ACTIVATIONS = ("silu", "swish")  # one function under two names in HF's ACT2FN
+CHUNK_DECODES = ("autoregressive", "parallel")
 
 
 class ModelConfigError(EngineError, ValueError):
@@ -100,6 +108,8 @@ class ModelConfig:
     n_action_bins: int = 256
     patch_grid: tuple[int, int] = (4, 8)
     patch_size: int = 16
+    action_horizon: int = 1
+    chunk_decode: str = "autoregressive"
     source: str = field(default="<dict>", compare=False)  # where it came from, for error messages
 
     # ---- derived geometry
@@ -229,6 +239,9 @@ class ModelConfig:
         if (not isinstance(grid, (list, tuple)) or len(grid) != 2
                 or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)):
             raise fail(f"vla.patch_grid must be two positive integers [rows, cols], got {grid!r}")
+        decode = vla.get("chunk_decode", "autoregressive")
+        if decode not in CHUNK_DECODES:
+            raise fail(f"vla.chunk_decode={decode!r} is not one of {', '.join(CHUNK_DECODES)}")
         kwargs.update(
             action_dims=dims,
             action_names=tuple(names),
@@ -237,6 +250,8 @@ class ModelConfig:
             n_action_bins=int_key(vla, "n_action_bins", 256, lo=2),
             patch_grid=(int(grid[0]), int(grid[1])),
             patch_size=int_key(vla, "patch_size", 16),
+            action_horizon=int_key(vla, "action_horizon", 1),
+            chunk_decode=decode,
             source=source,
         )
         cfg = cls(**kwargs)
@@ -268,7 +283,7 @@ class ModelConfig:
         d = asdict(self)
         d.pop("source")
         vla = {k: d.pop(k) for k in ("action_dims", "action_names", "action_q01", "action_q99", "n_action_bins",
-                                      "patch_grid", "patch_size")}
+                                      "patch_grid", "patch_size", "action_horizon", "chunk_decode")}
         vla = {k: list(v) if isinstance(v, tuple) else v for k, v in vla.items()}
         d.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", vla=vla)
         return d
@@ -435,13 +450,20 @@ def qwen2_5_0_5b_dict() -> dict[str, Any]:
 
 
 def tiny_default_dict() -> dict[str, Any]:
-    """Geometry of the embedded tiny default checkpoint (see engine/tiny_default.py)."""
+    """Geometry of the embedded tiny default checkpoint (see engine/tiny_default.py).
+
+    Two layers because this is the CPU default and the layer count is what a CPU chunk costs: on the documented
+    2-core machine (numpy, OPENBLAS_NUM_THREADS=1, kv 512) a chunk took p50 16.3 ms alone with 4 layers and
+    8.3 ms with 2 (16 instead of 32 tokens per frame saved only 1 ms), and inside the runtime, next to the
+    60 Hz VGA camera and the 30 Hz timer, about twice that: 4 layers could not keep the 31 ms budget
+    (docs/FIGURES.md "CPU defaults").
+    """
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
         "hidden_act": "silu",
         "hidden_size": 256,
-        "num_hidden_layers": 4,
+        "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "intermediate_size": 704,

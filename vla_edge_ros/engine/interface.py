@@ -10,11 +10,19 @@ Data path of one chunk (one camera frame):
 Token layout of a chunk: the prefill's last logits give gen[0] (an action-start token); decode step i
 (i = 1..decode_tokens) feeds gen[i-1] and yields gen[i]. gen[1..7] are the 7 action bins, gen[8] the end token.
 Decode tokens live in `decode_tokens` scratch slots outside the KV budget and are not retained.
+
+Action chunks: a checkpoint's ``vla.action_horizon`` H says how many actions (one per control period) a chunk
+yields; ``ChunkResult.chunk`` is that (H, action_dims) array and ``ChunkResult.action`` its first row (what a
+single-step caller reads). Today both backends decode H = 1 (the chunk is the one action; a result built with
+``action`` alone gets ``chunk = action[None]``) and refuse H > 1 or ``chunk_decode: parallel`` at configure
+(``Engine.chunk_support_problem``) until they implement them. The inference loop sets ``frame_stamp_ns``: the
+executor times the chunk's steps from it.
 """
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -46,6 +54,17 @@ class ChunkResult:
     evicted_frames: list[int] = field(default_factory=list)
     kv_occupancy_tokens: int = 0
     salient: bool = False
+    chunk: Optional[np.ndarray] = None  # (H, action_dims) float32; None at construction: action[None] (H = 1)
+    frame_stamp_ns: int = 0  # stamp of the camera frame the chunk was computed from (set by the inference loop)
+
+    def __post_init__(self) -> None:
+        if self.chunk is None and self.action is not None:
+            self.chunk = np.asarray(self.action).reshape(1, -1)
+
+    @property
+    def horizon(self) -> int:
+        """H: the number of actions in the chunk."""
+        return 0 if self.chunk is None else int(np.shape(self.chunk)[0])
 
 
 class Engine(abc.ABC):
@@ -83,6 +102,21 @@ class Engine(abc.ABC):
     def action_names(self) -> tuple[str, ...]:
         """Names of the action dimensions, in order (the checkpoint's ``vla.action_names``)."""
         return tuple(self.cfg.action_names)
+
+    def chunk_support_problem(self) -> Optional[str]:
+        """Why this backend cannot decode the chunks its checkpoint asks for (None: it can). The inference node
+        refuses to configure with this reason. The default is today's backends: one action per chunk (H = 1),
+        autoregressive; a backend that implements more overrides it."""
+        cfg = getattr(self, "cfg", None)
+        horizon = int(getattr(cfg, "action_horizon", 1))
+        decode = getattr(cfg, "chunk_decode", "autoregressive")
+        if decode != "autoregressive":
+            return (f"vla.chunk_decode={decode!r}: parallel decoding of an action chunk is not implemented by the "
+                    f"{self.name} backend yet (issue 22); use \"autoregressive\"")
+        if horizon > 1:
+            return (f"vla.action_horizon={horizon}: the {self.name} backend decodes one action per chunk (H = 1) "
+                    "for now (issue 22); use a checkpoint with action_horizon 1")
+        return None
 
     @property
     def prefix_tokens(self) -> int:

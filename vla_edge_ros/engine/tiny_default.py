@@ -1,12 +1,12 @@
 """The embedded default model: a tiny Qwen2-geometry checkpoint generated deterministically on first use.
 
-Geometry: ``config.tiny_default_dict()`` (hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 704,
+Geometry: ``config.tiny_default_dict()`` (hidden 256, 2 layers, 4 heads, 2 KV heads, intermediate 704,
 vocabulary 512 = 256 byte tokens + 256 action bins). Weights: ``numpy.random.default_rng(SEED)`` draws every
 tensor in sorted-name order (normal, std 0.02 for matrices and biases, std 0.05 for the vision projection and
 position embedding so frames differ visibly; norms are ones), written as bfloat16 safetensors + config.json.
 The normal loader then reads it, so the default path exercises the real checkpoint code.
 
-Location: ``$VLA_EDGE_ROS_CACHE/tiny-default-v1`` (default ``~/.cache/vla_edge_ros/tiny-default-v1``).
+Location: ``$VLA_EDGE_ROS_CACHE/tiny-default-v2`` (default ``~/.cache/vla_edge_ros/tiny-default-v2``).
 Written into a temporary sibling directory and renamed into place, so a crash or a concurrent first use never
 leaves a half-written default; a manifest holds the SHA-256 of the weights, and a cache whose weights do not
 match it is regenerated.
@@ -25,7 +25,7 @@ import numpy as np
 from vla_edge_ros.engine.checkpoint import SINGLE_NAME, expected_shapes, write_checkpoint
 from vla_edge_ros.engine.config import ModelConfig, tiny_default_dict
 
-NAME = "tiny-default-v1"
+NAME = "tiny-default-v2"
 SEED = 20240611
 MANIFEST = "manifest.json"
 
@@ -70,7 +70,7 @@ def _is_complete(d: Path) -> bool:
 def ensure_tiny_default(cache_dir: str | Path | None = None) -> Path:
     """Return the directory of the tiny default checkpoint, generating it first when absent or damaged.
 
-    ``cache_dir`` is the root that holds ``tiny-default-v1`` (default: ``default_cache_root()``).
+    ``cache_dir`` is the root that holds ``tiny-default-v2`` (default: ``default_cache_root()``).
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     final = root / NAME

@@ -1,15 +1,25 @@
 """`vla_action`: the 30 Hz action publisher.
 
-Every tick (``action_rate_hz``) asks the ActionArbiter what to command and publishes, always:
+Every tick (``action_rate_hz``) asks the ChunkExecutor (core/executor.py) which step of which action chunk is
+due now and publishes, always:
 - sensor_msgs/JointState on ``action_topic``: name = action dimension names, position = values,
   header.stamp = stamp of the source camera frame, header.frame_id = kind ('fresh' | 'repeat' | 'hold');
-- diagnostic_msgs/DiagnosticStatus on ``action_status_topic``: kind, source stamp, age_ms, seq, reason.
+- diagnostic_msgs/DiagnosticStatus on ``action_status_topic``: kind, source stamp, age_ms, seq, reason, step.
 
-Where fresh actions come from:
-- role all: the inference loop in the same process calls ``arbiter.offer`` directly (shared object);
-- role robot: this node subscribes ``fresh_action_topic`` (JointState published by the edge process) and
-  offers each message into the arbiter; late or missing actions become repeat, then hold after
-  ``stale_after_ms`` (measured on this machine's receive clock, so clock skew between hosts cannot stall it).
+A chunk's step k is due at its frame stamp + k * this node's control period (``1 / action_rate_hz``); chunks
+that overlap are merged by ``chunk_merge``. With the checkpoint's action_horizon H = 1 (today's models) the
+executor is the former ActionArbiter exactly: fresh, then repeat, then hold after ``stale_after_ms``
+(measured on this machine's receive clock, so clock skew between hosts cannot stall it). The whole chunk is not
+(yet) published as trajectory_msgs/JointTrajectory: that package is not among the installed ROS wheels.
+
+Where fresh chunks come from:
+- role all: the inference loop in the same process calls ``executor.offer`` directly (shared object; the
+  inference node sets the executor's horizon from the checkpoint at configure);
+- role robot: this node subscribes ``fresh_action_topic`` (JointState from the edge process, the chunk
+  flattened: ros/conversions.py) and offers each message into the executor, whose horizon follows the edge's
+  chunks (a change of H is logged and counted).
+A rejected chunk (wrong shape, NaN/inf, a stamp from the future, reordered) is counted by reason in the
+snapshot and on /diagnostics; the executor goes on with what it had.
 
 Live parameters: ``action_rate_hz`` (the timer is re-created at the next tick) and ``stale_after_ms``.
 """
@@ -23,7 +33,7 @@ from rclpy.node import Node
 from sensor_msgs.msg import JointState
 
 from vla_edge_ros import params as registry
-from vla_edge_ros.core.action_arbiter import ActionArbiter
+from vla_edge_ros.core.executor import ChunkExecutor
 from vla_edge_ros.core.metrics import LatencyStats, PeriodTracker, RateCounter
 from vla_edge_ros.ros import conversions, qos
 from vla_edge_ros.ros.param_bridge import ParamBridge
@@ -41,13 +51,15 @@ def gripper_index_of(names: Sequence[str]) -> Optional[int]:
 class ActionNode(Node):
     NODE_NAME = registry.ACTION
 
-    def __init__(self, arbiter: ActionArbiter | None = None, action_names: Sequence[str] = DEFAULT_ACTION_NAMES,
+    def __init__(self, arbiter: ChunkExecutor | None = None, action_names: Sequence[str] = DEFAULT_ACTION_NAMES,
                  fresh_action_topic: str | None = None, **node_kwargs):
         super().__init__(self.NODE_NAME, **node_kwargs)
         self.params = ParamBridge(self, registry.ACTION, on_change=self._on_params)
         self.action_names = tuple(action_names)
-        self.arbiter = arbiter if arbiter is not None else ActionArbiter(
-            len(self.action_names), gripper_index_of(self.action_names), self.params.get("stale_after_ms"))
+        # Named ``arbiter`` for the camera / inference nodes and the figures that share it ("arbiter" stats).
+        self.arbiter = arbiter if arbiter is not None else ChunkExecutor(
+            len(self.action_names), horizon=1, merge=self.params.get("chunk_merge"),
+            gripper_index=gripper_index_of(self.action_names), stale_after_ms=self.params.get("stale_after_ms"))
         if arbiter is not None:
             self.arbiter.set_stale_after_ms(self.params.get("stale_after_ms"))
         self._pub = self.create_publisher(JointState, self.params.get("action_topic"), qos.reliable_qos())
@@ -62,7 +74,8 @@ class ActionNode(Node):
         self._last_tick_mono: Optional[int] = None
         self.publish_ms = LatencyStats(4096)  # cost of the two publish calls of a tick
         self.fresh_msgs = 0
-        self.fresh_rejected = 0
+        self.fresh_rejected = 0  # fresh messages refused: malformed (below) or rejected by the executor
+        self.fresh_malformed: dict[str, int] = {}  # reason -> messages that could not even be read as a chunk
         self.last_decision = None
         self._pending_rate: Optional[float] = None
         self.on_rate_change = None
@@ -73,24 +86,43 @@ class ActionNode(Node):
                                                        qos.reliable_qos())
             self.get_logger().info(f"robot side: taking fresh actions from {fresh_action_topic}")
 
-    # ---- fresh actions from the edge process (role robot) ---------------------------------------------
+    @property
+    def step_ns(self) -> int:
+        """The executor's step period: this node's control period."""
+        return int(round(1e9 / float(self.params.get("action_rate_hz"))))
+
+    def offer_chunk(self, chunk: Any, frame_stamp_ns: int) -> bool:
+        """Offer a chunk ((H, D), or a flat D vector for H = 1) computed from the frame stamped ``frame_stamp_ns``;
+        False when the executor rejected it (counted there by reason)."""
+        return self.arbiter.offer(chunk, frame_stamp_ns, self.step_ns, self.get_clock().now().nanoseconds)
+
+    # ---- fresh chunks from the edge process (role robot) ----------------------------------------------
+    def _malformed(self, reason: str, text: str) -> None:
+        self.fresh_rejected += 1
+        self.fresh_malformed[reason] = self.fresh_malformed.get(reason, 0) + 1
+        self.get_logger().warning(f"fresh chunk rejected: {text}", throttle_duration_sec=1.0)
+
     def _on_fresh_action(self, msg: JointState) -> None:
         self.fresh_msgs += 1
         try:
-            values, stamp_ns, names = conversions.msg_to_fresh_action(msg)
+            chunk, stamp_ns, names = conversions.msg_to_fresh_chunk(msg, len(self.action_names))
         except ValueError as exc:
-            self.fresh_rejected += 1
-            self.get_logger().warning(f"fresh action rejected: {exc}")
-            return
+            return self._malformed("bad_shape", str(exc))
         if names and tuple(names) != self.action_names:
             if len(names) != len(self.action_names):
-                self.fresh_rejected += 1
-                self.get_logger().warning(f"fresh action has {len(names)} dims {names}, expected "
-                                          f"{list(self.action_names)}")
-                return
+                return self._malformed("dims_mismatch", f"{len(names)} dims {names}, expected "
+                                                        f"{list(self.action_names)}")
             self.action_names = tuple(names)
-        if not self.arbiter.offer(values, stamp_ns, self.get_clock().now().nanoseconds):
+        if chunk.shape[0] != self.arbiter.horizon:
+            # The edge runs the model: its chunk length is the checkpoint's action_horizon.
+            log = self.get_logger().info if not self.arbiter.accepted else self.get_logger().warning
+            log(f"fresh chunks have {chunk.shape[0]} steps (executor had {self.arbiter.horizon}): following the "
+                "edge's action_horizon")
+            self.arbiter.set_horizon(chunk.shape[0])
+        if not self.offer_chunk(chunk, stamp_ns):
             self.fresh_rejected += 1
+            self.get_logger().warning(f"fresh chunk rejected: {self.arbiter.last_reject_message}",
+                                      throttle_duration_sec=1.0)
 
     # ---- the tick --------------------------------------------------------------------------------------
     def _on_tick(self) -> None:
@@ -143,12 +175,16 @@ class ActionNode(Node):
         """Called once the engine knows its action dimensions (role all / after configure)."""
         names = tuple(names)
         if len(names) != self.arbiter.action_dims:
-            raise ValueError(f"engine has {len(names)} action dims, arbiter {self.arbiter.action_dims}")
+            raise ValueError(f"engine has {len(names)} action dims, executor {self.arbiter.action_dims}")
         self.action_names = names
 
     # ---- figures ---------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         summ = self.period.summary()
+        ex = self.arbiter.stats()
+        rejected = dict(ex["rejected"])  # by the executor, and messages that could not be read as a chunk
+        for reason, n in self.fresh_malformed.items():
+            rejected[reason] = rejected.get(reason, 0) + n
         return {
             "ticks": dict(self.counts),
             "rates_hz": {k: r.rate() for k, r in self.rates.items()},
@@ -163,5 +199,9 @@ class ActionNode(Node):
             "publish_ms": self.publish_ms.summary(),
             "fresh_msgs_received": self.fresh_msgs,
             "fresh_msgs_rejected": self.fresh_rejected,
-            "arbiter": self.arbiter.stats(),
+            "fresh_msgs_malformed": dict(self.fresh_malformed),
+            "chunk_merge": self.params.get("chunk_merge"),
+            "arbiter": ex,  # the ChunkExecutor's figures (the key predates it)
+            "chunks_rejected": sum(rejected.values()),
+            "chunks_rejected_by_reason": rejected,
         }

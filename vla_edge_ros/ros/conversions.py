@@ -4,11 +4,18 @@ Images: sensor_msgs/Image and sensor_msgs/CompressedImage are handed to core.ima
 and converts with numpy (the PyPI cv-bridge is a broken ROS 1 port; see README). Bad images raise
 ImageRejected with a machine-readable ``reason`` that the camera node counts.
 
-Actions: a tick of the ActionArbiter (TickDecision) becomes
+Actions: a tick of the ChunkExecutor (ChunkTick; ActionArbiter's TickDecision has the same fields) becomes
 - sensor_msgs/JointState: ``name`` = action dimension names, ``position`` = values, ``header.stamp`` = the
   stamp of the camera frame the action came from (zero for a hold with no source), ``header.frame_id`` =
   the kind ('fresh' | 'repeat' | 'hold'), so a consumer reads kind and provenance without parsing logs;
-- diagnostic_msgs/DiagnosticStatus: kind, source stamp, age_ms, seq, reason as key/values.
+- diagnostic_msgs/DiagnosticStatus: kind, source stamp, age_ms, seq, reason (and, from a ChunkTick, the step of
+  the chunk played) as key/values.
+
+Fresh chunks, edge -> robot (``fresh_action_topic``): a sensor_msgs/JointState with ``name`` = the D action
+names and ``position`` = the (H, D) chunk row-major (H * D values: step 0's D values, then step 1's, ...);
+H = len(position) / len(name). For H = 1 this is exactly the single-action message it always was. Why not
+trajectory_msgs/JointTrajectory: that package is not among the ROS wheels this runtime installs; the steps'
+times need not travel, the executing side times step k at ``header.stamp + k * its control period``.
 """
 from __future__ import annotations
 
@@ -105,6 +112,9 @@ def tick_to_status(decision: Any, node_name: str = "vla_action", tick: int | Non
         KeyValue(key="seq", value=str(int(_decision_field(decision, "seq", 0) or 0))),
         KeyValue(key="reason", value=str(_decision_field(decision, "reason", "") or "")),
     ]
+    step = _decision_field(decision, "step")
+    if step is not None:  # a ChunkTick: the step of the chunk played (-1 for a hold)
+        st.values.append(KeyValue(key="step", value=str(int(step))))
     if tick is not None:
         st.values.append(KeyValue(key="tick", value=str(int(tick))))
     return st
@@ -114,8 +124,33 @@ def status_to_dict(st: DiagnosticStatus) -> dict[str, str]:
     return {kv.key: kv.value for kv in st.values}
 
 
+def fresh_chunk_to_msg(chunk: np.ndarray, frame_stamp_ns: int, names: Sequence[str], chunk_seq: int) -> JointState:
+    """Edge -> robot: one fresh (H, D) chunk, flattened row-major (module docstring). header.stamp = source
+    frame stamp; frame_id carries the chunk seq. ValueError when the chunk does not have len(names) columns."""
+    arr = np.asarray(chunk, dtype=np.float64)
+    arr = arr.reshape(1, -1) if arr.ndim == 1 else arr
+    if arr.ndim != 2 or arr.shape[1] != len(names) or arr.shape[0] < 1:
+        raise ValueError(f"chunk has shape {arr.shape}, expected (H >= 1, {len(names)}) for names {list(names)}")
+    return fresh_action_to_msg(arr.reshape(-1), frame_stamp_ns, names, chunk_seq)
+
+
+def msg_to_fresh_chunk(msg: JointState, action_dims: int) -> tuple[np.ndarray, int, list[str]]:
+    """Robot side: ((H, D) float64 chunk, frame stamp ns, names); D = len(name), or ``action_dims`` for a
+    message without names. ValueError when the positions do not make whole steps. Values are not checked
+    here: NaN / inf reach the executor, which rejects and counts them by reason."""
+    values = np.asarray(msg.position, dtype=np.float64)
+    dims = len(msg.name) if msg.name else int(action_dims)
+    if values.ndim != 1 or values.size == 0:
+        raise ValueError("fresh chunk has no positions")
+    if dims < 1 or values.size % dims:
+        raise ValueError(f"fresh chunk has {values.size} positions, not a whole number of steps of {dims} "
+                         f"action dims ({list(msg.name) or 'no names'})")
+    return values.reshape(-1, dims), stamp_to_ns(msg.header.stamp), list(msg.name)
+
+
 def fresh_action_to_msg(action: np.ndarray, frame_stamp_ns: int, names: Sequence[str], chunk_seq: int) -> JointState:
-    """Edge -> robot: one fresh action. header.stamp = source frame stamp; frame_id carries the chunk seq."""
+    """Edge -> robot: one fresh action (a chunk of H = 1). header.stamp = source frame stamp; frame_id carries
+    the chunk seq."""
     values = np.asarray(action, dtype=np.float64).reshape(-1)
     msg = JointState()
     msg.header.stamp = ns_to_stamp(frame_stamp_ns)

@@ -181,6 +181,8 @@ def action_status(s: dict[str, Any]) -> DiagnosticStatus:
         "missed_ticks": s["missed_ticks"], "action_rate_hz": s["action_rate_hz"],
         "stale_after_ms": s["stale_after_ms"],
         "stale_reasons": ",".join(s["arbiter"]["stale_reasons"]),
+        "chunks_rejected": s.get("chunks_rejected", 0),  # bad shape, NaN/inf, future stamp, reordered, by reason:
+        **{f"chunks_rejected.{k}": n for k, n in sorted(s.get("chunks_rejected_by_reason", {}).items())},
     }
     holding = r["hold"] > 0.0 and r["fresh"] == 0.0
     return _status("vla_action: publisher", WARN if holding else OK, "holding" if holding else "ok", values)

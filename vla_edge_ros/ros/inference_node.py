@@ -2,7 +2,9 @@
 
 Transitions (``ros2 lifecycle set /vla_inference <transition>``):
 - configure: build the engine (engine.factory.make_engine: backend, checkpoint load + validation, kernels,
-  KV manager) and run ``warmup_chunks`` chunks that seed the admission EMAs (not counted in live figures);
+  KV manager), refuse a checkpoint whose action chunks (vla.action_horizon, vla.chunk_decode) the backend cannot
+  decode (``Engine.chunk_support_problem``, named in the failure), set the action executor's horizon (role all)
+  and run ``warmup_chunks`` chunks that seed the admission EMAs (not counted in live figures);
 - activate: the inference loop (its own thread, never an executor callback) starts admitting chunks;
 - deactivate: the loop pauses; the action publisher holds (role all: the arbiter is marked stale;
   robot side of a split: fresh actions stop, so it repeats, then holds after stale_after_ms);
@@ -20,6 +22,11 @@ callback is wrapped here so the caller gets ``success=False`` instead (Kilted be
 
 Live parameters are validated by the ParamBridge and applied by the inference loop at the documented point
 (next cycle / next eviction / a budget shrink evicts at once).
+
+Each fresh chunk ((H, action_dims), stamped with its frame) goes to the action executor: offered directly in
+role all (one step per control period, the action node's), or, in role edge, published on
+``fresh_action_topic`` as a JointState carrying the chunk row-major (ros/conversions.py; for H = 1 the
+single-action message it always was).
 """
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ from vla_edge_ros.ros.param_bridge import ParamBridge
 INACTIVE_REASON = "inference_inactive"
 # live parameters the inference loop applies between chunks (its one queue; the engine's KV settings included)
 LOOP_PARAMS = ("deadline_ms", "safety_margin_ms", "ema_alpha", "cost_quantile", "saliency_threshold",
-               "kv_budget_tokens", "eviction_policy", "window_frames")
+               "kv_budget_tokens", "eviction_policy", "window_frames", "execution_horizon_steps")
 
 
 class InferenceNode(LifecycleNode):
@@ -69,6 +76,7 @@ class InferenceNode(LifecycleNode):
         self.admission: Optional[AdmissionController] = None
         self.loop = None
         self.action_names: tuple[str, ...] = ()
+        self.action_horizon = 1  # the checkpoint's vla.action_horizon, known after configure
         self.last_error = ""
         # When last_error was set (monotonic s) and whether it is a transition failure ("sticky": ERROR on
         # /diagnostics until the next successful transition) or a chunk fault (ERROR for a few seconds, then
@@ -154,16 +162,25 @@ class InferenceNode(LifecycleNode):
             values = dict(self.params.values)
             self.engine = make_engine(values, self.get_logger().info)
             self.backend = getattr(self.engine, "name", "?")
+            support = getattr(self.engine, "chunk_support_problem", None)  # engine/interface.Engine
+            problem = support() if support is not None else None
+            if problem:
+                raise RuntimeError(f"checkpoint refused: {problem}")
             self.action_names = self.engine.action_names
+            self.action_horizon = int(getattr(getattr(self.engine, "cfg", None), "action_horizon", 1))
             if self._on_action_names is not None:
                 self._on_action_names(self.action_names)
+            if self.arbiter is not None:
+                self.arbiter.set_horizon(self.action_horizon)
             self.admission = AdmissionController(values["deadline_ms"], values["safety_margin_ms"],
                                                  values["ema_alpha"], cost_quantile=values["cost_quantile"])
             self.loop = InferenceLoop(self.engine, self.buffer, self.admission, self.cycle_period_ms(),
                                       on_action=self._on_action, on_event=self._on_event,
                                       decode_tokens=values["decode_tokens"],
                                       saliency_threshold=values["saliency_threshold"],
-                                      thread_nice=values["inference_thread_nice"])
+                                      thread_nice=values["inference_thread_nice"],
+                                      action_horizon=self.action_horizon,
+                                      execution_horizon_steps=values["execution_horizon_steps"])
             self.warmup_stats = self.loop.warmup(values["warmup_chunks"])
             self._note_memory()
         except Exception as exc:
@@ -260,8 +277,10 @@ class InferenceNode(LifecycleNode):
     # ---- inference-thread callbacks -------------------------------------------------------------------
     def _on_action(self, result: Any, frame: Any = None, *_: Any) -> None:
         now_ns = self.get_clock().now().nanoseconds
-        stamp_ns = int(getattr(frame, "stamp_ns", 0) or 0)
-        action = getattr(result, "action", result)
+        stamp_ns = int(getattr(result, "frame_stamp_ns", 0) or getattr(frame, "stamp_ns", 0) or 0)
+        chunk = getattr(result, "chunk", None)
+        if chunk is None:  # a bare action (H = 1)
+            chunk = getattr(result, "action", result)
         self.fresh_count += 1
         self.fresh_rate.add()
         if stamp_ns:
@@ -269,11 +288,11 @@ class InferenceNode(LifecycleNode):
         occ = int(getattr(result, "kv_occupancy_tokens", 0) or 0)
         self.occupancy_tokens = occ
         self.max_occupancy_tokens = max(self.max_occupancy_tokens, occ)
-        if self.arbiter is not None:
-            self.arbiter.offer(action, stamp_ns, now_ns)
+        if self.arbiter is not None:  # role all: steps of the action node's control period
+            self.arbiter.offer(chunk, stamp_ns, int(round(self.cycle_period_ms() * 1e6)), now_ns)
         if self._fresh_pub is not None:
-            self._fresh_pub.publish(conversions.fresh_action_to_msg(action, stamp_ns, self.action_names,
-                                                                    self.fresh_count))
+            self._fresh_pub.publish(conversions.fresh_chunk_to_msg(chunk, stamp_ns, self.action_names,
+                                                                   self.fresh_count))
 
     def _on_event(self, kind: str, info: Any = None) -> None:
         info = info or {}
@@ -375,6 +394,7 @@ class InferenceNode(LifecycleNode):
             "last_error_age_s": None if self.last_error_at is None else time.monotonic() - self.last_error_at,
             "last_error_sticky": self.last_error_sticky,
             "deadline_ms": adm.get("deadline_ms", vals["deadline_ms"]),
+            "action_horizon": self.action_horizon,
             "admission": adm,
             "loop": loop_stats,
             "transitions": list(self.transitions),
