@@ -10,9 +10,8 @@ import time
 
 import pytest
 
-from ros_env import allocate_domain_ids, apply_env, module_cmd, Proc, read_json, ros_env, wait_for
+from ros_env import SIM, read_json, wait_for
 
-DOMAIN_ID = allocate_domain_ids(1)
 rclpy = pytest.importorskip("rclpy")
 import vla_edge_ros.sim  # noqa: E402,F401  selects MUJOCO_GL before mujoco is imported
 
@@ -27,20 +26,19 @@ BAD = [  # (names, values, reason expected in the episode results)
 ]
 
 
-def test_sim_node_applies_actions_and_records_episodes(tmp_path):
+def test_sim_node_applies_actions_and_records_episodes(tmp_path, ros_processes):
     from rclpy.executors import SingleThreadedExecutor
     from sensor_msgs.msg import Image, JointState
     from std_msgs.msg import String
 
     from vla_edge_ros.ros import qos
 
-    env = ros_env(DOMAIN_ID, tmp_path / "home")
-    apply_env(DOMAIN_ID, tmp_path / "home")
+    ros_processes.apply_env()
     results_path, stats_path = tmp_path / "episodes.jsonl", tmp_path / "sim_stats.json"
-    sim = Proc(module_cmd("vla_edge_ros.ros.sim_node", "--stats-out", str(stats_path), "--ros-args",
-                          "-p", "task:=reach", "-p", "horizon:=12", "-p", "num_episodes:=2", "-p", "seed_start:=3",
-                          "-p", "control_hz:=20.0", "-p", "camera_hz:=10.0", "-p", "image_width:=64",
-                          "-p", "image_height:=48", "-p", f"results_path:={results_path}"), env, tmp_path / "sim.log")
+    sim = ros_processes.start(SIM, "--stats-out", stats_path, "--ros-args",
+                              "-p", "task:=reach", "-p", "horizon:=12", "-p", "num_episodes:=2", "-p", "seed_start:=3",
+                              "-p", "control_hz:=20.0", "-p", "camera_hz:=10.0", "-p", "image_width:=64",
+                              "-p", "image_height:=48", "-p", f"results_path:={results_path}", name="sim")
     ctx = rclpy.context.Context()
     rclpy.init(context=ctx, args=[])
     node = rclpy.create_node("sim_test_driver", context=ctx)
@@ -72,7 +70,6 @@ def test_sim_node_applies_actions_and_records_episodes(tmp_path):
         ex.shutdown(timeout_sec=2.0)
         node.destroy_node()
         rclpy.shutdown(context=ctx)
-        sim.stop()
 
     img = images[-1]
     assert (img.encoding, img.height, img.width, img.step, len(img.data)) == ("rgb8", 48, 64, 192, 48 * 64 * 3)

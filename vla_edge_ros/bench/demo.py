@@ -1,6 +1,7 @@
 """`make demo`: the whole pipeline on the embedded default model for DURATION seconds.
 
     python -m vla_edge_ros.bench.demo --duration 20 --policy semantic --out results/demo.json
+    python -m vla_edge_ros.bench.demo --sim [--checkpoint DIR] [--task drawer-close] [--episodes N]  (closed loop)
 
 Starts two child processes -- ``vla_test_camera`` (60 Hz rgb8 640x480 moving pattern) and ``vla_runtime``
 (role all: camera subscriber, lifecycle inference node brought to active, 30 Hz action publisher) -- and watches
@@ -268,7 +269,13 @@ def build_result(stats: dict, subscriber: dict, args: argparse.Namespace, window
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="vla_demo", description="run the runtime on the tiny default and report")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--sim" in argv:  # the closed loop: sim + runtime, success figures, an episode GIF (bench/demo_sim.py)
+        from vla_edge_ros.bench import demo_sim
+
+        return demo_sim.main([a for a in argv if a != "--sim"])
+    ap = argparse.ArgumentParser(prog="vla_demo", description="run the runtime on the tiny default and report "
+                                 "(--sim: the closed loop with the simulated arm, see bench/demo_sim.py)")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of control after inference is active")
     ap.add_argument("--policy", default="semantic", help="eviction_policy (semantic | fifo | sliding_window)")
     ap.add_argument("--backend", default="auto", help="auto | cuda | numpy")

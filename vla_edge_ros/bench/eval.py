@@ -151,11 +151,13 @@ def runtime_overrides(setting: Setting, cfg: RunConfig) -> dict[str, dict[str, A
     return {registry.INFERENCE: inference, registry.CAMERA: camera, registry.ACTION: action}
 
 
-def sim_parameters(setting: Setting, cfg: RunConfig, results_path: Path) -> dict[str, Any]:
+def sim_parameters(setting: Setting, cfg: RunConfig, results_path: Path,
+                   extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """vla_sim's parameters of a setting; ``extra`` adds others (the demo's video_path), checked the same way."""
     values = {"task": setting.task, "camera_hz": float(cfg.camera_hz), "control_hz": float(cfg.control_hz),
               "image_width": cfg.image_width, "image_height": cfg.image_height, "horizon": cfg.horizon,
               "seed_start": cfg.seed_start, "num_episodes": cfg.episodes, "wait_for_action": True,
-              "results_path": str(results_path)}
+              "results_path": str(results_path), **(extra or {})}
     reasons = [r for n, v in values.items() if (r := registry.validate(n, v))]
     if reasons:
         raise ValueError(f"sim parameters rejected: {'; '.join(reasons)}")
@@ -168,7 +170,7 @@ def domain_for(index: int, base: int) -> int:
 
 
 def run_setting(setting: Setting, index: int, cfg: RunConfig, out: Path, progress: Progress,
-                base_env: Optional[dict] = None) -> dict[str, Any]:
+                base_env: Optional[dict] = None, sim_extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Run one setting's processes; returns its row (failed rows included)."""
     logs = out / "logs" / f"{index:02d}_{setting.slug}"
     logs.mkdir(parents=True, exist_ok=True)
@@ -181,7 +183,7 @@ def run_setting(setting: Setting, index: int, cfg: RunConfig, out: Path, progres
         env[FAULT_ENV_VAR] = f"hang:{setting.inject_ms:g}@1+"
     py = sys.executable
     sim_yaml = _yaml(logs / "sim.params.yaml",
-                     {registry.SIM: {"ros__parameters": sim_parameters(setting, cfg, episodes_path)}})
+                     {registry.SIM: {"ros__parameters": sim_parameters(setting, cfg, episodes_path, sim_extra)}})
     tail = EpisodeTail(episodes_path)
     failure: Optional[str] = None
     runtime: Optional[Child] = None

@@ -20,6 +20,13 @@ machine, Mesa EGL, 96x96) can therefore delay a control tick by up to that much:
 the thread is ~45 % busy and the control period error is in every episode result (``extra``). The EGL context
 is created and released in that thread (GL contexts are current per thread).
 
+Episode video: with ``video_path`` set, episode ``video_episode`` is recorded (sim/episode_video.py): at each
+of its control steps the newest image the camera timer already rendered and published (nothing is rendered
+twice), the kind the step applied (fresh / repeat / hold, or the sim's own hold and its reason) and the applied
+7-dim action; at the episode's end the GIF is written in a thread of its own (so the next episode's control ticks
+are not delayed by the encoding) and its path logged. At exit the node waits for that thread, and an episode
+still being recorded when the node is stopped is written as unfinished. The figures are in ``--stats-out``.
+
 Baselines: ``sim_policy`` = 'expert' (the benchmark's scripted expert) or 'hold' (always hold) drive the arm from
 inside the node, through the same gate, 7 -> 4 mapping and control timer as received actions (sim/episode.py
 BuiltinDriver); the action topic is then not subscribed. 'external' (the default) applies received actions.
@@ -93,7 +100,17 @@ class SimNode(Node):
             from vla_edge_ros.sim.expert import ScriptedExpert
 
             expert_action7 = ScriptedExpert(self.sim).action7
+        self._last_cmd7: Optional[tuple[float, ...]] = None  # the newest accepted command (the video's action)
+        if expert_action7 is not None:
+            expert_action7 = self._noting_command(expert_action7)
         self.driver = BuiltinDriver(self.controller, v["sim_policy"], expert_action7)
+        self._video_wanted = bool(v["video_path"])
+        self._video = None  # sim/episode_video.EpisodeVideo of the episode being recorded
+        self._video_done = False  # recorded and handed to the writer (one episode per run)
+        self._video_thread: Optional[threading.Thread] = None
+        self._newest_frame = None  # the newest published image (the video's frame for the next control step)
+        self.video_info: dict[str, Any] = {"path": v["video_path"] or None, "episode": v["video_episode"],
+                                           "written": False, "steps_without_frame": 0, "error": None}
         self._action_sub = None  # a baseline drives: received actions must not mix in
         if not self.driver.drives:
             self._action_sub = self.create_subscription(JointState, v["sim_action_topic"], self._on_action,
@@ -105,6 +122,7 @@ class SimNode(Node):
             f"{v['image_width']}x{v['image_height']} at {v['camera_hz']} Hz on {v['sim_camera_topic']}, control "
             f"{v['control_hz']} Hz from {v['sim_action_topic']}, horizon {v['horizon']}, seeds from "
             f"{v['seed_start']}, episodes {v['num_episodes'] or 'forever'}"
+            + (f"; recording episode {v['video_episode']} to {v['video_path']}" if self._video_wanted else "")
             + (f"; sim_policy {v['sim_policy']!r}: the built-in baseline drives, {v['sim_action_topic']} is not "
                "subscribed" if self.driver.drives else
                ", waiting for the first action" if v["wait_for_action"] else ""))
@@ -118,10 +136,19 @@ class SimNode(Node):
             raise ParameterRejected(self.get_name(), reasons)
         return values
 
+    def _noting_command(self, action7):
+        def noted():
+            a = action7()
+            self._last_cmd7 = tuple(float(x) for x in a)
+            return a
+        return noted
+
     # ---- callbacks (one executor thread) -----------------------------------------------------------------
     def _on_action(self, msg: JointState) -> None:
         reason = self.controller.offer(msg.header.frame_id, msg.position, msg.name)
-        if reason is not None:
+        if reason is None:
+            self._last_cmd7 = tuple(float(x) for x in msg.position)
+        else:
             self.get_logger().warning(f"action rejected ({self.controller.last_rejection}); the sim holds",
                                       throttle_duration_sec=1.0)
 
@@ -145,6 +172,8 @@ class SimNode(Node):
             self.get_logger().error(f"camera frame failed: {exc!r}", throttle_duration_sec=1.0)
             return
         self.frames_published += 1
+        if self._video_wanted:
+            self._newest_frame = img
         self.controller.note_frame()
 
     def _on_control(self) -> None:
@@ -158,9 +187,14 @@ class SimNode(Node):
             return
         self.control_period.tick(now)
         self._episode_period.tick(now)
+        cur = self.controller.current
+        video = self._video_for(cur)
+        before = _kind_counts(cur) if video is not None else None
         t0 = time.perf_counter_ns()
         self.controller.control_step(now)  # an episode that ends here is reported through _on_result
         self.step_ms.add((time.perf_counter_ns() - t0) / 1e6)
+        if video is not None:
+            self._record_step(video, cur, before)
         if self.controller.finished:
             self.done.set()
 
@@ -186,6 +220,66 @@ class SimNode(Node):
                                f"hold {result.hold} sim-hold {sum(result.sim_hold.values())}); "
                                f"{s['successes']}/{s['episodes']} succeeded")
 
+    # ---- the episode video ------------------------------------------------------------------------------
+    def _video_for(self, cur):
+        """The recorder of the running episode when it is the one to record (created at its first step)."""
+        if not self._video_wanted or self._video_done or cur.episode != self.values["video_episode"]:
+            return None
+        if self._video is None:
+            from vla_edge_ros.sim.episode_video import EpisodeVideo
+
+            self._video = EpisodeVideo(cur.task, cur.horizon, self.values["control_hz"],
+                                       self.values["video_max_frames"])
+        return self._video
+
+    def _record_step(self, video, cur, before) -> None:
+        try:
+            kind = _applied_kind(before, _kind_counts(cur))
+            if self._newest_frame is None:  # no image published yet: the step is counted, not drawn
+                self.video_info["steps_without_frame"] += 1
+            else:
+                video.add(self._newest_frame, kind, cur.steps,
+                          self._last_cmd7 if kind in ("fresh", "repeat") else None)
+        except ValueError as exc:  # the video stops (logged, in the stats), the episode goes on
+            self._abandon_video(f"step {cur.steps} not recorded: {exc}")
+            return
+        if cur.end:  # the step ended the episode
+            video.finish(cur.success, cur.steps, cur.end)
+            self._start_video_writer()
+
+    def _abandon_video(self, why: str) -> None:
+        self.video_info["error"] = why
+        self._video, self._video_done = None, True
+        self.get_logger().error(f"episode video abandoned: {why}")
+
+    def _start_video_writer(self) -> None:
+        video, self._video, self._video_done = self._video, None, True
+        self._video_thread = threading.Thread(target=self._write_video, args=(video,), name="vla_sim:video")
+        self._video_thread.start()
+
+    def _write_video(self, video) -> None:
+        try:
+            info = video.write_gif(self.values["video_path"])
+        except Exception as exc:  # a failed video must not fail the run: logged, in the stats
+            self.video_info["error"] = f"writing {self.values['video_path']} failed: {exc!r}"
+            self.get_logger().error(self.video_info["error"])
+            return
+        self.video_info.update(info, written=True, result=video.result_text())
+        self.get_logger().info(f"episode video: wrote {info['path']} ({info['frames']} frames of "
+                               f"{info['width']}x{info['height']}, {info['bytes'] / 1024:.0f} KiB, every "
+                               f"{info['stride']} of {info['steps_seen']} steps; {video.result_text()})")
+
+    def finish_video(self, timeout_s: float = 120.0) -> None:
+        """At exit, after the executor stopped: write an episode still being recorded (as unfinished) and wait
+        for the writer."""
+        if self._video is not None and self._video.frame_count:
+            self._start_video_writer()
+        if self._video_thread is not None:
+            self._video_thread.join(timeout_s)
+            if self._video_thread.is_alive():
+                self.video_info["error"] = f"the video writer did not finish in {timeout_s:.0f} s"
+                self.get_logger().error(self.video_info["error"])
+
     def close_sim(self) -> None:
         """Release the renderer; call from the executor thread (it owns the GL context)."""
         self.sim.close()
@@ -195,7 +289,19 @@ class SimNode(Node):
                 "publish_errors": self.publish_errors, "first_render_ms": self.first_render_ms,
                 "render_ms": self.render_ms.summary(),
                 "control_step_ms": self.step_ms.summary(), "control_period": self.control_period.summary(),
-                "camera_period": self.camera_period.summary()}
+                "camera_period": self.camera_period.summary(), "video": dict(self.video_info)}
+
+
+def _kind_counts(cur) -> dict[str, int]:
+    return {"fresh": cur.fresh, "repeat": cur.repeat, "hold": cur.hold, **cur.sim_hold}
+
+
+def _applied_kind(before: dict[str, int], after: dict[str, int]) -> str:
+    """The kind one control step applied: the one counter of the episode result it incremented."""
+    changed = [k for k in after if after[k] != before.get(k, 0)]
+    if len(changed) != 1:
+        raise ValueError(f"the step changed the kind counters {changed or 'none'}, expected exactly one")
+    return changed[0]
 
 
 def main(args=None) -> int:
@@ -235,6 +341,7 @@ def main(args=None) -> int:
         stop.wait(0.2)
     ex.shutdown(timeout_sec=2.0)
     th.join(timeout=5.0)
+    node.finish_video()
     stats = node.snapshot()
     node.get_logger().info(f"exit: {json.dumps(stats['episodes'])}, {node.frames_published} frames")
     if opts.stats_out:
