@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED := 1
 # 16 ms wall but 30 ms CPU per chunk with threads, 17 ms wall and CPU with one).
 export OPENBLAS_NUM_THREADS ?= 1
 
-.PHONY: venv demo test test-cuda-compile sweep soak bench eval clean
+.PHONY: venv demo demo-sim test test-cuda-compile sweep soak bench eval clean
 
 $(VENV)/.installed: setup.py
 	python3 -m venv $(VENV)
@@ -28,6 +28,15 @@ venv: $(VENV)/.installed
 
 demo: venv
 	$(PY) -m vla_edge_ros.bench.demo --duration $(DURATION) --policy $(POLICY) --out results/demo.json
+
+# closed loop: the simulated arm (MetaWorld, the `sim` extra) driven by CHECKPOINT through the runtime; per-episode
+# lines, a summary, results/demo.json's closed_loop section and results/demo_episode.gif
+TASK ?= drawer-close
+EPISODES ?= 3
+CHECKPOINT ?=
+demo-sim: venv
+	$(PY) -m vla_edge_ros.bench.demo --sim --task $(TASK) --episodes $(EPISODES) \
+		$(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) --out results/demo.json
 
 # The kernels' compile check is test/test_cuda_compile.py: each .cu compiled once, for sm_90 and the pre-Hopper
 # architectures. Alone this target runs that file; as part of `make test` the suite runs it (not twice).

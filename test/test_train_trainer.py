@@ -17,6 +17,7 @@ from vla_edge_ros.engine.factory import make_engine  # noqa: E402
 from vla_edge_ros.train import cli  # noqa: E402
 from vla_edge_ros.train.dataset import START_BIN, ContextSpec, DemoDataset, end_bin  # noqa: E402
 from vla_edge_ros.train.trainer import DeviceData, TrainConfig, train  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 
 TINY = dict(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, patch_grid=(2, 4), patch_size=8,
             batch_size=8, lr=3e-3, warmup_steps=2, eval_every=10, eval_samples=64, threads=1, progress=False)
@@ -156,3 +157,17 @@ def test_cli(bag, tmp_path, capsys):
     assert rec["command"].startswith("vla_train ") and "--steps 3" in rec["command"]
     assert cli.main([str(tmp_path / "nope"), "--out", str(tmp_path / "x"), "--no-progress"]) == 2
     assert "no such" in capsys.readouterr().err
+
+
+def test_init_checkpoint_continues_a_run_and_refuses_another_geometry(bag, tmp_path):
+    a = run(bag, tmp_path / "a", seed=0, steps=20)
+    # continuing at lr 0 leaves the weights as they were (AdamW's decay is scaled by lr too): the load is exact
+    run(bag, tmp_path / "same", seed=0, steps=1, lr=0.0, init_checkpoint=str(tmp_path / "a"))
+    wa = load_file(str(tmp_path / "a" / "model.safetensors"))
+    ws = load_file(str(tmp_path / "same" / "model.safetensors"))
+    assert set(wa) == set(ws) and all(np.array_equal(wa[k], ws[k]) for k in wa)
+    # continuing with a learning rate starts from a's loss, not from a fresh init's ~ln 256
+    b = run(bag, tmp_path / "b", seed=0, steps=5, init_checkpoint=str(tmp_path / "a"))
+    assert b["losses"][0] < 0.8 * a["losses"][0], (b["losses"][0], a["losses"][0])
+    with pytest.raises(ValueError, match="config differs.*hidden_size"):
+        run(bag, tmp_path / "c", seed=0, steps=1, hidden=64, init_checkpoint=str(tmp_path / "a"))

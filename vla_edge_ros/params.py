@@ -23,6 +23,7 @@ NODES = (CAMERA, INFERENCE, ACTION, SIM)
 EVICTION_POLICIES = ("semantic", "fifo", "sliding_window")
 BACKENDS = ("auto", "cuda", "numpy")
 IMAGE_TRANSPORTS = ("raw", "compressed")
+CHUNK_MERGES = ("latest", "temporal_ensemble", "blend")  # core/executor.MERGES (a test keeps them equal)
 
 # kv_budget_tokens = 0 (the default) takes the backend's own budget. A KV cache the GPU attends over in
 # ~1 ms per chunk costs the numpy backend far more on the 2-core CPU the README documents. Measured there
@@ -125,8 +126,10 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("saliency_threshold", float, 0.2, "a frame whose pooled embedding has cosine distance above this "
               "from the previous frame is tagged salient (scene change)", INFERENCE, min=0.0, max=2.0, live=True,
               applies="next frame"),
-    ParamSpec("fresh_action_topic", str, "/vla/action_fresh", "topic carrying each fresh action from inference "
-              "to the action publisher (used across processes in the robot/edge split)", INFERENCE),
+    ParamSpec("fresh_action_topic", str, "/vla/action_fresh", "fresh actions (chunks) from inference to the "
+              "action publisher, across processes in the robot/edge split", INFERENCE),
+    ParamSpec("execution_horizon_steps", int, 0, "steps of an action chunk played before the next starts; "
+              "0 = H/2", INFERENCE, min=0, max=4096, live=True, applies="next cycle"),
     # ---- action publisher -------------------------------------------------------------------------------
     ParamSpec("action_rate_hz", float, 30.0, "rate of the action publisher timer", ACTION, min=1.0, max=1000.0,
               live=True, applies="next tick (timer re-created)"),
@@ -135,6 +138,7 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("action_topic", str, "/vla/action", "sensor_msgs/JointState published every tick", ACTION),
     ParamSpec("action_status_topic", str, "/vla/action_status", "diagnostic_msgs/DiagnosticStatus per tick: "
               "kind, source frame stamp, age, sequence", ACTION),
+    ParamSpec("chunk_merge", str, "latest", "merge of overlapping action chunks", ACTION, choices=CHUNK_MERGES),
     # ---- simulated arm (vla_sim; read-only: a changed task, rate or camera is a new run) ------------------
     # The sim's own topics are sim_camera_topic / sim_action_topic (names are unique across the registry); their
     # defaults are the runtime's camera_topic / action_topic, so the two meet without remapping.
@@ -167,6 +171,13 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("sim_policy", str, "external", "who drives the arm: external (the received actions), expert (the "
               "scripted expert, a baseline) or hold (always hold, a baseline); baselines go through the same "
               "mapping and control timing", SIM, choices=("external", "expert", "hold")),
+    ParamSpec("video_path", str, "", "write episode video_episode as an animated GIF here: each control step's "
+              "camera frame (the image already published, not rendered again) with the applied kind (fresh / "
+              "repeat / hold) and the episode's result drawn on it (empty = no video; needs Pillow)", SIM),
+    ParamSpec("video_episode", int, 0, "the episode (0, 1, ... within this run) that video_path records", SIM,
+              min=0, max=1000000000),
+    ParamSpec("video_max_frames", int, 240, "frames the episode video keeps at most: a longer episode is evenly "
+              "subsampled (bounds the memory: 240 frames of 128x64 are 6 MiB)", SIM, min=2, max=100000),
 )
 
 BY_NAME: dict[str, ParamSpec] = {p.name: p for p in PARAMS}

@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="auto", help="auto (cuda when torch sees one), cpu, cuda")
     r.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--init-checkpoint", default="", help="continue from this checkpoint's weights (same config)")
     return p
 
 
@@ -72,6 +73,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          weight_decay=a.weight_decay, context=ctx, holdout_frac=a.holdout_frac,
                          eval_every=a.eval_every, eval_samples=a.eval_samples, seed=a.seed, device=a.device,
                          threads=a.threads, weights_dtype=a.weights_dtype, progress=not a.no_progress,
+                         init_checkpoint=a.init_checkpoint,
                          command=shlex.join(["vla_train", *argv]))
         record = train(tc)
     except (ValueError, BagReadError, FileNotFoundError) as exc:

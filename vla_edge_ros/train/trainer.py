@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from vla_edge_ros.data.bag_reader import bag_digest, read_bags
-from vla_edge_ros.engine.checkpoint import write_checkpoint
+from vla_edge_ros.engine.checkpoint import load_checkpoint, write_checkpoint
 from vla_edge_ros.engine.config import BYTE_TOKENS, DEFAULT_ACTION_NAMES, ModelConfig, tiny_default_dict
 from vla_edge_ros.train.dataset import START_BIN, ContextSpec, DemoDataset, Rows, end_bin
 from vla_edge_ros.train.model import VLAPolicy
@@ -79,6 +79,10 @@ class TrainConfig:
     device: str = "auto"
     threads: int = 0  # 0 = torch's default
     weights_dtype: str = "float32"  # or bfloat16 (half the file; what the CUDA engine uploads anyway)
+    # start from this checkpoint's weights instead of a seeded init (a longer run split over several sessions or
+    # machines: a second run continues the first with a fresh warm-up and cosine); its config must equal this
+    # run's (geometry and the q01 / q99 the bins mean), else it is refused
+    init_checkpoint: str = ""
     progress: bool = True
     command: str = ""
 
@@ -273,6 +277,17 @@ def plot_curves(path: Path, losses: Sequence[float], evals: Sequence[dict]) -> N
     plt.close(fig)
 
 
+def _init_tensors(ckpt_dir: str, mcfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The tensors of ``ckpt_dir`` for ``init_checkpoint``, refused unless its config equals this run's."""
+    theirs = ModelConfig.from_json(ckpt_dir).to_dict()
+    ours = mcfg.to_dict()
+    diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    if diff:
+        raise ValueError(f"init_checkpoint {ckpt_dir}: its config differs from this run's in {diff} "
+                         f"(same geometry, data and action bins are needed to continue a run)")
+    return load_checkpoint(ckpt_dir, mcfg)
+
+
 def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """One training run (module docstring); returns the training record (also written to the output)."""
     if tc.steps < 1 or tc.batch_size < 1:
@@ -293,7 +308,11 @@ def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]
                      tc.seed)
     cfg_dict = model_config_dict(tc, ds.q01, ds.q99)
     mcfg = ModelConfig.from_json(cfg_dict)
-    policy = VLAPolicy(mcfg).init_weights(tc.seed, tc.init_std).to(device)
+    policy = VLAPolicy(mcfg).init_weights(tc.seed, tc.init_std)
+    if tc.init_checkpoint:
+        policy.load_tensors(_init_tensors(tc.init_checkpoint, mcfg))
+        log(f"vla_train: weights from {tc.init_checkpoint}")
+    policy = policy.to(device)
     n_params = sum(p.numel() for p in policy.parameters())
     info = ds.describe()
     log(f"vla_train: {info['train_episodes']} train / {info['heldout_episodes']} held-out episodes "
