@@ -72,3 +72,15 @@ def test_recovery_after_a_camera_silence_is_reported():
                                                                   "longest_without_fresh_s": 3.25})
     assert res["longest_without_fresh_s"] == 3.25
     assert "camera silent 3 s: recovery 0.25 s" in demo.summary_table(res)
+
+
+def test_steady_state_misses_leave_out_the_first_seconds_and_warn():
+    stats = _stats()
+    stats["chunks"]["deadline_misses"] = total = 5
+    warm = demo.build_result(stats, {}, ARGS, 20.0, misses_before_steady=total)  # every miss in the warm-up
+    assert warm["deadline_misses_steady"] == 0 and not any("steady" in w for w in warm["warnings"])
+    late = demo.build_result(stats, {}, ARGS, 20.0, misses_before_steady=max(0, total - 3))
+    assert late["deadline_misses_steady"] == 3
+    assert "deadline misses after the first 2 s (steady state)" in demo.summary_table(late)
+    assert any("3 admitted chunks missed their deadline after the first 2 s" in w for w in late["warnings"])
+    assert demo.build_result(stats, {}, ARGS, 20.0)["deadline_misses_steady"] is None  # not measured: said so
