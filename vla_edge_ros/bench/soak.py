@@ -212,10 +212,20 @@ def _table(res: dict) -> str:
         ("chunk latency p50 / p99 (ms)", f"{_fmt(res['latency_ms_p50'])} / {_fmt(res['latency_ms_p99'])}"),
         ("frames received / dropped / rejected", f"{res['frames_received']} / {res['frames_dropped']} / "
                                                  f"{res['frames_rejected']}"),
+        ("gc collections / longest pause ms (gen 0, 1, 2)", _gc_text(res.get("gc"))),
         ("verdict", "OK" if not res["violations"] else "VIOLATED: " + "; ".join(res["violations"])),
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def _gc_text(gc: Any) -> str:
+    if not isinstance(gc, dict) or "collections" not in gc:
+        return "n/a"
+    frozen = (gc.get("freeze") or {}).get("frozen_objects")
+    return (" / ".join(str(c) for c in gc["collections"]) + "; "
+            + " / ".join(f"{m:.1f}" for m in gc.get("pause_ms_max", []))
+            + (f"  ({frozen} objects frozen after start-up)" if frozen is not None else "  (not frozen)"))
 
 
 def _fmt(x: Any) -> str:
@@ -370,6 +380,9 @@ def run(opts: argparse.Namespace) -> int:
         "frames_received": _get(final, "frames", "received"),
         "frames_dropped": _get(final, "frames", "dropped"),
         "frames_rejected": _get(final, "frames", "rejected"),
+        # the cyclic collector's pauses in the runtime (core/gc_pauses.py), whole run: a long tick gap with a
+        # generation-2 pause as long is the collector's
+        "gc": _get(final, "gc"),
         "runtime_exit_code": rt_rc,
         "camera_exit_code": cam_rc,
         "interrupted": stop.is_set(),

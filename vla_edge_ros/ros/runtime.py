@@ -38,6 +38,7 @@ from rclpy.utilities import remove_ros_args
 
 from vla_edge_ros import params as registry
 from vla_edge_ros.core.double_buffer import DoubleBuffer
+from vla_edge_ros.core.gc_pauses import GcPauseMonitor, freeze_long_lived
 from vla_edge_ros.core.metrics import peak_rss_mb
 from vla_edge_ros.ros import diagnostics
 
@@ -81,6 +82,9 @@ def _nan_to_none(obj: Any) -> Any:
 # interval bounds that wait; the extra switching costs the inference thread little (measured with
 # bench/runtime_bench.py, see README). VLA_SWITCH_INTERVAL_S overrides it (0 keeps CPython's default).
 GIL_SWITCH_INTERVAL_S = float(os.environ.get("VLA_SWITCH_INTERVAL_S", "0.001"))
+# Seconds after activation at which the process freezes what it has allocated so far out of the cyclic
+# collector's full passes (core/gc_pauses.py says why); VLA_GC_FREEZE_AFTER_S=-1 leaves the collector as it is.
+GC_FREEZE_AFTER_S = float(os.environ.get("VLA_GC_FREEZE_AFTER_S", "3.0"))
 
 
 class Runtime:
@@ -141,6 +145,8 @@ class Runtime:
         self.threads: list[threading.Thread] = []
         self.started_at = time.monotonic()
         self.active_since: Optional[float] = None
+        self.gc_monitor = GcPauseMonitor().install()
+        self.gc_freeze: Optional[dict] = None  # freeze_long_lived()'s figures once done
 
     # ---- lifecycle of the process ---------------------------------------------------------------------
     def start(self) -> None:
@@ -173,6 +179,15 @@ class Runtime:
                                               f"({self.inference.last_error or 'see log'})")
         return ok
 
+    def freeze_gc_when_settled(self, after_s: float = GC_FREEZE_AFTER_S) -> bool:
+        """Once, ``after_s`` after activation (warm-up allocations done): freeze the long-lived objects."""
+        if self.gc_freeze is not None or after_s < 0 or self.active_since is None:
+            return False
+        if time.monotonic() - self.active_since < after_s:
+            return False
+        self.gc_freeze = freeze_long_lived()
+        return True
+
     def stop(self) -> None:
         if self.inference is not None:
             try:
@@ -185,6 +200,7 @@ class Runtime:
             th.join(timeout=3.0)
 
     def destroy(self) -> None:
+        self.gc_monitor.uninstall()
         self.diagnostics.destroy()
         for node in self.nodes:
             node.destroy_node()
@@ -217,6 +233,7 @@ class Runtime:
             out["frames"] = {"received": c["received"], "dropped": c["dropped"], "rejected": c["rejected"],
                              "rejected_by_reason": c["rejected_by_reason"]}
             out["camera"] = c
+        out["gc"] = {**self.gc_monitor.snapshot(), "freeze": self.gc_freeze}
         out["memory"] = {"peak_rss_mb": peak_rss_mb(),
                          "peak_vram_mb": self.inference.peak_vram_mb if self.inference is not None else 0.0}
         return _nan_to_none(out)
@@ -251,6 +268,7 @@ def run(role: str, argv: list[str], autostart: bool = True, stats_out: Optional[
     rc = 0
     t_end = None if duration_s is None else time.monotonic() + duration_s
     while not stop.is_set():
+        rt.freeze_gc_when_settled()
         timeout = 1.0 if stats_every_s is None else stats_every_s
         if t_end is not None:
             timeout = min(timeout, max(0.0, t_end - time.monotonic()))
