@@ -14,6 +14,7 @@ ROS_PYPI = [
     "ros-jazzy-geometry-msgs",
     "ros-jazzy-diagnostic-msgs",
     "ros-jazzy-lifecycle-msgs",
+    "ros-jazzy-trajectory-msgs",
     "ros-jazzy-rmw-fastrtps-cpp",
 ]
 

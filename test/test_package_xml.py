@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # ROS 2 Jazzy packages this project may depend on (all released in jazzy/distribution.yaml).
 JAZZY_PACKAGES = {"rclpy", "rcl_interfaces", "builtin_interfaces", "sensor_msgs", "diagnostic_msgs",
                   "lifecycle_msgs", "std_msgs", "geometry_msgs", "ament_index_python", "launch", "launch_ros",
-                  "launch_pytest", "launch_testing", "rmw_fastrtps_cpp"}
+                  "launch_pytest", "launch_testing", "rmw_fastrtps_cpp", "trajectory_msgs"}
 # rosdep keys (apt on Ubuntu / Debian) -> the Python module they provide.
 ROSDEP_PYTHON_KEYS = {"python3-numpy": "numpy", "python3-yaml": "yaml", "python3-pil": "PIL",
                       "python3-tqdm": "tqdm", "python3-psutil": "psutil", "python3-matplotlib": "matplotlib",

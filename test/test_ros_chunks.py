@@ -1,7 +1,9 @@
 """The action node plays an action chunk: a fake H = 4 chunk arrives on the fresh-action topic (the robot side of
 a split) and is published step by step at the control rate, each step at its frame stamp + k periods, then its
 last step repeated, then hold; malformed, non-finite and future-stamped chunks are rejected, counted (snapshot and
-/diagnostics values) and do not disturb the chunk being played. In-process rclpy (no child processes)."""
+/diagnostics values) and do not disturb the chunk being played. Each accepted chunk, and no rejected one, is also
+published once as a JointTrajectory (from the topic, and offered in-process as role all does). In-process rclpy
+(no child processes)."""
 from __future__ import annotations
 
 import math
@@ -19,11 +21,13 @@ from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
 from sensor_msgs.msg import JointState  # noqa: E402
+from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
 from vla_edge_ros.ros import conversions, diagnostics, qos  # noqa: E402
 from vla_edge_ros.ros.action_node import DEFAULT_ACTION_NAMES, ActionNode  # noqa: E402
 
 FRESH_TOPIC = "/vla_test/fresh_chunks"
+TRAJECTORY_TOPIC = "/vla_test/action_trajectory"
 RATE_HZ = 10.0
 DT_NS = int(1e9 / RATE_HZ)
 STALE_MS = 1000.0
@@ -44,11 +48,22 @@ class Probe:
         self.lock = threading.Lock()
         self.ticks: list[tuple[int, str, int, list[float]]] = []  # (receive ns, kind, stamp ns, positions)
         self.statuses: list[dict[str, str]] = []
+        self.trajectories: list[tuple[int, JointTrajectory]] = []  # (receive ns, message)
         self.node.create_subscription(JointState, "/vla/action", self._on_action, qos.reliable_qos(100))
         self.node.create_subscription(DiagnosticStatus, "/vla/action_status", self._on_status, qos.reliable_qos(100))
+        self.traj_sub = self.node.create_subscription(JointTrajectory, TRAJECTORY_TOPIC, self._on_trajectory,
+                                                      qos.reliable_qos(100))
 
     def now(self) -> int:
         return self.node.get_clock().now().nanoseconds
+
+    def _on_trajectory(self, msg):
+        with self.lock:
+            self.trajectories.append((self.now(), msg))
+
+    def trajectories_for(self, stamp_ns: int) -> list[tuple[int, JointTrajectory]]:
+        with self.lock:
+            return [(r, m) for r, m in self.trajectories if conversions.stamp_to_ns(m.header.stamp) == stamp_ns]
 
     def _on_action(self, msg):
         with self.lock:
@@ -69,7 +84,8 @@ def system(ros_domain, tmp_path):
     ctx = rclpy.context.Context()
     rclpy.init(context=ctx, args=[])
     action = ActionNode(fresh_action_topic=FRESH_TOPIC, context=ctx, parameter_overrides=[
-        Parameter("action_rate_hz", value=RATE_HZ), Parameter("stale_after_ms", value=STALE_MS)])
+        Parameter("action_rate_hz", value=RATE_HZ), Parameter("stale_after_ms", value=STALE_MS),
+        Parameter("action_trajectory_topic", value=TRAJECTORY_TOPIC)])
     probe = Probe(ctx)
     ex = SingleThreadedExecutor(context=ctx)
     ex.add_node(action)
@@ -97,7 +113,8 @@ def wait_for(cond, timeout_s: float) -> bool:
 
 def test_a_chunk_is_played_step_by_step_and_bad_chunks_are_counted(system):
     action, probe = system
-    assert wait_for(lambda: probe.pub.get_subscription_count() > 0 and len(probe.ticks) >= 2, 20.0)
+    assert wait_for(lambda: probe.pub.get_subscription_count() > 0 and len(probe.ticks) >= 2
+                    and probe.node.count_publishers(TRAJECTORY_TOPIC) > 0, 20.0)
     good = chunk_values(0.0)
     stamp = probe.now()
     probe.publish_chunk(good, stamp, 1)
@@ -141,6 +158,20 @@ def test_a_chunk_is_played_step_by_step_and_bad_chunks_are_counted(system):
     values = {kv.key: kv.value for kv in diagnostics.action_status(snap).values}
     assert values["chunks_rejected"] == "3" and values["chunks_rejected.future_stamp"] == "1"
 
+    # the accepted chunk was published once as a trajectory, from the step due when it was accepted; the three
+    # rejected ones not at all
+    assert (snap["trajectories_published"], snap["trajectory_errors"]) == (1, 0), snap
+    with probe.lock:
+        trajectories = list(probe.trajectories)
+    assert len(trajectories) == 1, [conversions.stamp_to_ns(m.header.stamp) for _, m in trajectories]
+    recv, traj = trajectories[0]
+    assert conversions.stamp_to_ns(traj.header.stamp) == stamp and list(traj.joint_names) == list(DEFAULT_ACTION_NAMES)
+    first = H - len(traj.points)
+    assert 0 <= first <= (recv - stamp) // DT_NS and first < H, (first, (recv - stamp) / 1e6)
+    for k, point in enumerate(traj.points, start=first):
+        np.testing.assert_array_equal(point.positions, good[k])
+        assert conversions.stamp_to_ns(point.time_from_start) == k * DT_NS
+
     # the executor went on: a later good chunk is played fresh from its due step
     stamp2 = probe.now()
     probe.publish_chunk(chunk_values(100.0), stamp2, 5)
@@ -148,6 +179,18 @@ def test_a_chunk_is_played_step_by_step_and_bad_chunks_are_counted(system):
     with probe.lock:
         first = next(t for t in probe.ticks if t[2] == stamp2)
     assert first[3][0] in (chunk_values(100.0)[0, 0], chunk_values(100.0)[1, 0])
+    assert wait_for(lambda: len(probe.trajectories_for(stamp2)) == 1, 5.0)
+
+    # role all: the inference loop offers into the shared executor directly, not through the topic
+    stamp3 = probe.now()
+    assert action.arbiter.offer(chunk_values(300.0), stamp3, DT_NS, stamp3)
+    assert wait_for(lambda: len(probe.trajectories_for(stamp3)) == 1, 5.0)
+    (_, traj3), = probe.trajectories_for(stamp3)
+    assert [conversions.stamp_to_ns(p.time_from_start) for p in traj3.points] == [k * DT_NS for k in range(H)]
+    np.testing.assert_array_equal([list(p.positions) for p in traj3.points], chunk_values(300.0))
+    assert not action.arbiter.offer(chunk_values(400.0)[:, :3], probe.now(), DT_NS, probe.now())  # bad shape
+    time.sleep(0.3)
+    assert len(probe.trajectories) == 3 and action.snapshot()["trajectories_published"] == 3
 
 
 def test_fresh_chunk_messages_round_trip_and_h1_is_the_single_action_message():

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -131,6 +131,10 @@ class ChunkExecutor(StaleInputs):
         self.rejected: dict[str, int] = {}
         self.last_reject_message = ""
         self.horizon_changes = 0
+        # Called after each accepted offer, outside the lock, on the offering thread, with (plan (H, D) copy:
+        # the chunk as stored, blend's rewrite included; frame_stamp_ns, dt_ns, now_ns). The action node
+        # publishes the chunk as a trajectory from it; it must not raise (the offerer is the inference loop).
+        self.on_accept: Optional[Callable[[np.ndarray, int, int, int], None]] = None
 
     def set_horizon(self, horizon: int) -> None:
         """Change H (a new checkpoint configured, or the robot side of a split following its edge): the plan of
@@ -192,7 +196,11 @@ class ChunkExecutor(StaleInputs):
                 del self._chunks[:-MAX_LIVE_CHUNKS]
             self._newest = new
             self.accepted += 1
-            return True
+            listener = self.on_accept
+            plan = new.values.copy() if listener is not None else None
+        if listener is not None:
+            listener(plan, stamp, dt, now)
+        return True
 
     def _merge_in_locked(self, new: _Chunk, now: int) -> None:
         old = self._chunks[-1]

@@ -9,8 +9,18 @@ due now and publishes, always:
 A chunk's step k is due at its frame stamp + k * this node's control period (``1 / action_rate_hz``); chunks
 that overlap are merged by ``chunk_merge``. With the checkpoint's action_horizon H = 1 (today's models) the
 executor is the former ActionArbiter exactly: fresh, then repeat, then hold after ``stale_after_ms``
-(measured on this machine's receive clock, so clock skew between hosts cannot stall it). The whole chunk is not
-(yet) published as trajectory_msgs/JointTrajectory: that package is not among the installed ROS wheels.
+(measured on this machine's receive clock, so clock skew between hosts cannot stall it).
+
+For controllers that interpolate, each chunk the executor accepts is also published once, at acceptance, as
+trajectory_msgs/JointTrajectory on ``action_trajectory_topic`` (empty = off; ros/conversions.py
+``chunk_to_joint_trajectory``): header.stamp = its frame stamp, joint_names = the action names, one point per step
+k with time_from_start = k * dt relative to header.stamp. Steps already past at acceptance are NOT included (the
+executor skips them: latency compensation): the first point is the step due then, so its time_from_start is the
+latency rounded down to a step; a chunk accepted after its last step was due keeps that one step. Positions are
+the chunk as the executor stores it: with ``blend`` its committed / blended first steps, with
+``temporal_ensemble`` the chunk's own steps (the per-tick average is on ``action_topic``). A rejected chunk is
+not published. Role all: the listener runs on the inference thread that offered the chunk (rclpy publishers may
+be used from any thread), so the trajectory leaves as soon as the chunk is in, not at the next tick.
 
 Where fresh chunks come from:
 - role all: the inference loop in the same process calls ``executor.offer`` directly (shared object; the
@@ -31,6 +41,7 @@ from typing import Any, Optional, Sequence
 from diagnostic_msgs.msg import DiagnosticStatus
 from rclpy.node import Node
 from sensor_msgs.msg import JointState
+from trajectory_msgs.msg import JointTrajectory
 
 from vla_edge_ros import params as registry
 from vla_edge_ros.core.executor import ChunkExecutor
@@ -65,6 +76,13 @@ class ActionNode(Node):
         self._pub = self.create_publisher(JointState, self.params.get("action_topic"), qos.reliable_qos())
         self._status_pub = self.create_publisher(DiagnosticStatus, self.params.get("action_status_topic"),
                                                  qos.reliable_qos())
+        self.trajectories_published = 0
+        self.trajectory_errors = 0  # accepted chunks whose trajectory could not be built or published
+        self._trajectory_pub = None
+        if self.params.get("action_trajectory_topic"):
+            self._trajectory_pub = self.create_publisher(JointTrajectory, self.params.get("action_trajectory_topic"),
+                                                         qos.reliable_qos())
+            self.arbiter.on_accept = self._publish_trajectory
         self.period = PeriodTracker(1000.0 / self.params.get("action_rate_hz"))
         self.rates = {k: RateCounter(1.0) for k in ("fresh", "repeat", "hold")}
         self.counts = {"fresh": 0, "repeat": 0, "hold": 0}
@@ -95,6 +113,17 @@ class ActionNode(Node):
         """Offer a chunk ((H, D), or a flat D vector for H = 1) computed from the frame stamped ``frame_stamp_ns``;
         False when the executor rejected it (counted there by reason)."""
         return self.arbiter.offer(chunk, frame_stamp_ns, self.step_ns, self.get_clock().now().nanoseconds)
+
+    def _publish_trajectory(self, plan: Any, frame_stamp_ns: int, dt_ns: int, now_ns: int) -> None:
+        """The executor's accept listener (module docstring): never raises into the offering thread; a failure
+        is counted (``trajectory_errors``) and logged."""
+        try:
+            self._trajectory_pub.publish(conversions.chunk_to_joint_trajectory(plan, frame_stamp_ns, dt_ns,
+                                                                               self.action_names, now_ns))
+            self.trajectories_published += 1
+        except Exception as exc:
+            self.trajectory_errors += 1
+            self.get_logger().error(f"action trajectory not published: {exc!r}", throttle_duration_sec=1.0)
 
     # ---- fresh chunks from the edge process (role robot) ----------------------------------------------
     def _malformed(self, reason: str, text: str) -> None:
@@ -201,6 +230,8 @@ class ActionNode(Node):
             "fresh_msgs_rejected": self.fresh_rejected,
             "fresh_msgs_malformed": dict(self.fresh_malformed),
             "chunk_merge": self.params.get("chunk_merge"),
+            "trajectories_published": self.trajectories_published,
+            "trajectory_errors": self.trajectory_errors,
             "arbiter": ex,  # the ChunkExecutor's figures (the key predates it)
             "chunks_rejected": sum(rejected.values()),
             "chunks_rejected_by_reason": rejected,

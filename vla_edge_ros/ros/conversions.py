@@ -14,17 +14,22 @@ Actions: a tick of the ChunkExecutor (ChunkTick; ActionArbiter's TickDecision ha
 Fresh chunks, edge -> robot (``fresh_action_topic``): a sensor_msgs/JointState with ``name`` = the D action
 names and ``position`` = the (H, D) chunk row-major (H * D values: step 0's D values, then step 1's, ...);
 H = len(position) / len(name). For H = 1 this is exactly the single-action message it always was. Why not
-trajectory_msgs/JointTrajectory: that package is not among the ROS wheels this runtime installs; the steps'
-times need not travel, the executing side times step k at ``header.stamp + k * its control period``.
+trajectory_msgs/JointTrajectory here: the steps' times need not travel (the executing side times step k at
+``header.stamp + k * its control period``), and H = 1 stays the message every consumer already reads.
+
+Accepted chunks, for controllers that interpolate (``action_trajectory_topic``): trajectory_msgs/JointTrajectory,
+``header.stamp`` = the chunk's frame stamp, ``joint_names`` = the action names, one point per step k from the step
+due when the executor accepted it (``chunk_to_joint_trajectory``).
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 import numpy as np
-from builtin_interfaces.msg import Time
+from builtin_interfaces.msg import Duration, Time
 from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
 from sensor_msgs.msg import CompressedImage, Image, JointState
+from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from vla_edge_ros.core import image_convert
 
@@ -170,6 +175,48 @@ def msg_to_fresh_action(msg: JointState) -> tuple[np.ndarray, int, list[str]]:
     if not np.all(np.isfinite(values)):
         raise ValueError("fresh action contains NaN/inf")
     return values.astype(np.float32), stamp_to_ns(msg.header.stamp), list(msg.name)
+
+
+def ns_to_duration(ns: int) -> Duration:
+    ns = int(ns)
+    if ns < 0:
+        raise ValueError(f"a duration must be >= 0 ns, got {ns}")
+    return Duration(sec=ns // NS_PER_S, nanosec=ns % NS_PER_S)
+
+
+def due_step(frame_stamp_ns: int, dt_ns: int, now_ns: int, horizon: int) -> int:
+    """The chunk step the executor plays at ``now_ns`` (core/executor.py): floor((now - stamp) / dt), at least 0
+    (a stamp within the future tolerance is due now), at most H - 1 (a chunk that ran out plays its last step);
+    0 for H = 1 (a single step is played whatever its stamp). ValueError for dt <= 0 or H < 1."""
+    if int(dt_ns) <= 0 or int(horizon) < 1:
+        raise ValueError(f"dt_ns and horizon must be > 0, got {dt_ns}, {horizon}")
+    if horizon == 1:
+        return 0
+    return int(min(max(0, (int(now_ns) - int(frame_stamp_ns)) // int(dt_ns)), horizon - 1))
+
+
+def chunk_to_joint_trajectory(chunk: np.ndarray, frame_stamp_ns: int, dt_ns: int, names: Sequence[str],
+                              now_ns: int) -> JointTrajectory:
+    """An accepted (H, D) chunk as a trajectory_msgs/JointTrajectory, for controllers that interpolate.
+
+    header.stamp = ``frame_stamp_ns`` (the chunk's frame: the time its step 0 is planned for); joint_names =
+    ``names``; one point per step k from the step due at ``now_ns`` (``due_step``: steps already past when the
+    chunk was accepted are left out, as the executor skips them for latency compensation) to H - 1, with
+    positions = step k's action and time_from_start = k * ``dt_ns``, relative to header.stamp (so the first
+    point's time_from_start is the latency already spent, rounded down to a step). At least one point: a chunk
+    accepted after its last step was due keeps that step (what the executor then commands). ValueError for a
+    chunk that is not (H >= 1, len(names)) or a dt <= 0."""
+    arr = np.asarray(chunk, dtype=np.float64)
+    arr = arr.reshape(1, -1) if arr.ndim == 1 else arr
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] != len(names):
+        raise ValueError(f"chunk has shape {arr.shape}, expected (H >= 1, {len(names)}) for names {list(names)}")
+    first = due_step(frame_stamp_ns, dt_ns, now_ns, arr.shape[0])  # ValueError for dt <= 0
+    msg = JointTrajectory()
+    msg.header.stamp = ns_to_stamp(frame_stamp_ns)
+    msg.joint_names = list(names)
+    msg.points = [JointTrajectoryPoint(positions=arr[k].tolist(), time_from_start=ns_to_duration(k * int(dt_ns)))
+                  for k in range(first, arr.shape[0])]
+    return msg
 
 
 def key_values(d: dict[str, Any]) -> list[KeyValue]:
