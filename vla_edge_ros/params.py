@@ -24,6 +24,7 @@ EVICTION_POLICIES = ("semantic", "fifo", "sliding_window")
 BACKENDS = ("auto", "cuda", "numpy")
 IMAGE_TRANSPORTS = ("raw", "compressed")
 CHUNK_MERGES = ("latest", "temporal_ensemble", "blend")  # core/executor.MERGES (a test keeps them equal)
+WEIGHT_DTYPES = ("bf16", "int8", "fp8", "int4")  # engine/quant.WEIGHT_DTYPES (a test keeps them equal)
 
 # kv_budget_tokens = 0 (the default) takes the backend's own budget. A KV cache the GPU attends over in
 # ~1 ms per chunk costs the numpy backend far more on the 2-core CPU the README documents. Measured there
@@ -123,6 +124,8 @@ PARAMS: tuple[ParamSpec, ...] = (
               INFERENCE, min=0, max=19),
     ParamSpec("max_vram_gb", float, 8.0, "refuse to start when model + KV budget + scratch exceed this",
               INFERENCE, min=0.01, max=1024.0),
+    ParamSpec("weight_dtype", str, "bf16", "linear-layer weights; cuda: bf16 only",
+              INFERENCE, choices=WEIGHT_DTYPES),
     ParamSpec("saliency_threshold", float, 0.2, "a frame whose pooled embedding has cosine distance above this "
               "from the previous frame is tagged salient (scene change)", INFERENCE, min=0.0, max=2.0, live=True,
               applies="next frame"),
@@ -139,6 +142,9 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("action_status_topic", str, "/vla/action_status", "diagnostic_msgs/DiagnosticStatus per tick: "
               "kind, source frame stamp, age, sequence", ACTION),
     ParamSpec("chunk_merge", str, "latest", "merge of overlapping action chunks", ACTION, choices=CHUNK_MERGES),
+    # docs/OPERATIONS.md "Action chunks": which steps, their times; published once per accepted chunk
+    ParamSpec("action_trajectory_topic", str, "/vla/action_trajectory", "chunks as trajectory_msgs/JointTrajectory "
+              "(empty = off)", ACTION),
     # ---- simulated arm (vla_sim; read-only: a changed task, rate or camera is a new run) ------------------
     # The sim's own topics are sim_camera_topic / sim_action_topic (names are unique across the registry); their
     # defaults are the runtime's camera_topic / action_topic, so the two meet without remapping.

@@ -16,6 +16,12 @@ The ``"vla"`` block (all keys optional; defaults below) describes the action hea
                                            pass, OpenVLA-OFT style). Parsed and validated here; a backend that
                                            cannot decode what a checkpoint asks for refuses it at configure by
                                            name (Engine.chunk_support_problem)
+    action_start  "token"                  what the prefill's last logits give (issue 23 §1): "token" (the seed
+                                           shape: an action-start token, then one decode step per bin and an end
+                                           token: 1 prefill + decode_tokens passes) or "prefill" (bin 1 itself,
+                                           then action_dims - 1 decode steps, OpenVLA's shape: 7 passes for 7
+                                           bins, whatever decode_tokens says). A backend without it refuses it
+                                           at configure by name
 
 The q01/q99 defaults are generic placeholders (end-effector deltas of a few centimetres / centiradians per
 step, gripper in [0, 1]); a real checkpoint should carry its dataset's statistics.
@@ -82,6 +88,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 _ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")  # all that default RoPE reads
 _ACTIVATIONS = ("silu", "swish")  # one function under two names in HF's ACT2FN
 CHUNK_DECODES = ("autoregressive", "parallel")
+ACTION_STARTS = ("token", "prefill")  # vla.action_start: what the prefill's last logits give
 
 
 class ModelConfigError(EngineError, ValueError):
@@ -110,6 +117,7 @@ class ModelConfig:
     patch_size: int = 16
     action_horizon: int = 1
     chunk_decode: str = "autoregressive"
+    action_start: str = "token"
     source: str = field(default="<dict>", compare=False)  # where it came from, for error messages
 
     # ---- derived geometry
@@ -242,6 +250,9 @@ class ModelConfig:
         decode = vla.get("chunk_decode", "autoregressive")
         if decode not in CHUNK_DECODES:
             raise fail(f"vla.chunk_decode={decode!r} is not one of {', '.join(CHUNK_DECODES)}")
+        start = vla.get("action_start", "token")
+        if not isinstance(start, str) or start not in ACTION_STARTS:
+            raise fail(f"vla.action_start={start!r} is not one of {', '.join(ACTION_STARTS)}")
         kwargs.update(
             action_dims=dims,
             action_names=tuple(names),
@@ -252,6 +263,7 @@ class ModelConfig:
             patch_size=int_key(vla, "patch_size", 16),
             action_horizon=int_key(vla, "action_horizon", 1),
             chunk_decode=decode,
+            action_start=start,
             source=source,
         )
         cfg = cls(**kwargs)
@@ -283,7 +295,8 @@ class ModelConfig:
         d = asdict(self)
         d.pop("source")
         vla = {k: d.pop(k) for k in ("action_dims", "action_names", "action_q01", "action_q99", "n_action_bins",
-                                      "patch_grid", "patch_size", "action_horizon", "chunk_decode")}
+                                      "patch_grid", "patch_size", "action_horizon", "chunk_decode",
+                                      "action_start")}
         vla = {k: list(v) if isinstance(v, tuple) else v for k, v in vla.items()}
         d.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", vla=vla)
         return d

@@ -10,6 +10,11 @@ The CUDA backend is expected to provide ``cuda_available() -> bool`` (optionally
 -> str``) and ``CudaEngine(cfg, checkpoint_dir, kv, instruction=..., decode_tokens=..., max_vram_gb=...,
 log=...)``; it loads its own weights (bf16 straight to the device).
 
+Weights (``weight_dtype``, issue 23, docs/QUANTIZATION.md): a plain checkpoint is quantised at load to int8 / fp8 /
+int4; a pre-quantised one (engine/quant_checkpoint.py) is read as it is and must be in ``weight_dtype`` (refused by
+name otherwise, before either backend loads anything). The CUDA backend refuses anything but bf16 for now
+(engine/cuda/engine.unsupported_reason).
+
 With the environment variable ``VLA_FAULT_INJECT`` set, the engine is wrapped by
 ``engine.fault_injection.FaultInjectingEngine`` (reliability tests only).
 """
@@ -24,7 +29,7 @@ from vla_edge_ros.engine.geometry import check_decode_tokens, check_positions, c
 from vla_edge_ros.engine.interface import Engine, EngineError
 
 ENGINE_PARAMS = ("checkpoint", "backend", "instruction", "tokens_per_frame", "decode_tokens", "kv_budget_tokens",
-                 "eviction_policy", "window_frames", "max_vram_gb")
+                 "eviction_policy", "window_frames", "max_vram_gb", "weight_dtype")
 
 
 def _cuda_probe() -> tuple[Any, str]:
@@ -71,6 +76,8 @@ def make_engine(params: Mapping[str, Any], log: Callable[[str], None] = print) -
     # the parameters against the model before anything is loaded (the backends check what they are handed again)
     check_tokens_per_frame(cfg, tpf)
     check_decode_tokens(cfg, dec)
+    weight_dtype = v["weight_dtype"]
+    prequantized = _check_prequantized(ckpt, weight_dtype)
 
     backend, cuda_mod = v["backend"], None
     if backend in ("auto", "cuda"):
@@ -96,14 +103,40 @@ def make_engine(params: Mapping[str, Any], log: Callable[[str], None] = print) -
     if cuda_mod is not None:
         log(f"engine: backend=cuda (requested {backend}), checkpoint {ckpt}")
         return _wrap_faults(cuda_mod.CudaEngine(cfg, ckpt, kv, instruction=instruction, decode_tokens=dec,
-                                                max_vram_gb=v["max_vram_gb"], log=log), log)
+                                                max_vram_gb=v["max_vram_gb"], log=log, weight_dtype=weight_dtype),
+                            log)
     if backend == "numpy":
         log(f"engine: backend=numpy, checkpoint {ckpt}")
 
     from vla_edge_ros.engine.checkpoint import load_checkpoint
     from vla_edge_ros.engine.numpy_backend import NumpyEngine
-    weights = load_checkpoint(ckpt, cfg)
-    return _wrap_faults(NumpyEngine(cfg, weights, kv, instruction=instruction, decode_tokens=dec), log)
+    if prequantized:
+        from vla_edge_ros.engine.quant_checkpoint import read_quantized_checkpoint
+        weights = read_quantized_checkpoint(ckpt, weight_dtype)[1]
+    else:
+        weights = load_checkpoint(ckpt, cfg)
+    engine = NumpyEngine(cfg, weights, kv, instruction=instruction, decode_tokens=dec, weight_dtype=weight_dtype)
+    del weights
+    if weight_dtype != "bf16":
+        how = "pre-quantised checkpoint" if prequantized else "quantised at load"
+        log(f"engine: weight_dtype {weight_dtype} ({how}): {engine.device_weight_bytes / 2**20:.1f} MiB of weights "
+            "as a GPU would hold them; the numpy engine computes with float32 dequantised copies")
+    if cfg.action_start != "token":
+        log(f"engine: vla.action_start={cfg.action_start}: 1 prefill + {engine.decode_steps} decode steps per chunk "
+            f"(decode_tokens={dec} sizes the scratch only)")
+    return _wrap_faults(engine, log)
+
+
+def _check_prequantized(ckpt: Path, weight_dtype: str) -> bool:
+    """Whether ``ckpt`` is pre-quantised; one in another weight_dtype than configured is refused by name."""
+    from vla_edge_ros.engine.quant_checkpoint import is_quantized_checkpoint, read_quantization_block
+    if not is_quantized_checkpoint(ckpt):
+        return False
+    stored = read_quantization_block(ckpt)["weight_dtype"]  # QuantCheckpointError (an EngineError) if malformed
+    if stored != weight_dtype:
+        raise EngineError(f"checkpoint {ckpt} is pre-quantised as {stored} but weight_dtype={weight_dtype!r}: set "
+                          f"weight_dtype:={stored}, or point checkpoint at the bf16 model to quantise it at load")
+    return True
 
 
 def _wrap_faults(engine: Engine, log: Callable[[str], None]) -> Engine:

@@ -23,6 +23,17 @@ positions do not move, is re-rotated: a few slots). Semantic eviction in the mid
 frames: ``delta`` follows the majority and the minority is re-rotated from ``k_pre`` (exact, no drift).
 ``delta`` is reset to 0 (full re-rotation) before any rotation position would reach
 ``max_position_embeddings``, so every rotation angle used lies inside the model's trained range too.
+
+Chunk shape (config ``vla.action_start``, issue 23): "token" (default, the seed shape): gen[0] from the prefill is
+an action-start token, ``decode_tokens`` decode steps, the bins are gen[1..action_dims]; "prefill": gen[0] from the
+prefill IS bin 1, ``action_dims - 1`` decode steps (``decode_steps``), the bins are gen[0..action_dims-1].
+
+Weights (``weight_dtype``, issue 23): bf16 computes with the weights as handed over (unchanged). int8 / fp8 /
+int4 quantise them with engine/quant.quantize_weights (or take a pre-quantised ``QuantizedModel``) and compute with
+float32 copies dequantised ONCE at load: the dequantised values are the ones the kernels must produce, and a
+float32 matmul with them is the oracle arithmetic (engine/quant.py). So this backend holds float32 copies, not
+codes: ``memory()["current_bytes"]`` is what it holds, ``memory()["device_weight_bytes"]`` the weights' size in
+``weight_dtype`` as a GPU would hold them (quant.weights_nbytes, the VRAM check's count).
 """
 from __future__ import annotations
 
@@ -32,10 +43,11 @@ from typing import Mapping
 import numpy as np
 
 from vla_edge_ros.core.action_tokenizer import ActionTokenizer
-from vla_edge_ros.engine.checkpoint import check_weights
+from vla_edge_ros.engine.checkpoint import check_weights, expected_shapes
 from vla_edge_ros.engine.config import ModelConfig
 from vla_edge_ros.engine.geometry import check_chunk_geometry, prefix_token_ids  # noqa: F401  (re-exported)
 from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
+from vla_edge_ros.engine.quant import WEIGHT_DTYPES, QuantizedModel, quantize_weights, weights_nbytes
 from vla_edge_ros.engine.rope import RopeTable
 from vla_edge_ros.engine.vision import PatchEmbedder, pooled
 
@@ -46,6 +58,27 @@ _SAFE_EXP = 60.0  # |score| below this: exp(score) stays a normal float32 (no ma
 def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     var = np.einsum("ij,ij->i", x, x)[:, None] * np.float32(1.0 / x.shape[1])
     return x * (1.0 / np.sqrt(var + np.float32(eps))) * w
+
+
+def dequantized_weights(cfg: ModelConfig, weights, weight_dtype: str) -> Mapping[str, np.ndarray]:
+    """The float weights the engine computes with for ``weight_dtype`` (module docstring): ``weights`` unchanged for
+    bf16, else quantised and dequantised (or a QuantizedModel's own dequantisation, which must be in
+    ``weight_dtype``). EngineError naming the cause for a bad value or a mismatch."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise EngineError(f"weight_dtype={weight_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
+    if isinstance(weights, QuantizedModel):
+        if weights.weight_dtype != weight_dtype:
+            raise EngineError(f"the weights are quantised as {weights.weight_dtype}, weight_dtype={weight_dtype!r} "
+                              f"was asked: configure weight_dtype {weights.weight_dtype}, or quantise the bf16 "
+                              "checkpoint at load")
+        return weights.dequantized()
+    if weight_dtype == "bf16":
+        return weights
+    check_weights(cfg, weights)  # names and shapes first: a missing tensor is named as such, not as a quant error
+    try:
+        return quantize_weights(weights, weight_dtype).dequantized()
+    except ValueError as exc:
+        raise EngineError(f"weight_dtype={weight_dtype}: cannot quantise the weights: {exc}") from exc
 
 
 def _silu_mul(gu: np.ndarray, inter: int) -> np.ndarray:
@@ -80,12 +113,19 @@ class NumpyEngine(Engine):
     name = "numpy"
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], kv, instruction: str = "",
-                 decode_tokens: int = 8):
+                 decode_tokens: int = 8, weight_dtype: str = "bf16"):
         self.cfg = cfg
         self.kv = kv
         self.decode_tokens = int(decode_tokens)
         self.prefix_ids = check_chunk_geometry(cfg, kv, instruction, self.decode_tokens)
+        # chunk shape (module docstring): decode steps per chunk and the index of bin 1 in gen
+        prefill_start = cfg.action_start == "prefill"
+        self.decode_steps = cfg.action_dims - 1 if prefill_start else self.decode_tokens
+        self._first_bin = 0 if prefill_start else 1
+        self.weight_dtype = weight_dtype
+        weights = dequantized_weights(cfg, weights, weight_dtype)
         check_weights(cfg, weights)
+        self.device_weight_bytes = weights_nbytes(expected_shapes(cfg, include_vision=True), weight_dtype)
 
         self.H, self.KV, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.G = self.H // self.KV
@@ -102,7 +142,7 @@ class NumpyEngine(Engine):
 
         self.delta = 0  # extra rotation offset shared by every cached key (see module docstring)
         self.rerotated_slots = 0  # keys re-rotated in the last chunk (diagnostics)
-        self.last_logits: np.ndarray | None = None  # (decode_tokens + 1, n_action_bins) of the last chunk
+        self.last_logits: np.ndarray | None = None  # (decode_steps + 1, n_action_bins) of the last chunk
         self.last_max_position = -1  # largest logical position used by the last chunk
         self.last_max_rotation_position = -1
         self.last_decode_passes = 0
@@ -148,7 +188,8 @@ class NumpyEngine(Engine):
                   self._bias_base, self._scores, self._ones, self.rope.cos, self.rope.sin_signed,
                   self.vision.weight_t, self.vision.bias_pos]
         cur = sum(a.nbytes for a in arrays) + sum(layer.nbytes() for layer in self.layers)
-        return {"current_bytes": int(cur), "peak_bytes": int(max(self._peak_bytes, cur))}
+        return {"current_bytes": int(cur), "peak_bytes": int(max(self._peak_bytes, cur)),
+                "device_weight_bytes": int(self.device_weight_bytes)}
 
     @property
     def tokens_per_frame(self) -> int:
@@ -210,8 +251,8 @@ class NumpyEngine(Engine):
         t1 = time.perf_counter()
         seg = self._context_segment(new_slots, r_end)
         h_last = self._forward_tokens(x, new_slots, np.arange(n_ctx - tpf, n_ctx), [seg], last_only=True)
-        logits = np.empty((self.decode_tokens + 1, self.cfg.n_action_bins), np.float32)
-        gen = np.empty(self.decode_tokens + 1, np.int64)
+        logits = np.empty((self.decode_steps + 1, self.cfg.n_action_bins), np.float32)
+        gen = np.empty(self.decode_steps + 1, np.int64)
         logits[0] = self._lm_head(h_last)[0]
         gen[0] = int(np.argmax(logits[0])) + self.cfg.action_token_offset
         t2 = time.perf_counter()
@@ -220,9 +261,9 @@ class NumpyEngine(Engine):
         t3 = time.perf_counter()
 
         self.last_logits = logits
-        self.last_max_position = n_ctx + self.decode_tokens - 1
+        self.last_max_position = n_ctx + self.decode_steps - 1
         self.last_max_rotation_position = self.last_max_position + self.delta
-        bins = gen[1:1 + self.cfg.action_dims] - self.cfg.action_token_offset
+        bins = gen[self._first_bin:self._first_bin + self.cfg.action_dims] - self.cfg.action_token_offset
         action = self.tokenizer.bins_to_action(bins)
         t4 = time.perf_counter()
         return ChunkResult(frame_id=int(frame_id), token_ids=gen, action_bins=bins, action=action,
@@ -231,7 +272,7 @@ class NumpyEngine(Engine):
                            salient=bool(salient))
 
     def _decode(self, gen: np.ndarray, logits: np.ndarray, n_ctx: int, r_end: int) -> None:
-        """Greedy decode of gen[1..decode_tokens] (gen[0] and logits[0] are set).
+        """Greedy decode of gen[1..decode_steps] (gen[0] and logits[0] are set).
 
         Exact speculative decoding: one pass feeds gen[i-1] followed by a draft of the remaining steps (the
         draft repeats gen[i-1]); row j's logits are valid as long as every earlier draft token equalled the
@@ -239,7 +280,7 @@ class NumpyEngine(Engine):
         A pass reads the whole KV context once whatever its width, so accepted drafts save whole passes.
         With ``speculative = False`` every pass is one token wide.
         """
-        dec = self.decode_tokens
+        dec = self.decode_steps
         off = self.cfg.action_token_offset
         ctx_seg = self._context_segment(np.zeros(0, np.int64), r_end)
         s0 = self.capacity

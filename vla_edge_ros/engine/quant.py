@@ -163,6 +163,32 @@ def quantized_nbytes(shape: tuple[int, int], weight_dtype: str, group_size: int 
     raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
 
 
+def weights_nbytes(shapes: Mapping[str, tuple[int, ...]], weight_dtype: str, group_size: int = GROUP_SIZE,
+                   dense_bytes_per_element: int = 2) -> int:
+    """Bytes a device holds for tensors ``shapes`` (name -> shape): the quantised linear layers
+    (``is_quantized_name``) in ``weight_dtype``, every other tensor at ``dense_bytes_per_element`` (bf16). The one
+    count the start-up memory checks use (the numpy backend's figure, the CUDA plan via engine/cuda/vram.py);
+    equals ``quantize_weights(tensors, weight_dtype).total_bytes()`` for tensors of those shapes."""
+    total = 0
+    for name, shape in shapes.items():
+        if is_quantized_name(name):
+            total += quantized_nbytes(tuple(shape), weight_dtype, group_size)
+        else:
+            total += math.prod(shape) * dense_bytes_per_element
+    return total
+
+
+def linear_shapes(cfg, intermediate_size: int | None = None) -> dict[str, tuple[int, int]]:
+    """The (out, in) shape of every quantised linear weight of a Qwen2 ``cfg`` (engine.config.ModelConfig), by HF
+    name. ``intermediate_size``: a padded width a backend lays its MLP out with (default the config's)."""
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    inter = cfg.intermediate_size if intermediate_size is None else int(intermediate_size)
+    per_layer = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                 "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+                 "mlp.down_proj": (h, inter)}
+    return {f"model.layers.{i}.{n}.weight": s for i in range(cfg.num_hidden_layers) for n, s in per_layer.items()}
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedLinear:
     """One linear weight W (out, in) in one layout: ``codes`` (+ ``scales``, ``zeros``), checked on construction

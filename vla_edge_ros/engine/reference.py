@@ -21,8 +21,11 @@ The chunk (``reference_chunk``; token layout as in engine/interface.py):
   their current logical position. Layer > 0 K/V so keep the context the frame saw on arrival (a KV cache).
 - the new frame's tpf tokens sit at n_ctx - tpf .. n_ctx - 1 (n_ctx = P + retained frames * tpf, the new one
   included), see the whole context and themselves causally.
-- greedy decode: gen[0] = argmax of the frame's last row; step i = 1..decode_tokens feeds gen[i-1] at position
-  n_ctx + i - 1. Decode tokens are not retained. Action bins = gen[1..action_dims] - action_token_offset.
+- greedy decode: gen[0] = argmax of the frame's last row; step i = 1..steps feeds gen[i-1] at position
+  n_ctx + i - 1. Decode tokens are not retained. The checkpoint's ``vla.action_start`` says what gen[0] is:
+  "token" (the seed shape): an action-start token, steps = decode_tokens, action bins = gen[1..action_dims] -
+  action_token_offset; "prefill" (issue 23, OpenVLA's shape): bin 1 itself, steps = action_dims - 1, action bins
+  = gen[0..action_dims-1] - action_token_offset (1 prefill + 6 decode passes for 7 bins).
 """
 from __future__ import annotations
 
@@ -204,8 +207,8 @@ def patch_embed(cfg: ModelConfig, w: Mapping[str, np.ndarray], image: np.ndarray
 @dataclass
 class ReferenceChunk:
     frame_id: int
-    logits: np.ndarray  # (decode_tokens + 1, A): row 0 from the frame's last token, row i from decode step i
-    token_ids: np.ndarray  # (decode_tokens + 1,) greedy choices gen[0..decode_tokens], vocabulary ids
+    logits: np.ndarray  # (steps + 1, A): row 0 from the frame's last token, row i from decode step i
+    token_ids: np.ndarray  # (steps + 1,) greedy choices gen[0..steps], vocabulary ids (module docstring)
     action_bins: np.ndarray  # (action_dims,) in [0, A)
     action: np.ndarray  # (action_dims,) float32, un-normalised with q01 / q99
     evicted: list[int]  # frames the KV manager evicted to admit this one
@@ -266,11 +269,14 @@ def reference_chunk(stream: ReferenceStream, tokens: np.ndarray, frame_id: int, 
     logits = [action_logits(cfg, w, h[-1:])[0]]  # (A,) from the frame's last token
     gen = [int(np.argmax(logits[0])) + off]
     decoded: list[list[LayerKV]] = []  # this chunk's decode tokens, not retained
-    for i in range(1, stream.decode_tokens + 1):
+    prefill_start = cfg.action_start == "prefill"  # gen[0] is bin 1 (module docstring)
+    steps = cfg.action_dims - 1 if prefill_start else stream.decode_tokens
+    for i in range(1, steps + 1):
         h, kv_i = forward(cfg, w, embed(w, [gen[-1]]), [n_ctx + i - 1], _concat(context + [frame_kv] + decoded))
         decoded.append(kv_i)
         logits.append(action_logits(cfg, w, h)[0])
         gen.append(int(np.argmax(logits[-1])) + off)
-    bins = np.asarray(gen[1:1 + cfg.action_dims], dtype=np.int64) - off
+    first = 0 if prefill_start else 1
+    bins = np.asarray(gen[first:first + cfg.action_dims], dtype=np.int64) - off
     return ReferenceChunk(int(frame_id), np.stack(logits), np.asarray(gen, dtype=np.int64), bins,
                           action_tokenizer(cfg).bins_to_action(bins), list(admission.evicted))

@@ -24,11 +24,28 @@ from vla_edge_ros.engine.cuda.buffers import (Activations, DeviceMemory, KVCache
                                               f32_to_bf16_bits)
 from vla_edge_ros.engine.cuda.kernels import CompiledKernels, Launcher
 from vla_edge_ros.engine.cuda.plan import (BLOCK, T_CHUNK, DeviceLimits, Launch, LaunchPlan, Tuning, check_geometry,
-                                           memory_plan, plan)
+                                           memory_plan, padded_intermediate, plan)
 from vla_edge_ros.engine.cuda.probe import cuda_status
-from vla_edge_ros.engine.cuda.vram import check_budget
+from vla_edge_ros.engine.cuda.vram import check_budget, quantized_model_bytes
 from vla_edge_ros.engine.geometry import check_chunk_geometry
 from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
+from vla_edge_ros.engine.quant import WEIGHT_DTYPES
+
+
+def unsupported_reason(cfg: ModelConfig, weight_dtype: str = "bf16") -> str | None:
+    """Why the CUDA backend refuses this model / weight type at configure (None: it does not). Pure, so the
+    refusal is tested without a GPU. The numpy backend implements both (issue 23); the kernels do not yet."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        return f"weight_dtype={weight_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}"
+    if weight_dtype != "bf16":
+        return (f"weight_dtype={weight_dtype!r}: the CUDA backend's quantised GEMV / skinny-GEMM kernels are not "
+                "written yet (issue 23); use weight_dtype bf16 on the GPU, or backend numpy for the quantised "
+                "arithmetic on the CPU")
+    if cfg.action_start != "token":
+        return (f"vla.action_start={cfg.action_start!r}: the CUDA backend decodes the seed chunk shape only "
+                "(action_start \"token\": 1 prefill + decode_tokens steps); the 7-pass shape is not in its "
+                "graphs yet (issue 23); use backend numpy for it")
+    return None
 
 
 class CudaEngine(Engine):
@@ -38,9 +55,15 @@ class CudaEngine(Engine):
     def __init__(self, cfg: ModelConfig, checkpoint: str | Path | Mapping[str, np.ndarray], kv,
                  instruction: str = "", decode_tokens: int = 8, max_vram_gb: float = 8.0,
                  log: Callable[[str], None] = print, use_graphs: bool = True,
-                 tuning: Tuning | Mapping[str, Any] | None = None, defines: Sequence[str] = ()):
+                 tuning: Tuning | Mapping[str, Any] | None = None, defines: Sequence[str] = (),
+                 weight_dtype: str = "bf16"):
         """tuning: plan.Tuning (or a mapping of its fields); defines: compile-time macros for benchmark builds
-        (e.g. VLA_TIMELINE), added to $VLA_CUDA_DEFINES. $VLA_CUDA_ARCH=compute_80 builds the pre-Hopper path."""
+        (e.g. VLA_TIMELINE), added to $VLA_CUDA_DEFINES. $VLA_CUDA_ARCH=compute_80 builds the pre-Hopper path.
+        weight_dtype: only bf16 runs here for now (``unsupported_reason``)."""
+        problem = unsupported_reason(cfg, weight_dtype)
+        if problem:
+            raise EngineError(f"CUDA backend refuses the model: {problem}")
+        self.weight_dtype = weight_dtype
         ok, why = cuda_status()
         if not ok:
             raise EngineError(f"CUDA backend unavailable: {why}")
@@ -90,7 +113,7 @@ class CudaEngine(Engine):
         t0 = time.perf_counter()
         capacity = int(self.kv.budget_tokens)
         sizes = memory_plan(cfg, capacity, self.decode_tokens)
-        total = check_budget(sizes["model"], sizes["kv"], sizes["scratch"], self.max_vram_gb)
+        total = check_budget(self._model_bytes(sizes), sizes["kv"], sizes["scratch"], self.max_vram_gb)
         self.mem = DeviceMemory(cuda, int(self.max_vram_gb * 2**30))
         w = self._load_weights(checkpoint)
         t1 = time.perf_counter()
@@ -120,6 +143,10 @@ class CudaEngine(Engine):
                  f"{total / 2**30:.3f}); load {t1 - t0:.1f}s, compile {t2 - t1:.1f}s, upload {t3 - t2:.1f}s, "
                  f"prefix+capture {t4 - t3:.1f}s, graphs {'on' if self.use_graphs else 'off'}; kernels "
                  f"{self.arch.describe()}, PDL {'on' if self.plan.pdl else 'off'}")
+
+    def _model_bytes(self, sizes: Mapping[str, int]) -> int:
+        """memory_plan's model part with the linear weights at their size in ``weight_dtype`` (vram.py)."""
+        return quantized_model_bytes(sizes["model"], self.cfg, self.weight_dtype, padded_intermediate(self.cfg))
 
     def _load_weights(self, checkpoint) -> dict[str, np.ndarray]:
         if isinstance(checkpoint, Mapping):
@@ -215,7 +242,7 @@ class CudaEngine(Engine):
         self.log(f"cuda engine: KV budget grew to {self.kv.budget_tokens} tokens: reallocating the cache and "
                  "re-capturing the graphs")
         sizes = memory_plan(self.cfg, self.kv.budget_tokens, self.decode_tokens)
-        check_budget(sizes["model"], sizes["kv"], sizes["scratch"], self.max_vram_gb)
+        check_budget(self._model_bytes(sizes), sizes["kv"], sizes["scratch"], self.max_vram_gb)
         self.stream.synchronize()
         self.kvc.allocate(self.kv.budget_tokens)
         self._capture()

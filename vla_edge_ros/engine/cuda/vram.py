@@ -3,15 +3,25 @@
 Every buffer the backend puts on the GPU goes through :meth:`VramTracker.alloc` (named, so a refusal or a leak
 can be told apart), which keeps current and peak bytes. ``check_budget`` runs before the first allocation: the
 node refuses to start with a message naming each part when model + KV budget + scratch would exceed
-``max_vram_gb``. Imports without PyCUDA: the allocator is injected.
+``max_vram_gb``; the model part counts the weights at their quantised size (``quantized_model_bytes``, issue
+23). Imports without PyCUDA: the allocator is injected.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from vla_edge_ros.engine.interface import EngineError
+from vla_edge_ros.engine.quant import linear_shapes, weights_nbytes
 
 GIB = 1024 ** 3
+
+
+def quantized_model_bytes(bf16_model_bytes: int, cfg, weight_dtype: str, intermediate_size: int) -> int:
+    """The model part of the budget in ``weight_dtype``: ``bf16_model_bytes`` (plan.memory_plan's, every linear
+    weight in bf16 with the MLP padded to ``intermediate_size``) with those linear weights counted at their
+    quantised size (engine/quant.weights_nbytes, the numpy backend's count too). bf16 returns it unchanged."""
+    shapes = linear_shapes(cfg, intermediate_size)
+    return int(bf16_model_bytes - weights_nbytes(shapes, "bf16") + weights_nbytes(shapes, weight_dtype))
 
 
 def check_budget(model_bytes: int, kv_bytes: int, scratch_bytes: int, max_vram_gb: float) -> int:
