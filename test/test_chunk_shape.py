@@ -11,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
+from test_numpy_engine import random_weights  # the same non-degenerate weights (tied head: no lm_head row)
 from vla_edge_ros.core.kv.manager import KVManager
 from vla_edge_ros.engine import reference as R
 from vla_edge_ros.engine.checkpoint import expected_shapes
@@ -34,22 +35,6 @@ def cfg_for(action_start=ABSENT):
     if action_start is not ABSENT:
         d["vla"]["action_start"] = action_start
     return ModelConfig.from_json(d)
-
-
-def random_weights(cfg, seed=0):
-    """Non-degenerate weights: attention and MLP matter, the greedy chain is not one repeated token."""
-    rng = np.random.default_rng(seed)
-    w = {}
-    for name, shape in expected_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            w[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        elif name.endswith(".bias"):
-            w[name] = (0.2 * rng.standard_normal(shape)).astype(np.float32)
-        elif name == "model.embed_tokens.weight":
-            w[name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
-        else:
-            w[name] = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
-    return w
 
 
 def kv_for(cfg, frames=4):

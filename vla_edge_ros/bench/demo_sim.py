@@ -102,22 +102,14 @@ class EpisodePrinter:
     """Prints each episode line as the sim appends it (eval.run_setting's progress interface)."""
 
     def __init__(self, path: Path):
-        self.path, self._offset = Path(path), 0
+        from vla_edge_ros.bench.eval import EpisodeTail  # eval's reader of whole appended lines (lazy, as in main)
+
+        self._tail = EpisodeTail(path)
         self.episodes: list[dict] = []
         self.bad_lines = 0
 
     def poll(self) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except OSError:
-            return
-        end = data.rfind(b"\n") + 1  # whole lines only: the sim may be mid-write
-        self._offset += end
-        for line in data[:end].splitlines():
-            if not line.strip():
-                continue
+        for line in self._tail.new_lines():
             try:
                 ep = json.loads(line)
             except ValueError:

@@ -80,25 +80,27 @@ class EpisodeTail:
         self.path, self._offset, self.count = Path(path), 0, 0
         self.successes = 0
 
-    def poll(self) -> int:
+    def new_lines(self) -> list[bytes]:
+        """The non-blank complete lines appended since the last call (none while the file is absent)."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
                 data = f.read()
         except OSError:
-            return 0
+            return []
         end = data.rfind(b"\n") + 1  # only whole lines: the sim may be mid-write
         self._offset += end
-        new = 0
-        for line in data[:end].splitlines():
-            if line.strip():
-                new += 1
-                try:
-                    self.successes += bool(json.loads(line).get("success"))
-                except (ValueError, AttributeError):
-                    pass  # counted as an episode; aggregate() reports the bad line
-        self.count += new
-        return new
+        return [line for line in data[:end].splitlines() if line.strip()]
+
+    def poll(self) -> int:
+        lines = self.new_lines()
+        for line in lines:
+            try:
+                self.successes += bool(json.loads(line).get("success"))
+            except (ValueError, AttributeError):
+                pass  # counted as an episode; aggregate() reports the bad line
+        self.count += len(lines)
+        return len(lines)
 
 
 class Progress:

@@ -1,13 +1,21 @@
 #!/bin/bash
-# Issue 21 on the H200, v4 = v3 continued from its weights (same demos, lr 6e-4, fresh warm-up + cosine).
-# v3 (v2 + 1000 push demos, 200 of the others, up to 12000 steps, 50 held-out seeds):
+# Issue 21 on the H200: one call of the policy recipe (README.md here).
+#   STAGE=v3 (default): 1000 push demos, 200 of the others, up to 12000 steps from a seeded init, 50 held-out seeds.
+#   STAGE=v4: the same demos, continued from results/policy_h200_v3 (carry it) at lr 6e-4, fresh warm-up + cosine.
+# History of the recipe:
 # v2: run.sh's recipe (3 tasks' demos -> one multi-task policy, hidden 256, 6 layers, 4/2
 # heads, batch 256, lr 1e-3, 1 past frame) with batches gathered on the GPU (trainer.DeviceData), so 2500-6000
 # steps sized to the time left; per-task held-out accuracy; synchronous closed loop (numpy engine, 30 held-out
-# seeds 0..29 per task, KV carried between episodes as the runtime does). Checkpoint -> $OUT/policy_h200_v4,
+# seeds 0..29 per task, KV carried between episodes as the runtime does). Checkpoint -> $OUT/policy_h200_$STAGE,
 # logs -> $OUT/v2. Run from the repo root.
 START=$(date +%s)
-el() { echo "[run_v4.sh t=$(( $(date +%s) - START ))s] $*"; }
+STAGE=${STAGE:-v3}
+case $STAGE in
+  v3) CONTINUE="" ;;
+  v4) CONTINUE="--init $PWD/results/policy_h200_v3 --lr 6e-4" ;;
+  *) echo "STAGE must be v3 or v4, got $STAGE"; exit 2 ;;
+esac
+el() { echo "[run.sh $STAGE t=$(( $(date +%s) - START ))s] $*"; }
 set -o pipefail
 export PYTHONUNBUFFERED=1
 for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig
@@ -17,7 +25,7 @@ export PYTHONPATH=$PWD/.cache/dev_site:$PWD
 el "installed"; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader; nproc
 python3 -c "import rosbags, metaworld, mujoco, torch, matplotlib, yaml, PIL; print('imports ok', torch.__version__, mujoco.__version__)" || exit 1
 
-W=/tmp/work; L=$OUT/v4; mkdir -p $W $L
+W=/tmp/work; L=$OUT/$STAGE; mkdir -p $W $L
 rec() {  # task episodes workers
   timeout 150 python3 -m vla_edge_ros.sim.demos $W/bag_$1 --tasks $1 --episodes $2 --workers $3 --no-progress \
     --summary-json $L/demos_$1.json > $W/demos_$1.log 2>&1; echo "exit $?" >> $W/demos_$1.log
@@ -36,9 +44,9 @@ fi
 [ -n "$BAGS" ] || exit 1
 du -sh $W/bag_*; el "training on:$TASKS"
 
-CK=$PWD/results/policy_h200_v4; mkdir -p $CK
+CK=$PWD/results/policy_h200_$STAGE; mkdir -p $CK
 python3 tools/train_policy/train_eval.py $BAGS --out $CK --deadline $((START + 440)) --max-steps 12000 --min-steps 4000 \
-  --past 1 --init $PWD/results/policy_h200_v3 --lr 6e-4 --per-task-json $L/per_task_heldout.json 2>&1 | tee $W/train.log | grep -v Warning
+  --past 1 $CONTINUE --per-task-json $L/per_task_heldout.json 2>&1 | tee $W/train.log | grep -v Warning
 el "training done (rc $?)"; ls -la $CK; du -sh $CK; nvidia-smi --query-gpu=memory.used --format=csv,noheader
 
 LEFT=$(( START + 545 - $(date +%s) ))
@@ -50,5 +58,5 @@ else
   el "no time for the closed loop ($LEFT s left)"
 fi
 cat $W/demos_*.log $W/train.log $W/closed.log > $L/logs.txt 2>/dev/null
-cp -r $CK $OUT/policy_h200_v4
+cp -r $CK $OUT/policy_h200_$STAGE
 el "end"
