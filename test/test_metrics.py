@@ -1,6 +1,7 @@
 """metrics: percentile, LatencyStats ring, PeriodTracker, RateCounter, RSS helpers."""
 import builtins
 import math
+import mmap
 import threading
 
 import numpy as np
@@ -104,11 +105,17 @@ def test_rate_counter_window():
 def test_rss_grows_with_an_allocation():
     before = metrics.current_rss_mb()
     assert before > 1.0 and math.isfinite(before)
-    block = np.ones(64 * 1024 * 1024 // 8)  # 64 MiB, touched
+    # An anonymous mapping of its own, every page written: new resident pages for certain. (np.ones of 64 MiB
+    # once reused memory the allocator had kept resident from an earlier test, so RSS did not move in CI.)
+    size = 64 * 1024 * 1024
+    block = mmap.mmap(-1, size)
+    page = mmap.PAGESIZE
+    for offset in range(0, size, page):
+        block[offset] = 1
     after = metrics.current_rss_mb()
     assert after - before > 40.0
     assert metrics.peak_rss_mb() >= after - 1.0
-    del block
+    block.close()
 
 
 def test_rss_without_psutil_uses_proc(monkeypatch):
