@@ -158,6 +158,12 @@ def test_aggregate_row_from_episodes_and_runtime_stats():
     assert rt["latency_ms"] == {"p50": 15.5, "p99": 27.25} and rt["chunks"]["refused"] == 20
     assert rt["deadline_miss_rate"] == pytest.approx(4 / 80) and rt["refusal_rate"] == pytest.approx(20 / 100)
     assert rt["evictions_per_episode"] == pytest.approx(10.0) and rt["retried"] == 7 and row["kv_frames"] == 4
+    assert row["jerk_sq_mean"] == 0.0  # the records' default (no motion recorded)
+    for e, j in zip(eps, (3.0, 6.0, 30.0)):
+        e["jerk_sq_mean"] = j
+    assert aggregate(s, eps, _stats(), expected=3, seed_start=100)["jerk_sq_mean"] == pytest.approx(13.0)
+    del eps[1]["jerk_sq_mean"]  # a line written before the field existed: no figure, not a wrong one
+    assert aggregate(s, eps, _stats(), expected=3, seed_start=100)["jerk_sq_mean"] is None
 
 
 @pytest.mark.parametrize("case,expect", [

@@ -165,3 +165,34 @@ def test_controller_rejects_bad_settings():
         SimController(FakeSim(), num_episodes=-1)
     with pytest.raises(ValueError):
         SimController(FakeSim(), action_timeout_ms=0.0)
+
+
+def test_commanded_jerk_is_zero_for_constant_or_linear_velocity_and_counts_a_switch():
+    from vla_edge_ros.sim.episode import commanded_jerk_sq_mean
+
+    dt = 0.1
+    assert commanded_jerk_sq_mean([], dt) == 0.0 and commanded_jerk_sq_mean([[0.01, 0, 0]] * 2, dt) == 0.0
+    assert commanded_jerk_sq_mean([[0.01, 0, 0]] * 10, dt) == 0.0  # constant velocity
+    ramp = [[0.001 * k, 0, 0] for k in range(10)]  # constant acceleration: still no jerk
+    assert commanded_jerk_sq_mean(ramp, dt) == pytest.approx(0.0, abs=1e-12)
+    # one switch from +1 cm to -1 cm per step: second differences -0.02, +0.02 (m), over dt^3, at 2 of 3 points
+    switch = [[0.01, 0, 0], [0.01, 0, 0], [-0.01, 0, 0], [-0.01, 0, 0]]
+    assert commanded_jerk_sq_mean(switch, dt) == pytest.approx(2 * (0.02 / dt ** 3) ** 2 / 2)
+    assert commanded_jerk_sq_mean(switch, 2 * dt) == pytest.approx(commanded_jerk_sq_mean(switch, dt) / 64)
+
+
+def test_episode_result_carries_the_commanded_jerk_of_the_applied_steps():
+    sim = FakeSim(horizon=4)
+    ctl = SimController(sim, num_episodes=1, clock_ns=Clock(), control_period_s=0.1)
+    for x in (0.004, 0.004, -0.004, -0.004):  # metres per step; the sim holds nothing here
+        ctl.offer("fresh", [x, 0, 0, 0, 0, 0, 0.0])
+        result = ctl.control_step()
+    assert result is not None and result.steps == 4
+    assert result.jerk_sq_mean == pytest.approx(2 * (0.008 / 0.1 ** 3) ** 2 / 2)
+    smooth = SimController(FakeSim(horizon=4), num_episodes=1, clock_ns=Clock())
+    for _ in range(4):
+        smooth.offer("fresh", [0.004, 0, 0, 0, 0, 0, 0.0])
+        r2 = smooth.control_step()
+    assert r2.jerk_sq_mean == 0.0
+    with pytest.raises(ValueError, match="control_period_s"):
+        SimController(FakeSim(), control_period_s=0.0)

@@ -284,6 +284,9 @@ def aggregate(setting: Setting, episodes: Sequence[Mapping], runtime_stats: Opti
         "shares": {k: _ratio(c, steps) for k, c in kinds.items()},
         "sim_hold_by_reason": sim_hold_by,
         "actions_rejected": sum(sum((e.get("rejected") or {}).values()) for e in episodes),
+        # smoothness (sim/episode.py): mean over episodes of each one's mean squared commanded jerk
+        "jerk_sq_mean": (sum(float(e["jerk_sq_mean"]) for e in episodes) / n
+                         if n and all("jerk_sq_mean" in e for e in episodes) else None),
         "runtime": None, "wall_s": wall_s,
     }
     if setting.kind == "model":

@@ -53,12 +53,12 @@ def table_row(r: Mapping[str, Any]) -> str:
         latency = misses = refused = kv = "-"
     cells = [r["label"], success, "n/a" if not ci else f"{_pct(ci[0])}-{_pct(ci[1])} %",
              _num((r.get("episode_s") or {}).get("mean")), _num(r.get("steps_mean")),
-             f"{_pct(sh.get('fresh'))} / {_pct(sh.get('repeat'))} / {_pct(hold)}", latency, misses, refused, kv,
-             status]
+             f"{_pct(sh.get('fresh'))} / {_pct(sh.get('repeat'))} / {_pct(hold)}",
+             _num(r.get("jerk_sq_mean"), 0), latency, misses, refused, kv, status]
     return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
-TABLE_HEAD = ("| setting | success | 95 % CI | episode s | steps | fresh / repeat / hold % of steps | "
+TABLE_HEAD = ("| setting | success | 95 % CI | episode s | steps | fresh / repeat / hold % of steps | jerk² (m/s³)² | "
               "chunk p50 / p99 ms | deadline misses | refused chunks | KV frames / evictions per episode | status |")
 
 
@@ -90,6 +90,7 @@ def render_report(doc: Mapping[str, Any]) -> str:
         "Columns: *success* with a 95 % Wilson score interval; *episode s* = mean wall-clock episode time (to success "
         "or horizon); *fresh / repeat / hold* = share of the sim's control steps that applied a fresh action, a "
         "repeat of the last one, or held (hold includes the sim's own holds: no action yet, stale, rejected); "
+        "*jerk²* = mean squared jerk of the commanded end-effector trajectory (sim/episode.py; lower is smoother); "
         "*chunk p50 / p99*, *deadline misses* (admitted chunks that overran the deadline) and *refused chunks* "
         "(admission refused: the deadline could not be met) are the runtime's own figures (`--stats-out`) over the "
         "whole run; *KV frames* = frames the KV budget keeps after the instruction prefix, *evictions per episode* "

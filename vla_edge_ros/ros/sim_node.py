@@ -93,7 +93,8 @@ class SimNode(Node):
         self._image_pub = self.create_publisher(Image, v["sim_camera_topic"], qos.camera_publisher_qos())
         self._result_pub = self.create_publisher(String, v["episode_result_topic"], qos.reliable_qos(100))
         self.controller = SimController(self.sim, v["seed_start"], v["num_episodes"], v["action_timeout_ms"],
-                                        on_result=self._on_result, wait_for_action=v["wait_for_action"])
+                                        on_result=self._on_result, wait_for_action=v["wait_for_action"],
+                                        control_period_s=1.0 / v["control_hz"])
         self._episode_period = PeriodTracker(1000.0 / v["control_hz"])
         expert_action7 = None
         if v["sim_policy"] == "expert":

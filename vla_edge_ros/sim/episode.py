@@ -15,6 +15,13 @@ the newest command is applied:
 With ``wait_for_action`` the first episode starts (its clock and its steps) at the first accepted action:
 before that control_step does nothing, so the time a runtime needs to start does not use up an episode.
 
+Smoothness: every applied env action's x y z is the commanded TCP displacement of that step (env units times
+``mapping.metres_per_unit``); the third difference of the positions they add up to (the second of the
+displacements) over the steps of an episode is the commanded jerk, and
+``EpisodeResult.jerk_sq_mean`` is its mean squared norm in (m/s^3)^2 with the nominal control period
+``control_period_s`` (issue 22's smoothness figure: repeating or switching chunks shows up here; holds count as
+zero displacement, as the arm sees them).
+
 An episode ends at success (the env's ``info['success']``) or at ``horizon`` steps; its :class:`EpisodeResult`
 is returned by the step that ended it and the next episode starts at once from seed ``seed_start + k``.
 Pure: the env is any object with ``reset(seed)``, ``step_env(a4) -> success``, ``ee_position()``, ``mapping``,
@@ -66,6 +73,7 @@ class EpisodeResult:
     frames: int = 0  # camera frames published during the episode (the node counts them)
     ee_start: list[float] = field(default_factory=list)  # end-effector (TCP) position at reset, metres
     ee_end: list[float] = field(default_factory=list)
+    jerk_sq_mean: float = 0.0  # mean squared commanded jerk, (m/s^3)^2 (module docstring); 0 below 3 steps
     extra: dict[str, Any] = field(default_factory=dict)  # node figures (control period error, ...)
 
     def to_json(self) -> str:
@@ -87,15 +95,29 @@ class _Command:
 _REJECTED = object()  # the newest message was rejected: hold until a good one arrives
 
 
+def commanded_jerk_sq_mean(moves: Sequence[Sequence[float]], period_s: float) -> float:
+    """Mean squared norm of the jerk of a trajectory given as per-step displacements (metres): velocity is
+    move / dt, so jerk is the second difference of the moves over dt^3. 0.0 below 3 moves (no jerk defined)."""
+    d = np.asarray(moves, np.float64).reshape(-1, 3) if len(moves) else np.zeros((0, 3))
+    if len(d) < 3:
+        return 0.0
+    jerk = (d[2:] - 2.0 * d[1:-1] + d[:-2]) / period_s ** 3
+    return float(np.mean(np.sum(jerk * jerk, axis=1)))
+
+
 class SimController:
     def __init__(self, sim: Any, seed_start: int = 0, num_episodes: int = 0, action_timeout_ms: float = 500.0,
                  expected_names: Sequence[str] = RUNTIME_ACTION_NAMES,
                  clock_ns: Callable[[], int] = time.monotonic_ns,
-                 on_result: Optional[Callable[[EpisodeResult], None]] = None, wait_for_action: bool = False):
+                 on_result: Optional[Callable[[EpisodeResult], None]] = None, wait_for_action: bool = False,
+                 control_period_s: float = 0.1):
         if num_episodes < 0:
             raise ValueError(f"num_episodes must be >= 0 (0 = forever), got {num_episodes}")
         if not action_timeout_ms > 0:
             raise ValueError(f"action_timeout_ms must be > 0, got {action_timeout_ms}")
+        if not control_period_s > 0:
+            raise ValueError(f"control_period_s must be > 0, got {control_period_s}")
+        self.control_period_s = float(control_period_s)
         self.sim = sim
         self.seed_start = int(seed_start)
         self.num_episodes = int(num_episodes)
@@ -125,6 +147,7 @@ class SimController:
                                   horizon=int(self.sim.horizon), duration_s=0.0,
                                   ee_start=[float(v) for v in self.sim.ee_position()])
         self._t0_ns = self.clock_ns()
+        self._moves: list[np.ndarray] = []  # commanded TCP displacement per applied step, metres
 
     @property
     def current(self) -> EpisodeResult:
@@ -186,6 +209,7 @@ class SimController:
                 cur.saturated += mapping.saturated(cmd.values)
                 cur.rotation_ignored += mapping.rotation_ignored(cmd.values)
         self.env_gripper = float(env[3])
+        self._moves.append(np.asarray(env[:3], np.float64) * mapping.metres_per_unit)
         success = bool(self.sim.step_env(env))
         cur.steps += 1
         if not (success or cur.steps >= cur.horizon):
@@ -197,6 +221,7 @@ class SimController:
         cur.success, cur.end = success, ("success" if success else "horizon")
         cur.duration_s = (now_ns - self._t0_ns) / 1e9
         cur.ee_end = [float(v) for v in self.sim.ee_position()]
+        cur.jerk_sq_mean = commanded_jerk_sq_mean(self._moves, self.control_period_s)
         self.results.append(cur)
         if self.on_result is not None:
             self.on_result(cur)
