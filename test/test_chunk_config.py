@@ -54,13 +54,13 @@ class _Backend(NumpyEngine):
         self.cfg = cfg
 
 
-@pytest.mark.parametrize("vla, match", [({"action_horizon": 4}, "action_horizon=4"),
-                                        ({"chunk_decode": "parallel"}, "parallel decoding"),
+@pytest.mark.parametrize("vla, match", [({"chunk_decode": "parallel"}, "parallel decoding"),
                                         ({"action_horizon": 4, "chunk_decode": "parallel"}, "parallel decoding")])
 def test_a_backend_refuses_chunks_it_cannot_decode_by_name(vla, match):
     problem = _Backend(cfg_with(**vla)).chunk_support_problem()
-    assert problem and match in problem and "numpy" in problem
+    assert problem and match in problem and "numpy" in problem and "vla.chunk_decode='parallel'" in problem
     assert _Backend(cfg_with()).chunk_support_problem() is None
+    assert _Backend(cfg_with(action_horizon=4)).chunk_support_problem() is None  # issue 22: H > 1 autoregressive
 
 
 def test_registry_merge_choices_are_the_executors():

@@ -247,21 +247,49 @@ def test_the_inference_node_hands_its_chunk_to_the_executor_in_process_and_over_
         edge.destroy_node()
 
 
-@pytest.mark.parametrize("vla, reason", [({"action_horizon": 4}, "vla.action_horizon=4"),
-                                         ({"chunk_decode": "parallel"}, "vla.chunk_decode='parallel'")])
-def test_configure_refuses_a_checkpoint_whose_chunks_the_backend_cannot_decode(system, tmp_path, vla, reason):
+def checkpoint_with(tmp_path, vla):
+    """The tiny default checkpoint with ``vla`` merged into its config's vla block."""
     import json
     import shutil
 
-    from vla_edge_ros.core.double_buffer import DoubleBuffer
     from vla_edge_ros.engine.tiny_default import ensure_tiny_default
-    from vla_edge_ros.ros.inference_node import InferenceNode
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(ensure_tiny_default(), ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["vla"].update(vla)
     (ckpt / "config.json").write_text(json.dumps(cfg))
+    return ckpt
+
+
+def test_configure_runs_an_h4_checkpoint_and_the_loop_counts_its_decode_steps(system, tmp_path):
+    """Issue 22: H = 4 autoregressive is decoded (4 x 7 bins + an end token: 29 steps, not decode_tokens 8) and
+    the admission cost model counts those steps."""
+    from vla_edge_ros.core.double_buffer import DoubleBuffer
+    from vla_edge_ros.ros.inference_node import InferenceNode
+
+    action, _ = system
+    node = InferenceNode(DoubleBuffer(), arbiter=action.arbiter, context=action.context, parameter_overrides=[
+        Parameter("checkpoint", value=str(checkpoint_with(tmp_path, {"action_horizon": 4}))),
+        Parameter("backend", value="numpy"), Parameter("warmup_chunks", value=1)])
+    try:
+        assert node.safe_transition("configure"), node.last_error
+        assert (node.engine.decode_steps, node.loop.decode_tokens) == (29, 29)
+        assert node.action_horizon == 4 and action.arbiter.horizon == 4
+    finally:
+        if node.engine is not None:
+            node.safe_transition("cleanup")  # closes the engine
+        node.destroy_node()
+
+
+@pytest.mark.parametrize("vla, reason", [({"chunk_decode": "parallel"}, "vla.chunk_decode='parallel'"),
+                                         ({"action_horizon": 4, "chunk_decode": "parallel"},
+                                          "vla.chunk_decode='parallel'")])
+def test_configure_refuses_a_checkpoint_whose_chunks_the_backend_cannot_decode(system, tmp_path, vla, reason):
+    from vla_edge_ros.core.double_buffer import DoubleBuffer
+    from vla_edge_ros.ros.inference_node import InferenceNode
+
+    ckpt = checkpoint_with(tmp_path, vla)
     action, _ = system
     node = InferenceNode(DoubleBuffer(), arbiter=action.arbiter, context=action.context, parameter_overrides=[
         Parameter("checkpoint", value=str(ckpt)), Parameter("backend", value="numpy"),

@@ -25,7 +25,8 @@ from typing import Any, Callable, Mapping
 
 from vla_edge_ros import params as P
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.geometry import check_decode_tokens, check_positions, check_tokens_per_frame, prefix_token_ids
+from vla_edge_ros.engine.geometry import (check_decode_tokens, check_positions, check_tokens_per_frame,
+                                          chunk_decode_steps, describe_decode_steps, prefix_token_ids)
 from vla_edge_ros.engine.interface import Engine, EngineError
 
 ENGINE_PARAMS = ("checkpoint", "backend", "instruction", "tokens_per_frame", "decode_tokens", "kv_budget_tokens",
@@ -89,7 +90,10 @@ def make_engine(params: Mapping[str, Any], log: Callable[[str], None] = print) -
             log(f"engine: backend=numpy (auto: {why}), checkpoint {ckpt}")
     chosen = "cuda" if cuda_mod is not None else "numpy"
     budget = P.resolve_kv_budget(v["kv_budget_tokens"], chosen, tpf)
-    check_positions(cfg, budget, dec)
+    check_positions(cfg, budget, dec)  # for the chunk's effective decode steps (geometry.chunk_decode_steps)
+    if cfg.action_start != "token" or cfg.action_horizon > 1:
+        log(f"engine: vla.action_start={cfg.action_start}, vla.action_horizon={cfg.action_horizon}: 1 prefill + "
+            f"{describe_decode_steps(cfg, dec)} per chunk ({chunk_decode_steps(cfg, dec)} scratch slots)")
 
     from vla_edge_ros.core.kv.manager import KVManager
     try:
@@ -121,9 +125,6 @@ def make_engine(params: Mapping[str, Any], log: Callable[[str], None] = print) -
         how = "pre-quantised checkpoint" if prequantized else "quantised at load"
         log(f"engine: weight_dtype {weight_dtype} ({how}): {engine.device_weight_bytes / 2**20:.1f} MiB of weights "
             "as a GPU would hold them; the numpy engine computes with float32 dequantised copies")
-    if cfg.action_start != "token":
-        log(f"engine: vla.action_start={cfg.action_start}: 1 prefill + {engine.decode_steps} decode steps per chunk "
-            f"(decode_tokens={dec} sizes the scratch only)")
     return _wrap_faults(engine, log)
 
 

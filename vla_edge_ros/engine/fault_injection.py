@@ -148,6 +148,13 @@ class FaultInjectingEngine(Engine):
     def tokens_per_frame(self) -> int:
         return self._engine.tokens_per_frame
 
+    @property
+    def decode_steps(self) -> int:  # the inference loop's cost model counts the wrapped engine's real steps
+        return self._engine.decode_steps
+
+    def chunk_support_problem(self) -> Optional[str]:  # Engine defines it: __getattr__ would not forward it
+        return self._engine.chunk_support_problem()
+
     def encode_frame(self, image: np.ndarray) -> np.ndarray:
         return self._engine.encode_frame(image)
 

@@ -1,13 +1,19 @@
 """What a chunk's shape must agree on, checked in one place for the factory and for both backends.
 
-A chunk is the instruction prefix, ``tokens_per_frame`` vision tokens per retained frame and ``decode_tokens``
-greedy steps. Three numbers come from the operator (parameters), the rest from the checkpoint's config.json, and
-they must fit together: one frame is exactly the patch embedder's tokens, every action dimension gets a decode
-step, the KV manager pins exactly the instruction's tokens, and no position reaches ``max_position_embeddings``.
+A chunk is the instruction prefix, ``tokens_per_frame`` vision tokens per retained frame and its greedy decode
+steps (``chunk_decode_steps``: ``decode_tokens`` in the seed shape). Three numbers come from the operator
+(parameters), the rest from the checkpoint's config.json, and they must fit together: one frame is exactly the
+patch embedder's tokens, every action dimension gets a decode step, the KV manager pins exactly the instruction's
+tokens, and no position reaches ``max_position_embeddings``.
 ``make_engine`` checks the parameters before it loads anything (a clear error instead of a half-built engine);
 each backend checks again what it is handed, because tests, benchmarks and tools build backends directly. The
 messages name the parameter, its value and what the model needs, so that one line tells an operator what to
 change. Weight shapes are checked by ``engine.checkpoint`` (it owns the table of tensor names and shapes).
+
+The chunk's token layout (engine/interface.py's module docstring) is arithmetic every backend, the reference
+and the factory need: how many decode steps a chunk runs (``chunk_decode_steps``, the "effective decode steps"
+S that sizes scratch slots, buffers and the position check) and which greedy choices are the action bins
+(``action_token_slice``, ``chunk_bins``). It is written here once so that the backends cannot drift apart.
 """
 from __future__ import annotations
 
@@ -36,12 +42,69 @@ def check_decode_tokens(cfg: ModelConfig, decode_tokens: int) -> None:
                           "dimensions (one decode step per dimension)")
 
 
+def chunk_action_tokens(cfg: ModelConfig) -> int:
+    """A = action_horizon * action_dims action tokens per chunk (time-major: step 0's bins, then step 1's, ...)."""
+    return int(cfg.action_horizon) * int(cfg.action_dims)
+
+
+def chunk_decode_steps(cfg: ModelConfig, decode_tokens: int) -> int:
+    """S, the decode steps of one chunk (each feeds gen[i-1], yields gen[i]; gen[0] comes from the prefill).
+
+    action_start "prefill": gen[0] is bin 1, so A - 1 steps whatever ``decode_tokens`` says. "token": gen[0] is
+    the action-start token; with H = 1 the operator's ``decode_tokens`` steps (the seed behaviour, 8 = 7 bins and
+    the end token, larger values decode further); with H > 1 at least A + 1 (the A bins and the end token: the
+    training targets are [START, bins of steps t..t+H-1, END])."""
+    a = chunk_action_tokens(cfg)
+    if cfg.action_start == "prefill":
+        return a - 1
+    if int(cfg.action_horizon) == 1:
+        return int(decode_tokens)
+    return max(int(decode_tokens), a + 1)
+
+
+def describe_decode_steps(cfg: ModelConfig, decode_tokens: int) -> str:
+    """S and where it comes from, for messages and logs (H = 1 "token": just ``decode_tokens=N``)."""
+    s, a, h = chunk_decode_steps(cfg, decode_tokens), chunk_action_tokens(cfg), int(cfg.action_horizon)
+    if cfg.action_start == "prefill":
+        return (f"{s} decode steps (vla.action_start prefill: {h} x {cfg.action_dims} action tokens, the first from "
+                "the prefill)")
+    if h == 1:
+        return f"decode_tokens={int(decode_tokens)}"
+    return (f"{s} decode steps (vla.action_horizon {h} x {cfg.action_dims} action tokens + an end token, or "
+            f"decode_tokens={int(decode_tokens)} when larger)")
+
+
+def first_bin_index(cfg: ModelConfig) -> int:
+    """Index in gen of the chunk's first action bin: 0 when the prefill gives bin 1, else 1 (after the start)."""
+    return 0 if cfg.action_start == "prefill" else 1
+
+
+def action_token_slice(cfg: ModelConfig) -> slice:
+    """The A greedy choices in gen that are the chunk's action bins (plus action_token_offset)."""
+    first = first_bin_index(cfg)
+    return slice(first, first + chunk_action_tokens(cfg))
+
+
+def chunk_bins(cfg: ModelConfig, gen: np.ndarray) -> np.ndarray:
+    """gen (S + 1,) vocabulary ids -> (H, action_dims) int64 action bins, row k = the chunk's step k."""
+    bins = np.asarray(gen, dtype=np.int64)[action_token_slice(cfg)] - cfg.action_token_offset
+    if bins.size != chunk_action_tokens(cfg):
+        raise EngineError(f"a chunk of {len(gen)} greedy tokens holds {bins.size} action bins, the model needs "
+                          f"{chunk_action_tokens(cfg)} (action_horizon {cfg.action_horizon} x {cfg.action_dims})")
+    return bins.reshape(int(cfg.action_horizon), int(cfg.action_dims))
+
+
+def chunk_actions(tokenizer, bins: np.ndarray) -> np.ndarray:
+    """(H, action_dims) bins -> (H, action_dims) float32 un-normalised actions, row by row (ActionTokenizer)."""
+    return np.stack([tokenizer.bins_to_action(row) for row in bins]).astype(np.float32)
+
+
 def check_positions(cfg: ModelConfig, kv_budget_tokens: int, decode_tokens: int) -> None:
-    """Every logical position of a chunk (context slots, then the decode steps) stays below
-    max_position_embeddings: the model was not trained past it."""
-    if cfg.max_position_embeddings <= kv_budget_tokens + decode_tokens:
-        raise EngineError(f"kv_budget_tokens={kv_budget_tokens} + decode_tokens={decode_tokens} must stay below "
-                          f"max_position_embeddings={cfg.max_position_embeddings} of {cfg.source}")
+    """Every logical position of a chunk (context slots, then its S = chunk_decode_steps decode steps) stays
+    below max_position_embeddings: the model was not trained past it. ``decode_tokens`` is the parameter."""
+    if cfg.max_position_embeddings <= kv_budget_tokens + chunk_decode_steps(cfg, decode_tokens):
+        raise EngineError(f"kv_budget_tokens={kv_budget_tokens} + {describe_decode_steps(cfg, decode_tokens)} "
+                          f"must stay below max_position_embeddings={cfg.max_position_embeddings} of {cfg.source}")
 
 
 def check_prefix(prefix_tokens: int, instruction: str) -> np.ndarray:
@@ -55,7 +118,8 @@ def check_prefix(prefix_tokens: int, instruction: str) -> np.ndarray:
 
 def check_chunk_geometry(cfg: ModelConfig, kv, instruction: str, decode_tokens: int) -> np.ndarray:
     """What a backend checks before it allocates anything, for the KV manager ``kv`` it is handed (its
-    tokens_per_frame, prefix_tokens and budget_tokens); returns the instruction's token ids."""
+    tokens_per_frame, prefix_tokens and budget_tokens) and the ``decode_tokens`` parameter (the positions are
+    checked for the effective decode steps); returns the instruction's token ids."""
     check_decode_tokens(cfg, decode_tokens)
     check_tokens_per_frame(cfg, kv.tokens_per_frame)
     ids = check_prefix(kv.prefix_tokens, instruction)

@@ -4,19 +4,27 @@ Data path of one chunk (one camera frame):
 
     image (H, W, 3) uint8 ──encode_frame──> vision tokens (tokens_per_frame, hidden) float32
         ──run_chunk──> KV manager admits the frame (evicting by policy), prefill of the 32 tokens against
-                       pinned prefix + retained frames, then `decode_tokens` greedy single-token steps over
-                       the 256 action rows of the LM head ──> ChunkResult (action bins, un-normalised action)
+                       pinned prefix + retained frames, then S greedy single-token decode steps over the 256
+                       action rows of the LM head ──> ChunkResult (action bins, un-normalised actions)
 
-Token layout of a chunk: the prefill's last logits give gen[0] (an action-start token); decode step i
-(i = 1..decode_tokens) feeds gen[i-1] and yields gen[i]. gen[1..7] are the 7 action bins, gen[8] the end token.
-Decode tokens live in `decode_tokens` scratch slots outside the KV budget and are not retained.
+Token layout of a chunk (one rule for every backend and the reference; the arithmetic is engine/geometry.py's
+``chunk_decode_steps`` / ``action_token_slice`` / ``chunk_bins``). A checkpoint's ``vla.action_horizon`` H says
+how many actions (one per control period) a chunk yields; its A = H * action_dims action tokens are time-major
+(step 0's 7 bins, then step 1's, ...). The prefill's last logits give gen[0]; decode step i (i = 1..S) feeds
+gen[i-1] and yields gen[i]. ``vla.action_start`` says what gen[0] is:
+- "token" (the seed shape): an action-start token; the bins are gen[1..A]. S = decode_tokens when H = 1 (8: the 7
+  bins and the end token, unchanged; larger values decode further), S = max(decode_tokens, A + 1) when H > 1
+  (the A bins and the end token: the training targets are [START, bins of steps t..t+H-1, END]).
+- "prefill": gen[0] is bin 1 itself; S = A - 1; the bins are gen[0..A-1].
+S, the "effective decode steps" (``engine.decode_steps`` on both backends), not the ``decode_tokens`` parameter,
+sizes everything: the decode tokens live in S scratch slots outside the KV budget (not retained), the logits /
+token buffers hold S + 1 rows, and every position (kv budget + S) must stay below max_position_embeddings.
 
-Action chunks: a checkpoint's ``vla.action_horizon`` H says how many actions (one per control period) a chunk
-yields; ``ChunkResult.chunk`` is that (H, action_dims) array and ``ChunkResult.action`` its first row (what a
-single-step caller reads). Today both backends decode H = 1 (the chunk is the one action; a result built with
-``action`` alone gets ``chunk = action[None]``) and refuse H > 1 or ``chunk_decode: parallel`` at configure
-(``Engine.chunk_support_problem``) until they implement them. The inference loop sets ``frame_stamp_ns``: the
-executor times the chunk's steps from it.
+Results: ``ChunkResult.chunk`` is the (H, action_dims) float32 array of actions, ``chunk_bins`` its (H,
+action_dims) bins, ``action`` / ``action_bins`` their first row (what a single-step caller reads; a result built
+with ``action`` alone gets ``chunk = action[None]``), ``token_ids`` all of gen. Both backends decode H >= 1
+autoregressively; ``vla.chunk_decode: parallel`` is refused at configure by name (``Engine.chunk_support_problem``)
+until it is implemented. The inference loop sets ``frame_stamp_ns``: the executor times the chunk's steps from it.
 """
 from __future__ import annotations
 
@@ -45,9 +53,9 @@ class EngineError(RuntimeError):
 @dataclass
 class ChunkResult:
     frame_id: int
-    token_ids: np.ndarray  # (decode_tokens + 1,) int64: gen[0..decode_tokens], vocabulary ids
-    action_bins: np.ndarray  # (action_dims,) int64 in [0, 256)
-    action: np.ndarray  # (action_dims,) float32, un-normalised with q01/q99
+    token_ids: np.ndarray  # (S + 1,) int64: gen[0..S] (S = the engine's decode_steps), vocabulary ids
+    action_bins: np.ndarray  # (action_dims,) int64 in [0, 256): the chunk's first step
+    action: np.ndarray  # (action_dims,) float32, un-normalised with q01/q99: the chunk's first step
     prefill_ms: float
     decode_ms: float  # all decode steps together
     total_ms: float
@@ -56,10 +64,13 @@ class ChunkResult:
     salient: bool = False
     chunk: Optional[np.ndarray] = None  # (H, action_dims) float32; None at construction: action[None] (H = 1)
     frame_stamp_ns: int = 0  # stamp of the camera frame the chunk was computed from (set by the inference loop)
+    chunk_bins: Optional[np.ndarray] = None  # (H, action_dims) int64; None at construction: action_bins[None]
 
     def __post_init__(self) -> None:
         if self.chunk is None and self.action is not None:
             self.chunk = np.asarray(self.action).reshape(1, -1)
+        if self.chunk_bins is None and self.action_bins is not None:
+            self.chunk_bins = np.asarray(self.action_bins).reshape(1, -1)
 
     @property
     def horizon(self) -> int:
@@ -97,7 +108,8 @@ class Engine(abc.ABC):
         """{'current_bytes': ..., 'peak_bytes': ...} of the backend's own allocations (device for cuda)."""
 
     # ---- the rest of the contract: what the runtime reads and changes, defined once for every backend --------
-    # A backend keeps its ModelConfig as ``cfg`` and its core.kv.KVManager as ``kv``.
+    # A backend keeps its ModelConfig as ``cfg``, its core.kv.KVManager as ``kv``, the ``decode_tokens`` parameter
+    # and S (geometry.chunk_decode_steps, module docstring) as ``decode_steps``.
     @property
     def action_names(self) -> tuple[str, ...]:
         """Names of the action dimensions, in order (the checkpoint's ``vla.action_names``)."""
@@ -105,17 +117,14 @@ class Engine(abc.ABC):
 
     def chunk_support_problem(self) -> Optional[str]:
         """Why this backend cannot decode the chunks its checkpoint asks for (None: it can). The inference node
-        refuses to configure with this reason. The default is today's backends: one action per chunk (H = 1),
-        autoregressive; a backend that implements more overrides it."""
+        refuses to configure with this reason. Both backends decode any action_horizon H >= 1 autoregressively
+        (module docstring); parallel decoding is not implemented yet. A backend that differs overrides this."""
         cfg = getattr(self, "cfg", None)
-        horizon = int(getattr(cfg, "action_horizon", 1))
         decode = getattr(cfg, "chunk_decode", "autoregressive")
         if decode != "autoregressive":
-            return (f"vla.chunk_decode={decode!r}: parallel decoding of an action chunk is not implemented by the "
-                    f"{self.name} backend yet (issue 22); use \"autoregressive\"")
-        if horizon > 1:
-            return (f"vla.action_horizon={horizon}: the {self.name} backend decodes one action per chunk (H = 1) "
-                    "for now (issue 22); use a checkpoint with action_horizon 1")
+            horizon = int(getattr(cfg, "action_horizon", 1))
+            return (f"vla.chunk_decode={decode!r}: parallel decoding of an action chunk (action_horizon {horizon}) "
+                    f"is not implemented by the {self.name} backend yet (issue 22); use \"autoregressive\"")
         return None
 
     @property

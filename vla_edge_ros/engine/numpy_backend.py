@@ -4,16 +4,16 @@ Model: token embedding, per layer RMSNorm -> q/k/v projections (with biases) -> 
 attention -> o_proj -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head restricted to the
 last ``n_action_bins`` vocabulary rows (tied to the embedding unless the checkpoint has ``lm_head.weight``).
 
-KV cache: ``k_pre`` (keys BEFORE RoPE) of shape ``[layers, capacity + decode_tokens, kv_heads, head_dim]``;
-``v`` and the rotated-key cache ``k_rot`` are stored head-major, ``[layers, kv_heads, capacity + decode_tokens,
+KV cache: ``k_pre`` (keys BEFORE RoPE) of shape ``[layers, capacity + decode_steps, kv_heads, head_dim]``;
+``v`` and the rotated-key cache ``k_rot`` are stored head-major, ``[layers, kv_heads, capacity + decode_steps,
 head_dim]``, so each (layer, head) is one contiguous matrix for BLAS (decode is memory-bound: a strided layout
-cost 2-3x). Slot ``s`` is addressed as the KVManager hands it out; the ``decode_tokens`` scratch slots after the
+cost 2-3x). Slot ``s`` is addressed as the KVManager hands it out; the ``decode_steps`` scratch slots after the
 capacity hold the decode tokens of the current chunk only. Attention runs over the physical slot range
 ``[0, max context slot]`` with an additive mask (free slots, evicted frames: -inf; the new frame: causal), so
 eviction never moves or gathers K/V.
 
 Positions: a context slot's logical position is its index in ``KVManager.context_slots()``; the new frame's
-queries sit at n_ctx-32 .. n_ctx-1, decode step i at n_ctx + i - 1; all below ``capacity + decode_tokens``
+queries sit at n_ctx-32 .. n_ctx-1, decode step i at n_ctx + i - 1; all below ``capacity + decode_steps``
 for ever. A second array ``k_rot`` caches the rotated keys. Because RoPE scores depend only on the position
 difference, rotating every key AND every query by the same extra offset ``delta`` leaves attention unchanged;
 the engine keeps one ``delta`` such that ``k_rot[s] = rope(k_pre[s], logical(s) + delta)`` for every context
@@ -24,9 +24,10 @@ frames: ``delta`` follows the majority and the minority is re-rotated from ``k_p
 ``delta`` is reset to 0 (full re-rotation) before any rotation position would reach
 ``max_position_embeddings``, so every rotation angle used lies inside the model's trained range too.
 
-Chunk shape (config ``vla.action_start``, issue 23): "token" (default, the seed shape): gen[0] from the prefill is
-an action-start token, ``decode_tokens`` decode steps, the bins are gen[1..action_dims]; "prefill": gen[0] from the
-prefill IS bin 1, ``action_dims - 1`` decode steps (``decode_steps``), the bins are gen[0..action_dims-1].
+Chunk shape (``vla.action_start``, issue 23; ``vla.action_horizon`` H, issue 22): the layout of
+engine/interface.py, arithmetic from engine/geometry.py. ``decode_steps`` = S: "token" (default, the seed shape):
+gen[0] is an action-start token, S = decode_tokens (H = 1) or max(decode_tokens, H * action_dims + 1), the bins
+are gen[1..A]; "prefill": gen[0] IS bin 1, S = A - 1, the bins are gen[0..A-1] (A = H * action_dims, time-major).
 
 Weights (``weight_dtype``, issue 23): bf16 computes with the weights as handed over (unchanged). int8 / fp8 /
 int4 quantise them with engine/quant.quantize_weights (or take a pre-quantised ``QuantizedModel``) and compute with
@@ -45,7 +46,8 @@ import numpy as np
 from vla_edge_ros.core.action_tokenizer import ActionTokenizer
 from vla_edge_ros.engine.checkpoint import check_weights, expected_shapes
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.geometry import check_chunk_geometry, prefix_token_ids  # noqa: F401  (re-exported)
+from vla_edge_ros.engine.geometry import chunk_actions, chunk_bins, chunk_decode_steps, check_chunk_geometry
+from vla_edge_ros.engine.geometry import prefix_token_ids  # noqa: F401  (re-exported)
 from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
 from vla_edge_ros.engine.quant import WEIGHT_DTYPES, QuantizedModel, quantize_weights, weights_nbytes
 from vla_edge_ros.engine.rope import RopeTable
@@ -118,10 +120,7 @@ class NumpyEngine(Engine):
         self.kv = kv
         self.decode_tokens = int(decode_tokens)
         self.prefix_ids = check_chunk_geometry(cfg, kv, instruction, self.decode_tokens)
-        # chunk shape (module docstring): decode steps per chunk and the index of bin 1 in gen
-        prefill_start = cfg.action_start == "prefill"
-        self.decode_steps = cfg.action_dims - 1 if prefill_start else self.decode_tokens
-        self._first_bin = 0 if prefill_start else 1
+        self.decode_steps = chunk_decode_steps(cfg, self.decode_tokens)  # S (module docstring): sizes the scratch
         self.weight_dtype = weight_dtype
         weights = dequantized_weights(cfg, weights, weight_dtype)
         check_weights(cfg, weights)
@@ -158,7 +157,7 @@ class NumpyEngine(Engine):
         old = getattr(self, "k_pre", None)
         old_cap = getattr(self, "capacity", 0)
         self.capacity = int(capacity)
-        S = self.capacity + self.decode_tokens
+        S = self.capacity + self.decode_steps
         k_pre = np.zeros((L, S, self.KV, self.D), np.float32)
         v = np.zeros((L, self.KV, S, self.D), np.float32)
         k_rot = np.zeros_like(v)
@@ -263,13 +262,13 @@ class NumpyEngine(Engine):
         self.last_logits = logits
         self.last_max_position = n_ctx + self.decode_steps - 1
         self.last_max_rotation_position = self.last_max_position + self.delta
-        bins = gen[self._first_bin:self._first_bin + self.cfg.action_dims] - self.cfg.action_token_offset
-        action = self.tokenizer.bins_to_action(bins)
+        bins = chunk_bins(self.cfg, gen)  # (H, action_dims)
+        chunk = chunk_actions(self.tokenizer, bins)
         t4 = time.perf_counter()
-        return ChunkResult(frame_id=int(frame_id), token_ids=gen, action_bins=bins, action=action,
+        return ChunkResult(frame_id=int(frame_id), token_ids=gen, action_bins=bins[0].copy(), action=chunk[0].copy(),
                            prefill_ms=(t2 - t1) * 1e3, decode_ms=(t3 - t2) * 1e3, total_ms=(t4 - t0) * 1e3,
                            evicted_frames=list(adm.evicted), kv_occupancy_tokens=int(self.kv.occupancy_tokens),
-                           salient=bool(salient))
+                           salient=bool(salient), chunk=chunk, chunk_bins=bins)
 
     def _decode(self, gen: np.ndarray, logits: np.ndarray, n_ctx: int, r_end: int) -> None:
         """Greedy decode of gen[1..decode_steps] (gen[0] and logits[0] are set).
@@ -338,7 +337,7 @@ class NumpyEngine(Engine):
         n_old = len(old)
         logical = np.arange(n_old, dtype=np.int64)
         d = self.rot_pos[old] - logical
-        limit = self.cfg.max_position_embeddings - (n_ctx + self.decode_tokens - 1)  # delta must stay below
+        limit = self.cfg.max_position_embeddings - (n_ctx + self.decode_steps - 1)  # delta must stay below
         if n_old:
             vals, counts = np.unique(d, return_counts=True)
             delta = int(vals[np.argmax(counts)])

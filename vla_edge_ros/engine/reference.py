@@ -4,7 +4,7 @@ What it is for:
 - the oracle the tests hold both backends to. NumpyEngine (engine/numpy_backend.py) and CudaEngine are
   optimised (slot-addressed caches, a shared rotation offset, speculative decoding, fused kernels); they are
   checked against this file, never the other way round, and nothing here is shared with them but the config,
-  the tensor names and the action tokenizer;
+  the tensor names, the action tokenizer and the chunk's token-layout arithmetic (engine/geometry.py);
 - the file a newcomer reads to understand the model and the chunk the runtime runs.
 
 It is slow on purpose: every key is rotated again at every step, the context is concatenated again, every score
@@ -22,10 +22,14 @@ The chunk (``reference_chunk``; token layout as in engine/interface.py):
 - the new frame's tpf tokens sit at n_ctx - tpf .. n_ctx - 1 (n_ctx = P + retained frames * tpf, the new one
   included), see the whole context and themselves causally.
 - greedy decode: gen[0] = argmax of the frame's last row; step i = 1..steps feeds gen[i-1] at position
-  n_ctx + i - 1. Decode tokens are not retained. The checkpoint's ``vla.action_start`` says what gen[0] is:
-  "token" (the seed shape): an action-start token, steps = decode_tokens, action bins = gen[1..action_dims] -
-  action_token_offset; "prefill" (issue 23, OpenVLA's shape): bin 1 itself, steps = action_dims - 1, action bins
-  = gen[0..action_dims-1] - action_token_offset (1 prefill + 6 decode passes for 7 bins).
+  n_ctx + i - 1. Decode tokens are not retained. A chunk holds N = action_horizon * action_dims action tokens,
+  time-major (step 0's bins, then step 1's, ...). The checkpoint's ``vla.action_start`` says what gen[0] is:
+  "token" (the seed shape): an action-start token, steps = decode_tokens for a horizon of 1, else
+  max(decode_tokens, N + 1) (the bins and an end token), action bins = gen[1..N] - action_token_offset; "prefill"
+  (issue 23, OpenVLA's shape): bin 1 itself, steps = N - 1, action bins = gen[0..N-1] - action_token_offset
+  (1 prefill + 6 decode passes for 7 bins). That arithmetic is engine/geometry.py's (``chunk_decode_steps``,
+  ``chunk_bins``): one rule for every backend, so the oracle takes it from there too; the tests pin its numbers
+  independently (test/test_chunk_horizon.py).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ import numpy as np
 from vla_edge_ros.core.action_tokenizer import from_config as action_tokenizer
 from vla_edge_ros.engine.checkpoint import expected_shapes, vision_shapes
 from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.geometry import chunk_actions, chunk_bins, chunk_decode_steps
 from vla_edge_ros.engine.vision import check_image, seeded_vision_weights
 
 LayerKV = tuple[np.ndarray, np.ndarray]  # one layer's keys (pre-RoPE) and values of n tokens: (n, KV, D) each
@@ -209,9 +214,11 @@ class ReferenceChunk:
     frame_id: int
     logits: np.ndarray  # (steps + 1, A): row 0 from the frame's last token, row i from decode step i
     token_ids: np.ndarray  # (steps + 1,) greedy choices gen[0..steps], vocabulary ids (module docstring)
-    action_bins: np.ndarray  # (action_dims,) in [0, A)
-    action: np.ndarray  # (action_dims,) float32, un-normalised with q01 / q99
+    action_bins: np.ndarray  # (action_dims,) in [0, A): the chunk's first step (chunk_bins[0])
+    action: np.ndarray  # (action_dims,) float32, un-normalised with q01 / q99: chunk[0]
     evicted: list[int]  # frames the KV manager evicted to admit this one
+    chunk_bins: np.ndarray  # (H, action_dims) bins, row k = the chunk's step k
+    chunk: np.ndarray  # (H, action_dims) float32 un-normalised actions
 
 
 @dataclass
@@ -269,14 +276,13 @@ def reference_chunk(stream: ReferenceStream, tokens: np.ndarray, frame_id: int, 
     logits = [action_logits(cfg, w, h[-1:])[0]]  # (A,) from the frame's last token
     gen = [int(np.argmax(logits[0])) + off]
     decoded: list[list[LayerKV]] = []  # this chunk's decode tokens, not retained
-    prefill_start = cfg.action_start == "prefill"  # gen[0] is bin 1 (module docstring)
-    steps = cfg.action_dims - 1 if prefill_start else stream.decode_tokens
+    steps = chunk_decode_steps(cfg, stream.decode_tokens)  # module docstring
     for i in range(1, steps + 1):
         h, kv_i = forward(cfg, w, embed(w, [gen[-1]]), [n_ctx + i - 1], _concat(context + [frame_kv] + decoded))
         decoded.append(kv_i)
         logits.append(action_logits(cfg, w, h)[0])
         gen.append(int(np.argmax(logits[-1])) + off)
-    first = 0 if prefill_start else 1
-    bins = np.asarray(gen[first:first + cfg.action_dims], dtype=np.int64) - off
-    return ReferenceChunk(int(frame_id), np.stack(logits), np.asarray(gen, dtype=np.int64), bins,
-                          action_tokenizer(cfg).bins_to_action(bins), list(admission.evicted))
+    bins = chunk_bins(cfg, np.asarray(gen, dtype=np.int64))  # (H, action_dims)
+    actions = chunk_actions(action_tokenizer(cfg), bins)  # (H, action_dims)
+    return ReferenceChunk(int(frame_id), np.stack(logits), np.asarray(gen, dtype=np.int64), bins[0], actions[0],
+                          list(admission.evicted), bins, actions)

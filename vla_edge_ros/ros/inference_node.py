@@ -176,7 +176,8 @@ class InferenceNode(LifecycleNode):
                                                  values["ema_alpha"], cost_quantile=values["cost_quantile"])
             self.loop = InferenceLoop(self.engine, self.buffer, self.admission, self.cycle_period_ms(),
                                       on_action=self._on_action, on_event=self._on_event,
-                                      decode_tokens=values["decode_tokens"],
+                                      decode_tokens=max(1, int(getattr(self.engine, "decode_steps",  # real steps
+                                                                       values["decode_tokens"]))),
                                       saliency_threshold=values["saliency_threshold"],
                                       thread_nice=values["inference_thread_nice"],
                                       action_horizon=self.action_horizon,

@@ -125,7 +125,8 @@ class Weights:
 class Activations:
     """Fixed buffers of one chunk (graph-static) and the pinned host staging of its per-chunk copies."""
 
-    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, decode_tokens: int):
+    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, decode_steps: int):
+        """decode_steps: S, the chunk's effective decode steps (engine/geometry.chunk_decode_steps)."""
         cuda = mem.cuda
         H, I, T, n_bins = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK, cfg.n_action_bins
         nq = cfg.num_attention_heads * cfg.head_dim
@@ -142,28 +143,28 @@ class Activations:
         self.q_dec = mem.alloc("q_dec", 4 * nq)
         self.attn_dec = mem.alloc("attn_dec", 4 * nq)
         self.act_dec = mem.alloc("act_dec", 4 * I)
-        self.final_h_dec = mem.alloc("final_h_dec", 4 * decode_tokens * H)
+        self.final_h_dec = mem.alloc("final_h_dec", 4 * decode_steps * H)
         # outputs: action-row logits of the prefill and every decode step, the greedy tokens
-        self.logits = mem.alloc("logits", 4 * (decode_tokens + 1) * n_bins)
-        self.tok_buf = mem.alloc("tok_buf", 4 * (decode_tokens + 1))
+        self.logits = mem.alloc("logits", 4 * (decode_steps + 1) * n_bins)
+        self.tok_buf = mem.alloc("tok_buf", 4 * (decode_steps + 1))
         self.meta = mem.zeros("meta", 4, np.int32)  # [L keys seen by the prefill, p0, T rows, n_ctx]
         self.vis_in = mem.zeros("vision.patches", (T, cfg.patch_dim), np.uint16)
         self.vis_out = mem.alloc("vision.out", 4 * T * H)
         self.h_x = cuda.pagelocked_zeros((T, H), np.float32)
         self.h_meta = cuda.pagelocked_zeros(4, np.int32)
-        self.h_tok = cuda.pagelocked_zeros(decode_tokens + 1, np.int32)
-        self.h_logits = cuda.pagelocked_zeros((decode_tokens + 1, n_bins), np.float32)
+        self.h_tok = cuda.pagelocked_zeros(decode_steps + 1, np.int32)
+        self.h_logits = cuda.pagelocked_zeros((decode_steps + 1, n_bins), np.float32)
 
 
 class KVCache:
-    """bf16 K and V ``[layers][budget + decode_tokens][kv_heads * head_dim]`` stored BEFORE RoPE (keys are rotated in
+    """bf16 K and V ``[layers][budget + decode_steps][kv_heads * head_dim]`` stored BEFORE RoPE (keys are rotated in
     the attention kernels from each slot's logical position, so eviction never touches a stored key), the slot list,
     the RoPE table and the attention kernels' split partials."""
 
     _SIZED = ("key_slots", "rope", "part_o_pf", "part_ml_pf", "part_o_dec", "part_ml_dec")
 
-    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, decode_tokens: int, keys_per_split: int):
-        self.mem, self.cfg, self.decode_tokens, self.kps = mem, cfg, decode_tokens, keys_per_split
+    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, decode_steps: int, keys_per_split: int):
+        self.mem, self.cfg, self.decode_steps, self.kps = mem, cfg, decode_steps, keys_per_split
         self.nkv = cfg.num_key_value_heads * cfg.head_dim
         self.capacity = self.slots = 0
         self.kc = self.vc = 0
@@ -173,7 +174,7 @@ class KVCache:
         """Room for ``capacity`` retained tokens; a second call (budget growth) keeps every retained row."""
         mem, cuda, cfg = self.mem, self.mem.cuda, self.cfg
         L, HD, old_slots = cfg.num_hidden_layers, cfg.head_dim, self.slots
-        S = int(capacity) + self.decode_tokens
+        S = int(capacity) + self.decode_steps  # the retained tokens, then one scratch slot per decode step
         kv_bytes = 2 * L * S * self.nkv
         grow = self.kc != 0
         kc = mem.alloc("kc_new" if grow else "kc", kv_bytes)

@@ -6,6 +6,11 @@ Set-up order: refuse what cannot run (geometry, VRAM budget) before any allocati
 prefix eagerly; capture the two graphs. A chunk: the KV manager admits the frame, the host writes the frame's rows,
 the slot list and ``meta`` by async copies, replays both graphs and reads back the tokens and logits. The greedy
 chain stays on the device (each step's argmax feeds the next step's embedding gather).
+
+Decode steps: ``decode_steps`` = S (engine/geometry.chunk_decode_steps; the token layout of engine/interface.py),
+not the ``decode_tokens`` parameter, sizes the activations, the KV scratch slots, the memory plan and the decode
+graph: an action chunk of H > 1 actions (``vla.action_horizon``) is S = max(decode_tokens, H * action_dims + 1)
+greedy steps in the same graph, and its bins come back as ``ChunkResult.chunk_bins`` (H, action_dims).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from vla_edge_ros.engine.cuda.plan import (BLOCK, T_CHUNK, DeviceLimits, Launch,
                                            memory_plan, padded_intermediate, plan)
 from vla_edge_ros.engine.cuda.probe import cuda_status
 from vla_edge_ros.engine.cuda.vram import check_budget, quantized_model_bytes
-from vla_edge_ros.engine.geometry import check_chunk_geometry
+from vla_edge_ros.engine.geometry import chunk_actions, chunk_bins, chunk_decode_steps, check_chunk_geometry
 from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
 from vla_edge_ros.engine.quant import WEIGHT_DTYPES
 
@@ -72,6 +77,7 @@ class CudaEngine(Engine):
         self.use_graphs = bool(use_graphs)
         self.tuning = tuning if isinstance(tuning, Tuning) else Tuning.from_mapping(tuning)
         self.decode_tokens, self.max_vram_gb = int(decode_tokens), float(max_vram_gb)
+        self.decode_steps = chunk_decode_steps(cfg, self.decode_tokens)  # S: sizes every buffer (module docstring)
         self.defines = tuple(defines) + tuple(os.environ.get("VLA_CUDA_DEFINES", "").split())
         self.prefix_ids = check_chunk_geometry(cfg, kv, instruction, self.decode_tokens)
         if kv.tokens_per_frame > T_CHUNK:
@@ -112,7 +118,7 @@ class CudaEngine(Engine):
         cuda, cfg = self._cuda, self.cfg
         t0 = time.perf_counter()
         capacity = int(self.kv.budget_tokens)
-        sizes = memory_plan(cfg, capacity, self.decode_tokens)
+        sizes = memory_plan(cfg, capacity, self.decode_steps)
         total = check_budget(self._model_bytes(sizes), sizes["kv"], sizes["scratch"], self.max_vram_gb)
         self.mem = DeviceMemory(cuda, int(self.max_vram_gb * 2**30))
         w = self._load_weights(checkpoint)
@@ -126,8 +132,8 @@ class CudaEngine(Engine):
         t2 = time.perf_counter()
         self.weights = Weights(self.mem, cfg, w, self.prefix_ids)
         del w
-        self.act = Activations(self.mem, cfg, self.decode_tokens)
-        self.kvc = KVCache(self.mem, cfg, self.decode_tokens, self.plan.keys_per_split)
+        self.act = Activations(self.mem, cfg, self.decode_steps)
+        self.kvc = KVCache(self.mem, cfg, self.decode_steps, self.plan.keys_per_split)
         self.kvc.allocate(capacity)
         self.stream = cuda.Stream()
         self.ev = [cuda.Event() for _ in range(4)]
@@ -188,7 +194,7 @@ class CudaEngine(Engine):
         forward.prefill(k or self.launcher, self.plan, self.cfg, self.weights, self.act, self.kvc)
 
     def enqueue_decode(self, k=None) -> None:
-        forward.decode(k or self.launcher, self.plan, self.cfg, self.weights, self.act, self.kvc, self.decode_tokens)
+        forward.decode(k or self.launcher, self.plan, self.cfg, self.weights, self.act, self.kvc, self.decode_steps)
 
     def enqueue_chunk(self, k=None) -> None:
         """A whole chunk's launches through launcher k (profiling tools record or filter them)."""
@@ -241,7 +247,7 @@ class CudaEngine(Engine):
             return
         self.log(f"cuda engine: KV budget grew to {self.kv.budget_tokens} tokens: reallocating the cache and "
                  "re-capturing the graphs")
-        sizes = memory_plan(self.cfg, self.kv.budget_tokens, self.decode_tokens)
+        sizes = memory_plan(self.cfg, self.kv.budget_tokens, self.decode_steps)
         check_budget(self._model_bytes(sizes), sizes["kv"], sizes["scratch"], self.max_vram_gb)
         self.stream.synchronize()
         self.kvc.allocate(self.kv.budget_tokens)
@@ -292,14 +298,15 @@ class CudaEngine(Engine):
             self.needs_reset = True
             raise EngineError(f"CUDA error during chunk {frame_id}: {e}") from e
         self.last_logits = self.act.h_logits.copy()
-        bins = gen[1:1 + self.cfg.action_dims] - self.cfg.action_token_offset
+        bins = chunk_bins(self.cfg, gen)  # (H, action_dims)
         if np.any(bins < 0) or np.any(bins >= self.cfg.n_action_bins):
             raise EngineError(f"decode produced token ids outside the action rows: {gen.tolist()}")
-        action = self.tokenizer.bins_to_action(bins)
-        return ChunkResult(frame_id=int(frame_id), token_ids=gen, action_bins=bins, action=action,
+        chunk = chunk_actions(self.tokenizer, bins)
+        return ChunkResult(frame_id=int(frame_id), token_ids=gen, action_bins=bins[0].copy(), action=chunk[0].copy(),
                            prefill_ms=float(prefill_ms), decode_ms=float(decode_ms),
                            total_ms=(time.perf_counter() - t0) * 1e3, evicted_frames=list(adm.evicted),
-                           kv_occupancy_tokens=int(self.kv.occupancy_tokens), salient=bool(salient))
+                           kv_occupancy_tokens=int(self.kv.occupancy_tokens), salient=bool(salient),
+                           chunk=chunk, chunk_bins=bins)
 
     def _device_chunk(self, x: np.ndarray, frame_id: int, salient: bool):
         from vla_edge_ros.engine.vision import pooled
@@ -311,7 +318,7 @@ class CudaEngine(Engine):
             self._ensure_capacity()
             ctx = np.asarray(self.kv.context_slots(), dtype=np.int32)
             n_ctx = len(ctx)
-            slots = np.concatenate([ctx, self.kvc.capacity + np.arange(self.decode_tokens, dtype=np.int32)])
+            slots = np.concatenate([ctx, self.kvc.capacity + np.arange(self.decode_steps, dtype=np.int32)])
             t.append(time.perf_counter())
             self._set_inputs(x, slots, n_ctx, n_ctx - tpf, tpf, n_ctx)
             t.append(time.perf_counter())
@@ -334,12 +341,12 @@ class CudaEngine(Engine):
 
     # ---- read-back for tests and benchmarks --------------------------------------------------------------
     def read_final_hidden(self) -> tuple[np.ndarray, np.ndarray]:
-        """(prefill rows (32, H), decode steps (decode_tokens, H)) of the final-normed hidden state."""
+        """(prefill rows (32, H), decode steps (decode_steps, H)) of the final-normed hidden state."""
         H = self.cfg.hidden_size
         with self._active():
             self.stream.synchronize()
             a = np.empty((T_CHUNK, H), np.float32)
-            b = np.empty((self.decode_tokens, H), np.float32)
+            b = np.empty((self.decode_steps, H), np.float32)
             self._cuda.memcpy_dtoh(a, self.act.final_h)
             self._cuda.memcpy_dtoh(b, self.act.final_h_dec)
         return a, b

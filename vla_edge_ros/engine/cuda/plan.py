@@ -369,9 +369,10 @@ def _vision_grid(cfg: ModelConfig, rows: int, block) -> tuple:
     return (rb, math.ceil(K / ks)), block, 0, ks
 
 
-def memory_plan(cfg: ModelConfig, capacity: int, decode_tokens: int,
+def memory_plan(cfg: ModelConfig, capacity: int, decode_steps: int,
                 c: LaunchConstants = LaunchConstants()) -> dict[str, int]:
-    """Bytes of model, KV cache and scratch for a KV capacity (the three parts of vram.check_budget)."""
+    """Bytes of model, KV cache and scratch for a KV capacity and S = ``decode_steps`` decode steps per chunk
+    (engine/geometry.chunk_decode_steps, not the decode_tokens parameter): the three parts of vram.check_budget."""
     H, I, L, V = cfg.hidden_size, padded_intermediate(cfg), cfg.num_hidden_layers, cfg.vocab_size
     Hq, HD, nkv = cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     nqkv, n_bins, T = Hq * HD + 2 * nkv, cfg.n_action_bins, T_CHUNK
@@ -379,12 +380,12 @@ def memory_plan(cfg: ModelConfig, capacity: int, decode_tokens: int,
     model = L * per_layer + 2 * V * H + 2 * H + 2 * H * cfg.patch_dim + 4 * cfg.n_patches * H
     if not cfg.tie_word_embeddings:
         model += 2 * n_bins * H
-    slots = capacity + decode_tokens
+    slots = capacity + decode_steps
     kv = 2 * L * slots * nkv * 2
     n_split = math.ceil(slots / c.ATT_KC)
     scratch = (4 * T * (3 * H + nqkv) + 2 * T * (2 * H + I)
                + 4 * (n_split * Hq * T * (HD + 2)) + 4 * (n_split * Hq * (HD + 2))
-               + 4 * (3 * H + Hq * HD + I + decode_tokens * H)
-               + 4 * (decode_tokens + 1) * n_bins + 8 * (slots + 64) * HD // 2
+               + 4 * (3 * H + Hq * HD + I + decode_steps * H)
+               + 4 * (decode_steps + 1) * n_bins + 8 * (slots + 64) * HD // 2
                + 4 * (slots + 8) + 64 + 2 * T * cfg.patch_dim + 4096)
     return {"model": int(model), "kv": int(kv), "scratch": int(scratch)}
