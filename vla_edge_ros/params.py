@@ -97,7 +97,8 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("instruction", str, "pick up the object", "language instruction, encoded as the pinned KV prefix",
               INFERENCE),
     ParamSpec("tokens_per_frame", int, 32, "vision tokens (KV slots) per camera frame", INFERENCE, min=1, max=1024),
-    ParamSpec("decode_tokens", int, 8, "greedy decode steps per chunk: 7 action bins + 1 end token",
+    ParamSpec("decode_tokens", int, 8, "greedy decode steps per chunk: 7 action bins + 1 end token (an H-step chunk runs at "
+              "least 7H + 1)",
               INFERENCE, min=1, max=64),
     ParamSpec("kv_budget_tokens", int, 0, "hard KV-cache budget in token slots (pinned prefix included); 0 = the "
               "backend's default (cuda 4096, numpy 512: what fits the deadline on each)",
@@ -112,10 +113,8 @@ PARAMS: tuple[ParamSpec, ...] = (
               min=0.0, max=10000.0, live=True, applies="next cycle"),
     ParamSpec("ema_alpha", float, 0.2, "smoothing of the prefill / per-token decode cost EMAs", INFERENCE,
               min=0.001, max=1.0, live=True, applies="next chunk"),
-    ParamSpec("cost_quantile", float, 0.5, "admission adds this quantile of recent chunks' overruns of the mean "
-              "estimate (last 256 chunks) to the estimate; 0.9-0.99 refuses before a rising cost reaches the "
-              "budget, but on a CPU whose noise is i.i.d. and heavy-tailed it refuses most chunks without fewer "
-              "misses (measured: docs/FIGURES.md); 0 = the mean alone", INFERENCE, min=0.0, max=1.0, live=True,
+    ParamSpec("cost_quantile", float, 0.5, "admission adds this quantile of the last 256 chunks' overruns of "
+              "the mean estimate to it (0 = the mean alone; why not 0.9-0.99 on a CPU: docs/FIGURES.md)", INFERENCE, min=0.0, max=1.0, live=True,
               applies="next chunk"),
     ParamSpec("warmup_chunks", int, 3, "chunks run at configure time to seed the cost EMAs", INFERENCE,
               min=0, max=1000),
