@@ -1,0 +1,403 @@
+"""FleetLoop: N robots, one batched fake engine; cycles driven by run_cycle on a fake clock (one threaded smoke)."""
+import json
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vla_edge_ros.core.double_buffer import DoubleBuffer
+from vla_edge_ros.core.fleet_loop import BAD_FRAME, DELIVERED, ERROR, LATE, FleetLoop
+from vla_edge_ros.core.fleet_scheduler import CAPACITY, DEADLINE, FleetScheduler
+from vla_edge_ros.engine.interface import ChunkResult
+
+MS = 1_000_000
+STEPS = 8
+DECODE_MS = 4.0
+
+
+class FakeClock:
+    def __init__(self, t_ns: int = 1_000 * MS):
+        self.t = t_ns
+
+    def __call__(self) -> int:
+        return self.t
+
+    def advance_ms(self, ms: float) -> None:
+        self.t += int(round(ms * MS))
+
+
+@dataclass
+class Frame:
+    image: np.ndarray
+    stamp_ns: int
+    frame_id: int
+
+
+def frame(fid: int, shape=(8, 8, 3)) -> Frame:
+    img = np.full(shape, (fid * 37) % 256, np.uint8)
+    img[0, 0] = 255 - img[0, 0]  # never a constant image: tokens are not all equal
+    return Frame(img, stamp_ns=fid * 33 * MS, frame_id=fid)
+
+
+class FakeBatchEngine:
+    """A pass costs 5 ms + 1 ms per robot (+ extra_ms) on the fake clock (or really sleeps); 4 ms of it decode."""
+
+    decode_steps = STEPS
+    action_names = ("x", "y", "z", "roll", "pitch", "yaw", "gripper")
+
+    def __init__(self, clock=None, base_ms=5.0, per_robot_ms=1.0):
+        self.clock, self.base_ms, self.per_robot_ms = clock, base_ms, per_robot_ms
+        self.robots: set = set()
+        self.batches: list[dict] = []  # per pass: name -> frame id
+        self.extra_ms = 0.0
+        self.fail_robot: dict = {}  # name -> exception returned for that robot
+        self.raise_next = None  # exception raised by the next run_batch
+        self.poison = False  # a raising pass leaves the state bad (needs_reset)
+        self.swap = False  # a buggy engine returning each robot the other's result
+        self.during_pass = None  # called inside run_batch (a ROS callback landing mid-pass)
+        self.needs_reset = False
+        self.resets = 0
+        self.fail_add: set = set()
+        self.bad_timing = False
+        self.last_batch_timing: dict = {}
+
+    def _spend(self, ms):
+        if self.clock is None:
+            time.sleep(ms / 1e3)
+        else:
+            self.clock.advance_ms(ms)
+
+    def add_robot(self, name):
+        if name in self.fail_add:
+            raise MemoryError(f"no KV cache left for {name}")
+        assert name not in self.robots
+        self.robots.add(name)
+
+    def remove_robot(self, name):
+        self.robots.remove(name)
+
+    def encode_frame(self, image):
+        image = np.asarray(image)
+        if image.ndim != 3 or image.shape[2] != 3:
+            raise ValueError(f"image must be (H, W, 3), got {image.shape}")
+        return image[:4, :2, :].reshape(4, 6).astype(np.float32) + 1.0
+
+    def run_batch(self, requests):
+        assert set(requests) <= self.robots, "a request for a robot the engine does not serve"
+        self.batches.append({n: r.frame_id for n, r in requests.items()})
+        if self.during_pass is not None:
+            self.during_pass()
+        cost = self.base_ms + self.per_robot_ms * len(requests) + self.extra_ms
+        self._spend(cost)
+        self.last_batch_timing = {"prefill_ms": cost - DECODE_MS, "decode_ms": DECODE_MS}
+        if self.bad_timing:
+            self.last_batch_timing = {"prefill_ms": float("nan")}
+        if self.raise_next is not None:
+            exc, self.raise_next = self.raise_next, None
+            self.needs_reset = self.poison
+            raise exc
+        out = {}
+        for name, req in requests.items():
+            if name in self.fail_robot:
+                out[name] = self.fail_robot[name]
+                continue
+            res = ChunkResult(frame_id=req.frame_id, token_ids=np.zeros(STEPS + 1, np.int64),
+                              action_bins=np.zeros(7, np.int64), action=np.full(7, req.frame_id, np.float32),
+                              prefill_ms=cost - DECODE_MS, decode_ms=DECODE_MS, total_ms=cost)
+            res.robot = name
+            out[name] = res
+        if self.swap and len(out) == 2:
+            a, b = list(out)
+            out = {a: out[b], b: out[a]}
+        return out
+
+    def reset(self):
+        self.resets += 1
+        self.needs_reset = False
+
+
+def harness(names=("a", "b", "c"), max_batch=4, deadline_ms=30.0, period_ms=33.0, clock=None, **kw):
+    clock = FakeClock() if clock is None else clock
+    engine = FakeBatchEngine(None if clock is time.monotonic_ns else clock)
+    sched = FleetScheduler(max_batch, safety_margin_ms=2.0, decode_steps=STEPS)
+    h = SimpleNamespace(clock=clock, engine=engine, sched=sched, got=[], events=[], buffers={})
+    h.loop = FleetLoop(engine, sched, period_ms, deadline_ms, on_action=lambda n, r: h.got.append((n, r)),
+                       on_event=lambda n, k, d: h.events.append((n, k, d)), clock_ns=clock, **kw)
+    for n in names:
+        add(h, n)
+    return h
+
+
+def add(h, name):
+    h.buffers[name] = DoubleBuffer()
+    h.loop.add_robot(name, h.buffers[name])
+
+
+def cycle(h, frames=None):
+    """Write ``frames`` (name -> frame id or Frame), jump to the next cycle boundary and serve that cycle."""
+    for name, f in (frames or {}).items():
+        h.buffers[name].write(frame(f) if isinstance(f, int) else f)
+    h.got.clear()
+    h.clock.t = h.loop.clock.next_deadline(h.clock.t)
+    return h.loop.run_cycle(h.clock())
+
+
+def robot(h, name):
+    return h.loop.stats()["robots"][name]
+
+
+def test_three_fresh_frames_run_as_one_batch_and_each_robot_gets_its_own_result():
+    h = harness()
+    out = cycle(h, {"a": 11, "b": 22, "c": 33})
+    assert h.engine.batches == [{"a": 11, "b": 22, "c": 33}]
+    assert sorted((n, r.robot, r.frame_id) for n, r in h.got) == [("a", "a", 11), ("b", "b", 22), ("c", "c", 33)]
+    assert all(r.frame_stamp_ns == r.frame_id * 33 * MS and r.salient for _, r in h.got)
+    assert out.outcomes == {"a": DELIVERED, "b": DELIVERED, "c": DELIVERED} and out.missed == ()
+    s = h.loop.stats()
+    assert s["batch_sizes"] == {"3": 1} and s["batches"] == 1 and s["cycles"] == 1
+    for n in "abc":
+        assert {k: s["robots"][n][k] for k in ("frames_run", "admitted", "actions_delivered", "deadline_misses")} \
+            == {"frames_run": 1, "admitted": 1, "actions_delivered": 1, "deadline_misses": 0}
+        assert s["robots"][n]["latency_ms"]["p50"] == pytest.approx(8.0)  # 5 + 3 robots
+    # the scheduler learned the pass: decode from the engine's timing, the rest of the wall time is prefill
+    cost = s["scheduler"]["cost"]["by_batch_size"]["3"]
+    assert cost["prefill_ema_ms"] == pytest.approx(8.0 - DECODE_MS)
+    assert cost["decode_ema_ms_per_step"] == pytest.approx(DECODE_MS / STEPS)
+    json.dumps(s)  # JSON-able for /diagnostics
+
+
+def test_silent_camera_is_not_in_the_batch_and_the_others_run_every_cycle():
+    h = harness()
+    for k in range(1, 4):
+        out = cycle(h, {"a": k, "b": 100 + k})
+        assert h.engine.batches[-1] == {"a": k, "b": 100 + k}
+        assert sorted(n for n, _ in h.got) == ["a", "b"] and "c" not in out.outcomes
+    c = robot(h, "c")
+    assert c["frames_run"] == 0 and c["admitted"] == 0 and c[f"refused_{DEADLINE}"] == c[f"refused_{CAPACITY}"] == 0
+    assert robot(h, "a")["actions_delivered"] == 3 == robot(h, "b")["actions_delivered"]
+
+
+def test_remove_mid_pass_keeps_that_cycle_and_totals_then_a_new_robot_joins():
+    h = harness()
+    cycle(h, {"a": 1, "b": 2, "c": 3})
+    h.engine.during_pass = lambda: h.loop.remove_robot("b")  # a discovery callback lands mid-pass
+    cycle(h, {"a": 4, "b": 5, "c": 6})
+    h.engine.during_pass = None
+    assert sorted(n for n, _ in h.got) == ["a", "b", "c"]  # the cycle in progress delivered b's result
+    assert "b" in h.engine.robots and h.loop.stats()["pending_membership"] == ["remove b"]
+
+    cycle(h, {"a": 7, "b": 8, "c": 9})  # removal applied before this cycle: b's frame is nobody's now
+    assert h.engine.batches[-1] == {"a": 7, "c": 9}
+    assert "b" not in h.engine.robots and "b" not in h.sched.robots
+    s = h.loop.stats()
+    assert set(s["robots"]) == {"a", "c"} and s["robots_removed"] == 1
+    assert s["totals"]["actions_delivered"] == 3 + 3 + 2  # b's two actions are still in the totals
+    with pytest.raises(ValueError, match="not served"):
+        h.loop.remove_robot("b")
+
+    add(h, "d")
+    cycle(h, {"a": 10, "c": 11, "d": 12})
+    assert h.engine.batches[-1] == {"a": 10, "c": 11, "d": 12}
+    assert dict((n, r.frame_id) for n, r in h.got)["d"] == 12
+    assert robot(h, "d")["actions_delivered"] == 1 and "d" in h.sched.robots
+
+
+def test_membership_errors_are_refused_clearly_or_counted():
+    h = harness(names=("a",))
+    with pytest.raises(ValueError, match="already served"):
+        h.loop.add_robot("a", DoubleBuffer())
+    with pytest.raises(ValueError, match="non-empty string"):
+        h.loop.add_robot("__warmup0", DoubleBuffer())
+    with pytest.raises(ValueError, match="DoubleBuffer"):
+        h.loop.add_robot("z", object())
+    h.engine.fail_add.add("full")
+    add(h, "full")  # the engine cannot hold its KV cache: refused when applied, counted, reported
+    cycle(h, {"a": 1})
+    assert "full" not in h.loop.robots and h.loop.stats()["robot_add_failures"] == 1
+    assert any(n == "full" and k == "robot_add_failed" for n, k, _ in h.events)
+    h.engine.fail_add.clear()
+    add(h, "full")  # may be added again once there is room
+    cycle(h, {"a": 2, "full": 3})
+    assert h.engine.batches[-1] == {"a": 2, "full": 3}
+    with pytest.raises(ValueError, match="decode_steps"):
+        FleetLoop(h.engine, FleetScheduler(2, decode_steps=STEPS + 1), 33.0, 30.0, on_action=print)
+
+
+def test_bad_frame_is_rejected_and_counted_for_that_robot_while_the_others_run():
+    h = harness()
+    out = cycle(h, {"a": 1, "b": frame(2, shape=(8, 8)), "c": 3})
+    assert out.outcomes["b"] == BAD_FRAME and out.ran == ("a", "c")
+    assert h.engine.batches == [{"a": 1, "c": 3}]
+    assert sorted(n for n, _ in h.got) == ["a", "c"]
+    b = robot(h, "b")
+    assert b["bad_frames"] == 1 and b["frames_run"] == 0 and b["errors"] == 0 and "(H, W, 3)" in b["last_error"]
+    assert [(n, d["frame_id"]) for n, k, d in h.events if k == "bad_frame"] == [("b", 2)]
+    assert h.loop.stats()["batch_sizes"] == {"2": 1}  # the pass the scheduler learns from is the one that ran
+
+
+def test_exception_for_one_robot_is_that_robots_error_only():
+    h = harness()
+    h.engine.fail_robot["b"] = ValueError("vision tokens contain NaN")
+    out = cycle(h, {"a": 1, "b": 2, "c": 3})
+    assert out.outcomes == {"a": DELIVERED, "b": ERROR, "c": DELIVERED}
+    assert sorted(n for n, _ in h.got) == ["a", "c"]
+    assert robot(h, "b")["errors"] == 1 and robot(h, "a")["errors"] == robot(h, "c")["errors"] == 0
+    errs = [(n, d["whole_batch"]) for n, k, d in h.events if k == "chunk_error"]
+    assert errs == [("b", False)] and h.engine.resets == 0
+    assert h.loop.stats()["batch_failures"] == 0
+
+
+def test_result_for_the_wrong_frame_is_never_delivered():
+    h = harness(names=("a", "b"))
+    h.engine.swap = True
+    out = cycle(h, {"a": 1, "b": 2})
+    assert out.outcomes == {"a": ERROR, "b": ERROR} and h.got == []
+    assert "expected 1" in robot(h, "a")["last_error"]
+
+
+def test_whole_batch_failure_is_counted_for_every_member_and_the_next_cycle_runs():
+    h = harness()
+    h.engine.raise_next = RuntimeError("device lost")
+    out = cycle(h, {"a": 1, "b": 2, "c": 3})
+    assert out.outcomes == {"a": ERROR, "b": ERROR, "c": ERROR} and h.got == []
+    s = h.loop.stats()
+    assert s["batch_failures"] == 1 and s["totals"]["errors"] == 3 and s["engine_resets"] == 0
+    assert all(s["robots"][n]["errors"] == 1 for n in "abc")
+    assert s["scheduler"]["cost"]["by_batch_size"] == {}  # a failed pass is no cost sample
+    assert [n for n, k, d in h.events if k == "chunk_error" and d["whole_batch"]] == ["a", "b", "c"]
+    cycle(h, {"a": 4, "b": 5, "c": 6})
+    assert sorted(r.frame_id for _, r in h.got) == [4, 5, 6]
+
+
+def test_missing_batch_timing_is_counted_and_the_whole_pass_is_learned_as_prefill():
+    h = harness(names=("a", "b"))
+    h.engine.bad_timing = True
+    cycle(h, {"a": 1, "b": 2})
+    s = h.loop.stats()
+    assert s["timing_invalid"] == 1 and len(h.got) == 2
+    cost = s["scheduler"]["cost"]["by_batch_size"]["2"]
+    assert cost["prefill_ema_ms"] == pytest.approx(7.0) and cost["decode_ema_ms_per_step"] == 0.0
+    assert any(k == "batch_timing_invalid" for _, k, _ in h.events)
+
+
+def test_engine_reset_when_a_failed_pass_left_it_bad():
+    h = harness()
+    cycle(h, {"a": 1, "b": 2})
+    h.engine.raise_next, h.engine.poison = RuntimeError("cuMemAlloc failed"), True
+    cycle(h, {"a": 3, "b": 4})
+    assert h.engine.resets == 1 and h.loop.stats()["engine_resets"] == 1
+    assert any(k == "engine_reset" for _, k, _ in h.events)
+    cycle(h, {"a": 5, "b": 6})
+    assert all(r.salient for _, r in h.got)  # the caches were dropped: every robot's next frame is a new scene
+
+
+def test_late_batch_is_a_miss_for_every_member_then_refused_for_deadline():
+    h = harness()
+    h.engine.extra_ms = 30.0  # 5 + 3 + 30 = 38 ms against a 30 ms deadline: 8 ms late, under one period
+    out = cycle(h, {"a": 1, "b": 2, "c": 3})
+    assert out.missed == ("a", "b", "c")
+    assert len(h.got) == 3  # as InferenceLoop: a miss within late_discard_ms is still delivered (and counted)
+    for n in "abc":
+        r = robot(h, n)
+        assert r["deadline_misses"] == 1 and r["late_discarded"] == 0 and r["actions_delivered"] == 1
+    assert [n for n, k, _ in h.events if k == "deadline_miss"] == ["a", "b", "c"]
+
+    # the scheduler learned 38 ms for 3 (and, below the smallest measured size, 38 ms for 1): none fits alone
+    out = cycle(h, {"a": 4, "b": 5, "c": 6})
+    assert out.ran == () and h.got == []
+    assert all(robot(h, n)[f"refused_{DEADLINE}"] == 1 and robot(h, n)[f"refused_{CAPACITY}"] == 0
+               for n in "abc")
+    assert h.loop.stats()["totals"][f"refused_{DEADLINE}"] == 3
+
+
+def test_far_too_late_result_is_discarded_not_delivered():
+    h = harness(names=("a", "b"))
+    h.engine.extra_ms = 80.0  # 87 ms: 57 ms past the deadline, more than one period
+    out = cycle(h, {"a": 1, "b": 2})
+    assert out.outcomes == {"a": LATE, "b": LATE} and h.got == []
+    assert all(robot(h, n)["late_discarded"] == 1 and robot(h, n)["deadline_misses"] == 1 for n in "ab")
+    assert h.loop.stats()["cycle_overruns"] == 1
+
+
+def test_refused_frame_is_retried_once_when_no_newer_frame_came():
+    h = harness(max_batch=2)
+    out = cycle(h, {"a": 1, "b": 2, "c": 3})  # room for two: c (latest name at equal deadlines) waits
+    assert out.outcomes["c"] == f"refused:{CAPACITY}"
+    out = cycle(h)  # no new frame anywhere: c's refused frame runs now
+    assert h.engine.batches[-1] == {"c": 3} and robot(h, "c")["retried"] == 1
+    assert robot(h, "c")[f"refused_{CAPACITY}"] == 1 and robot(h, "a")[f"refused_{CAPACITY}"] == 0
+    out = cycle(h)
+    assert out.ran == () and len(h.engine.batches) == 2  # nothing new, nothing retried twice
+
+
+def test_frames_written_while_paused_are_dropped_after_resume():
+    h = harness(names=("a", "b"))
+    h.loop.pause()
+    out = cycle(h, {"a": 1, "b": 2})
+    assert out.plan is None and h.engine.batches == []
+    h.loop.resume()
+    out = cycle(h)
+    assert out.ran == () and all(robot(h, n)["dropped_while_paused"] == 1 for n in "ab")
+    cycle(h, {"a": 3, "b": 4})
+    assert h.engine.batches == [{"a": 3, "b": 4}]
+    assert h.loop.stats()["cycles_paused"] == 1
+
+
+def test_warmup_measures_every_batch_size():
+    h = harness(names=("a",), max_batch=4)
+    figures = h.loop.warmup(3)
+    sizes = [len(b) for b in h.engine.batches]
+    assert sizes == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
+    cost = h.sched.cost_model
+    by_size = h.loop.stats()["scheduler"]["cost"]["by_batch_size"]
+    for m in range(1, 5):
+        assert by_size[str(m)]["samples"] == 2  # the first pass of each size is left out
+        assert cost.estimate_ms(m, STEPS) == pytest.approx(5.0 + m)
+        assert figures["by_batch_size"][str(m)]["pass_ms"] == pytest.approx([5.0 + m] * 3)
+    assert h.engine.robots == set()  # the synthetic robots are gone ("a" joins at the first cycle)
+    cycle(h, {"a": 1})
+    assert h.engine.robots == {"a"} and h.engine.batches[-1] == {"a": 1}
+    # with a measured size 4, a fleet of 4 with a 12 ms budget fits in one pass (extrapolating from size 1
+    # alone would estimate 6 * 4 = 24 ms and refuse)
+    assert cost.estimate_ms(4, STEPS) <= 12.0 < 6.0 * 4
+
+
+def test_warmup_is_refused_while_running():
+    h = harness(names=("a",), clock=time.monotonic_ns, period_ms=20.0)
+    h.loop.start()
+    try:
+        with pytest.raises(RuntimeError, match="before start"):
+            h.loop.warmup(1)
+    finally:
+        assert h.loop.stop()
+
+
+def test_threaded_smoke_two_robots_served_until_stop():
+    h = harness(names=("a", "b"), clock=time.monotonic_ns, period_ms=20.0, deadline_ms=18.0)
+    stop = threading.Event()
+
+    def camera():
+        fid = 0
+        while not stop.is_set():
+            fid += 1
+            for n in "ab":
+                h.buffers[n].write(frame(fid))
+            time.sleep(0.01)
+
+    writer = threading.Thread(target=camera, daemon=True)
+    h.loop.start()
+    writer.start()
+    time.sleep(0.6)
+    stop.set()
+    writer.join(1.0)
+    assert h.loop.stop(2.0) and not h.loop.running
+    s = h.loop.stats()
+    assert s["loop_errors"] == 0 and s["cycles"] >= 5
+    for n in "ab":
+        assert s["robots"][n]["actions_delivered"] >= 3
+    assert s["batch_sizes"].get("2", 0) >= 1  # both cameras fresh in the same cycle: one pass for both
+    kinds = [k for _, k, _ in h.events]
+    assert kinds[0] == "started" and kinds[-1] == "stopped"
