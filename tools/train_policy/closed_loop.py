@@ -4,6 +4,12 @@ run_chunk (KV eviction as the deploy block says), offer the action as 'fresh' to
 step. Held-out seeds 0.. (demos used 1 000 000 ..). Episodes run in spawned worker processes.
 
 Differences from the ROS loop: no timing (every step gets the chunk of the frame rendered just before it).
+Action chunks (a checkpoint with vla.action_horizon H > 1): "synchronous chunks" -- render, run a chunk, apply
+its first --exec-steps actions (default H) one per control step (ChunkResult.chunk, an (H, action_dims) array
+whose row 0 is .action), then render and run the next chunk. The engine then sees one frame per chunk, so its
+retained frames are exec_steps control steps apart: train such a policy with --frame-stride exec_steps (the
+deploy block's frame_stride_control_steps), which this script checks and reports. H = 1 with exec_steps 1 is the
+single-step loop above, unchanged.
 KV between episodes: with --carry-kv (v2's default) the engine is NOT reset between the episodes a worker runs
 and frame ids keep counting, as the runtime does, so with window 2 an episode's first chunk also sees the last
 frame of the previous episode of the same task that worker ran (no previous frame for a worker's first episode
@@ -22,7 +28,7 @@ _CACHE = {}
 
 
 def _episode(job):
-    task, seed, ckpt, deploy, carry_kv = job
+    task, seed, ckpt, deploy, carry_kv, exec_steps = job
     import vla_edge_ros.sim  # noqa: F401  MUJOCO_GL before mujoco
     from vla_edge_ros.engine.factory import make_engine
     from vla_edge_ros.sim.episode import SimController
@@ -35,6 +41,9 @@ def _episode(job):
                            "tokens_per_frame": deploy["tokens_per_frame"], "decode_tokens": 8,
                            "eviction_policy": deploy["eviction_policy"], "window_frames": deploy["window_frames"]},
                           log=lambda s: None)
+        problem = eng.chunk_support_problem()
+        if problem:
+            raise RuntimeError(f"engine: {problem}")
         _CACHE[task] = [sim, eng, 0]
     sim, eng, fid = _CACHE[task]
     carried = len(eng.kv.frames) if carry_kv else 0
@@ -50,19 +59,25 @@ def _episode(job):
         fid += 1
         _CACHE[task][2] = fid
         chunk_ms.append(r.total_ms)
-        reason = ctl.offer("fresh", r.action, eng.action_names)
-        if reason is not None:
-            raise RuntimeError(f"action rejected: {reason} {ctl.last_rejection}")
-        res = ctl.control_step()
-        info = sim.last_info or {}
-        grasp = max(grasp, float(info.get("grasp_success", 0.0)))
-        near = max(near, float(info.get("near_object", 0.0)))
-        obj_to_target = min(obj_to_target, float(info.get("obj_to_target", float("inf"))))
-        if res is not None:
-            return {"task": task, "seed": seed, "success": bool(res.success), "steps": res.steps,
-                    "saturated": res.saturated, "carried_frames": carried, "wall_s": time.perf_counter() - t0,
-                    "chunk_ms_median": float(np.median(chunk_ms)), "max_grasp_success": grasp,
-                    "max_near_object": near, "min_obj_to_target": obj_to_target}
+        chunk = np.asarray(r.chunk if getattr(r, "chunk", None) is not None else np.reshape(r.action, (1, -1)))
+        row0_is_action = np.array_equal(chunk[0].astype(np.float32), np.asarray(r.action, np.float32))
+        if chunk.shape[0] < exec_steps or not row0_is_action:
+            raise RuntimeError(f"engine returned a chunk of shape {chunk.shape} (row 0 must be .action) for "
+                               f"exec_steps={exec_steps}: this engine does not decode the checkpoint's chunks")
+        for action in chunk[:exec_steps]:  # synchronous chunks: one chunk step per control step
+            reason = ctl.offer("fresh", action, eng.action_names)
+            if reason is not None:
+                raise RuntimeError(f"action rejected: {reason} {ctl.last_rejection}")
+            res = ctl.control_step()
+            info = sim.last_info or {}
+            grasp = max(grasp, float(info.get("grasp_success", 0.0)))
+            near = max(near, float(info.get("near_object", 0.0)))
+            obj_to_target = min(obj_to_target, float(info.get("obj_to_target", float("inf"))))
+            if res is not None:
+                return {"task": task, "seed": seed, "success": bool(res.success), "steps": res.steps,
+                        "chunks": len(chunk_ms), "saturated": res.saturated, "carried_frames": carried,
+                        "wall_s": time.perf_counter() - t0, "chunk_ms_median": float(np.median(chunk_ms)),
+                        "max_grasp_success": grasp, "max_near_object": near, "min_obj_to_target": obj_to_target}
 
 
 def main():
@@ -76,10 +91,25 @@ def main():
     p.add_argument("--carry-kv", dest="carry_kv", action="store_true", default=True,
                    help="do not reset the engine between episodes (the runtime's behaviour; default)")
     p.add_argument("--reset-kv", dest="carry_kv", action="store_false", help="engine.reset() at each episode")
+    p.add_argument("--exec-steps", type=int, default=0,
+                   help="actions of each chunk applied before the next chunk (0 = the checkpoint's action_horizon)")
     a = p.parse_args()
+    from vla_edge_ros.engine.config import ModelConfig
+
+    horizon = ModelConfig.from_json(a.ckpt).action_horizon
+    exec_steps = a.exec_steps or horizon
+    if not 1 <= exec_steps <= horizon:
+        p.error(f"--exec-steps must be in [1, action_horizon={horizon}], got {exec_steps}")
     deploy = json.load(open(os.path.join(a.ckpt, "training_record.json")))["deploy"]
-    print("[closed_loop] deploy", json.dumps(deploy), flush=True)
-    jobs = [(t, s, a.ckpt, deploy, a.carry_kv) for s in range(a.seeds) for t in a.tasks]
+    print("[closed_loop] deploy", json.dumps(deploy), f"action_horizon {horizon}, exec_steps {exec_steps}",
+          flush=True)
+    stride = int(deploy.get("frame_stride_control_steps", 1))
+    stride_note = None
+    if deploy.get("window_frames", 1) > 1 and stride != exec_steps:
+        stride_note = (f"the policy was trained with past frames {stride} control step(s) apart; this loop retains "
+                       f"frames {exec_steps} apart (one per chunk)")
+        print(f"[closed_loop] note: {stride_note}", flush=True)
+    jobs = [(t, s, a.ckpt, deploy, a.carry_kv, exec_steps) for s in range(a.seeds) for t in a.tasks]
     t0 = time.time()
     results = []
     pool = multiprocessing.get_context("spawn").Pool(a.workers)
@@ -97,8 +127,9 @@ def main():
                 break
     finally:
         pool.terminate()
-    summary = {"deploy": deploy, "kv_carried_between_episodes": a.carry_kv, "elapsed_s": time.time() - t0, "episodes": sorted(results, key=lambda r: (r["task"], r["seed"])),
-               "tasks": {}}
+    summary = {"deploy": deploy, "kv_carried_between_episodes": a.carry_kv, "action_horizon": horizon,
+               "exec_steps": exec_steps, "frame_stride_note": stride_note, "elapsed_s": time.time() - t0,
+               "episodes": sorted(results, key=lambda r: (r["task"], r["seed"])), "tasks": {}}
     for t in a.tasks:
         rs = [r for r in results if r["task"] == t]
         ok = sum(r["success"] for r in rs)

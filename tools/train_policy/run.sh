@@ -2,6 +2,10 @@
 # Issue 21 on the H200: one call of the policy recipe (README.md here).
 #   STAGE=v3 (default): 1000 push demos, 200 of the others, up to 12000 steps from a seeded init, 50 held-out seeds.
 #   STAGE=v4: the same demos, continued from results/policy_h200_v3 (carry it) at lr 6e-4, fresh warm-up + cosine.
+#   STAGE=c4: the same demos, action chunks of H = 4 (issue 22), continued from results/policy_h200_v4 (an H = 1
+#             checkpoint, carry it) at lr 6e-4; past frames 2 control steps apart (--frame-stride 2: the
+#             runtime starts the next chunk after ceil(H / 2) = 2 steps, execution_horizon_steps 0, so its
+#             retained frame is 2 steps old); the closed loop plays 2 actions of each chunk, then the next chunk.
 # History of the recipe:
 # v2: run.sh's recipe (3 tasks' demos -> one multi-task policy, hidden 256, 6 layers, 4/2
 # heads, batch 256, lr 1e-3, 1 past frame) with batches gathered on the GPU (trainer.DeviceData), so 2500-6000
@@ -10,10 +14,12 @@
 # logs -> $OUT/v2. Run from the repo root.
 START=$(date +%s)
 STAGE=${STAGE:-v3}
+EXEC=""
 case $STAGE in
   v3) CONTINUE="" ;;
   v4) CONTINUE="--init $PWD/results/policy_h200_v3 --lr 6e-4" ;;
-  *) echo "STAGE must be v3 or v4, got $STAGE"; exit 2 ;;
+  c4) CONTINUE="--init $PWD/results/policy_h200_v4 --lr 6e-4 --action-horizon 4 --frame-stride 2"; EXEC="--exec-steps 2" ;;
+  *) echo "STAGE must be v3, v4 or c4, got $STAGE"; exit 2 ;;
 esac
 el() { echo "[run.sh $STAGE t=$(( $(date +%s) - START ))s] $*"; }
 set -o pipefail
@@ -52,7 +58,7 @@ el "training done (rc $?)"; ls -la $CK; du -sh $CK; nvidia-smi --query-gpu=memor
 LEFT=$(( START + 545 - $(date +%s) ))
 if [ -f $CK/model.safetensors ] && [ $LEFT -gt 25 ]; then
   OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout $((LEFT + 20)) python3 tools/train_policy/closed_loop.py \
-    $CK --tasks $TASKS --seeds 50 --workers 15 --budget-s $LEFT --carry-kv --json $L/closed_loop.json 2>&1 | tee $W/closed.log
+    $CK --tasks $TASKS --seeds 50 --workers 15 --budget-s $LEFT --carry-kv $EXEC --json $L/closed_loop.json 2>&1 | tee $W/closed.log
   el "closed loop done"
 else
   el "no time for the closed loop ($LEFT s left)"

@@ -3,6 +3,9 @@ then held-out action-token accuracy per task (teacher-forced and greedy, full pa
 
 Uses train/trainer.train unchanged (v2: batches gathered on the GPU, trainer.DeviceData); only wraps read_bags (read once, shared by the timing probe and the run) and
 captures the DemoDataset / VLAPolicy instances train() builds, to evaluate per task afterwards.
+--action-horizon H trains action chunks (vla.action_horizon; the timing probe runs that geometry too); the
+per-task figures are then over every unpadded chunk step, ``step0`` the chunk's first step alone (the mode-bin
+baseline is step 0's).
 """
 import argparse
 import json
@@ -39,17 +42,20 @@ def per_task_eval(ds, policy, dev, past, steps=0, step_ms=0.0, deploy=None):
             batches = ds.eval_rows(256, max_samples=len(rows), past_frames=k, steps=rows)
             ev = T.evaluate(policy, data, batches, greedy=greedy)
             out[mode] = {k2: ev[k2] for k2 in ("loss", "action_token_acc", "action_token_acc_varying_dims",
-                                               "action_token_acc_per_dim", "bin_mae_varying_dims", "action_mae_per_dim")}
+                                               "action_token_acc_per_dim", "bin_mae_varying_dims", "action_mae_per_dim",
+                                               "step0", "action_token_acc_varying_dims_per_step")}
         tb = np.stack([ds.episodes[int(e)].bins[int(t)] for e, t in rows])
         vary = ds.varying_dims
         out["mode_bin_baseline_acc_varying_dims"] = float((tb[:, vary] == mode_bins[vary]).mean())
         per_task["tasks"][task] = out
         g, tf = out["greedy_full_context"], out["teacher_forced_full_context"]
+        per_step = g["action_token_acc_varying_dims_per_step"]
         print(f"  held-out {task:<22} {out['heldout_episodes']:>3} eps {out['samples']:>5} samples: teacher-forced acc "
               f"{tf['action_token_acc_varying_dims']:.3f}, greedy acc {g['action_token_acc_varying_dims']:.3f} "
               f"(varying dims; mode-bin baseline {out['mode_bin_baseline_acc_varying_dims']:.3f}), greedy bin MAE "
-              f"{g['bin_mae_varying_dims']:.2f}, action MAE/dim {[round(v, 4) for v in g['action_mae_per_dim']]}",
-              flush=True)
+              f"{g['bin_mae_varying_dims']:.2f}, action MAE/dim {[round(v, 4) for v in g['action_mae_per_dim']]}"
+              + (f"; greedy acc per chunk step {[v if v is None else round(v, 3) for v in per_step]}"
+                 if len(per_step) > 1 else ""), flush=True)
     return per_task
 
 
@@ -65,6 +71,9 @@ def main():
     p.add_argument("--device", default="cuda", help="cpu: a local smoke run of this script")
     p.add_argument("--init", default="", help="continue from this checkpoint (trainer init_checkpoint)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--action-horizon", type=int, default=1, help="H: actions per chunk (trainer action_horizon)")
+    p.add_argument("--frame-stride", type=int, default=1,
+                   help="control steps between retained past frames (synchronous chunks retain one per chunk)")
     p.add_argument("--geometry", default="h200", choices=("h200", "tiny"), help="tiny: the smoke run's model")
     a = p.parse_args()
 
@@ -99,10 +108,12 @@ def main():
 
     T.DemoDataset, T.VLAPolicy = CapDS, CapPolicy
 
-    ctx = ContextSpec(max_past_frames=a.past, frame_stride=1, past_sampling="recent", subset_window=0, shift_px=4)
+    ctx = ContextSpec(max_past_frames=a.past, frame_stride=a.frame_stride, past_sampling="recent", subset_window=0,
+                      shift_px=4)
     tc = T.TrainConfig(bags=a.bags, out=a.out, hidden=256, layers=6, heads=4, kv_heads=2, steps=10, batch_size=256,
                        lr=a.lr, warmup_steps=100, weight_decay=0.01, context=ctx, holdout_frac=0.1, eval_every=250,
-                       eval_samples=1024, seed=0, device=a.device, weights_dtype="bfloat16", progress=False)
+                       eval_samples=1024, seed=0, device=a.device, weights_dtype="bfloat16", progress=False,
+                       action_horizon=a.action_horizon)
     if a.geometry == "tiny":
         tc.hidden, tc.layers, tc.batch_size, tc.eval_every = 32, 1, 8, 5
 
@@ -113,7 +124,8 @@ def main():
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     episodes, summaries = cached_read(a.bags)
     image_hw = (tc.patch_grid[0] * tc.patch_size, tc.patch_grid[1] * tc.patch_size)
-    ds0 = T.DemoDataset(episodes, image_hw, T.BYTE_TOKENS + T.N_ACTION_BINS, T.N_ACTION_BINS, ctx, tc.holdout_frac, 0)
+    ds0 = T.DemoDataset(episodes, image_hw, T.BYTE_TOKENS + T.N_ACTION_BINS, T.N_ACTION_BINS, ctx, tc.holdout_frac, 0,
+                        tc.action_horizon)
     mcfg = T.ModelConfig.from_json(T.model_config_dict(tc, ds0.q01, ds0.q99))
     pol = T.VLAPolicy(mcfg).init_weights(0).to(dev)
     opt = torch.optim.AdamW(pol.parameters(), lr=1e-4)
@@ -130,10 +142,29 @@ def main():
         loss.item()
         times.append(time.perf_counter() - t0)
     step_s = float(np.mean(times[5:]))
+    reserve = 30.0  # final evals + writing (H = 1: the v3 / v4 recipe's figure)
+    if tc.action_horizon > 1:  # greedy evals cost A + 2 passes a batch: time one and count the batches
+        pol.eval()
+        b = data0.batch(ds0.eval_rows(256, max_samples=256)[0])
+        sync()
+        t0 = time.perf_counter()
+        T.greedy_bins(pol, b)
+        sync()
+        greedy_s = time.perf_counter() - t0
+        held = ds0._steps["heldout"]
+        per_prefix = {}
+        for e, _ in held:
+            key = bytes(ds0.episodes[int(e)].prefix_ids.astype(np.uint8))
+            per_prefix[key] = per_prefix.get(key, 0) + 1
+        batches = 2 * -(-min(tc.eval_samples, len(held)) // 256) + 2 * sum(-(-min(2048, n) // 256)
+                                                                          for n in per_prefix.values())
+        reserve = max(reserve, 15.0 + 1.1 * greedy_s * batches)
+        print(f"[train_eval] greedy eval {1e3 * greedy_s:.0f} ms per batch of 256, {batches} batches: "
+              f"{reserve:.0f} s reserved after training", flush=True)
     del pol, opt, ds0, data0
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    budget = a.deadline - time.time() - 30  # final evals + writing
+    budget = a.deadline - time.time() - reserve
     steps = int(max(a.min_steps, min(a.max_steps, budget / (1.1 * step_s))))
     steps = steps // 50 * 50
     print(f"[train_eval] probe {1e3 * step_s:.1f} ms/step; {budget:.0f} s for training -> {steps} steps", flush=True)

@@ -1,11 +1,13 @@
 """`vla_train`: behaviour cloning of a checkpoint from bags (train/trainer.py says what a run does).
 
     vla_train BAG [BAG ...] --out DIR [--steps 1000] [--batch-size 32] [--hidden 128 --layers 4 --heads 4]
-              [--max-past-frames 3] [--frame-stride 1] [--seed 0] [--device auto|cpu|cuda]
+              [--max-past-frames 3] [--frame-stride 1] [--action-horizon 1] [--seed 0] [--device auto|cpu|cuda]
 
 DIR receives config.json + model.safetensors (load it with ``checkpoint:=DIR``), loss_curve.png and
 training_record.json. Deploy with at most ``max_past_frames + 1`` retained frames (the record's ``deploy``
-block) and the image size and camera the demonstrations were recorded with.
+block) and the image size and camera the demonstrations were recorded with. ``--action-horizon H`` trains
+action chunks: H actions of consecutive control steps per chunk (config.json vla.action_horizon;
+train/dataset.py), an H = 1 checkpoint may seed it through ``--init-checkpoint``.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--patch-size", type=int, default=16)
     m.add_argument("--untied", action="store_true", help="a separate lm_head.weight (default: tied embedding)")
     m.add_argument("--weights-dtype", choices=("float32", "bfloat16"), default="float32")
+    m.add_argument("--action-horizon", type=int, default=1,
+                   help="H: actions per chunk, one per control step (vla.action_horizon; 1 = single step)")
     o = p.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, default=1000)
     o.add_argument("--batch-size", type=int, default=32)
@@ -54,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="auto", help="auto (cuda when torch sees one), cpu, cuda")
     r.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     r.add_argument("--no-progress", action="store_true")
-    r.add_argument("--init-checkpoint", default="", help="continue from this checkpoint's weights (same config)")
+    r.add_argument("--init-checkpoint", default="",
+                   help="continue from this checkpoint's weights (same config; its action_horizon may differ)")
     return p
 
 
@@ -73,7 +78,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          weight_decay=a.weight_decay, context=ctx, holdout_frac=a.holdout_frac,
                          eval_every=a.eval_every, eval_samples=a.eval_samples, seed=a.seed, device=a.device,
                          threads=a.threads, weights_dtype=a.weights_dtype, progress=not a.no_progress,
-                         init_checkpoint=a.init_checkpoint,
+                         init_checkpoint=a.init_checkpoint, action_horizon=a.action_horizon,
                          command=shlex.join(["vla_train", *argv]))
         record = train(tc)
     except (ValueError, BagReadError, FileNotFoundError) as exc:

@@ -7,14 +7,26 @@ At inference (engine/reference.py reference_chunk, NumpyEngine.run_chunk) a chun
 
 with byte b -> token id b, each frame's ``tpf`` patch tokens from the patch embedder, and greedy decode over the
 action rows of the LM head: gen[0] from the current frame's last token, then decode step i feeds gen[i-1] and
-yields gen[i]; gen[1..action_dims] are the action bins. A training sample is exactly that sequence, teacher
-forced: the decode inputs are the targets shifted by one, and the targets are
+yields gen[i]; gen[1..A] are the action bins, A = H * action_dims for an action chunk of H = ``horizon``
+(the checkpoint's vla.action_horizon) steps. A training sample is exactly that sequence, teacher forced: the
+A + 1 decode inputs are the targets shifted by one, and the A + 2 targets are
 
     gen[0]                = action bin START_BIN (0)       a fixed "action start" token
-    gen[1..action_dims]   = the recorded action's bins    (core/action_tokenizer.py, q01/q99 of the data)
-    gen[action_dims + 1]  = action bin n_bins - 1          a fixed end token (the runtime's 8th decode step)
+    gen[1..A]             = the bins of the recorded actions at control steps t, t+1, .., t+H-1 of the episode,
+                            time-major (step t's action_dims bins, then step t+1's ...; core/action_tokenizer.py,
+                            q01/q99 of the data)
+    gen[A + 1]            = action bin n_bins - 1          a fixed end token (H = 1: the runtime's 8th decode step)
 
-both fixed tokens are action rows, because the engines take the argmax over the action rows only.
+both fixed tokens are action rows, because the engines take the argmax over the action rows only. H = 1 is the
+single-step layout [START, bins(t), END] (what every checkpoint before issue 22 was trained on).
+
+Action chunks (H > 1). A bag step is one control step (data/bag_reader.py: an image and the recorded action of
+one stamp), and the executor plays one chunk step per control tick, so a chunk's steps are consecutive bag steps
+t .. t+H-1 whatever ``frame_stride`` says (that only spaces the retained past frames). Steps past the episode's
+end are padding (LeRobot's action_is_pad): their targets are masked out of the loss (``target_mask`` False), and
+so is END after a padded chunk (the chunk never ended where END would sit); their inputs repeat the last
+action's bins (any value would do: no unmasked target comes after them). START and every step inside the
+episode are always in the loss; with H = 1 nothing is ever padded.
 
 Past frames: the k most recent frames before the current one, ``frame_stride`` control steps apart (the
 camera-to-control ratio: one chunk per camera frame), with k drawn uniformly in [0, max_past_frames] per batch
@@ -35,7 +47,9 @@ permutation, and q01/q99 come from the training episodes only.
 
 Batches are drawn as indices (Rows: episode, frame steps, shift per sample; vectorised, no per-sample loop), so
 the trainer can gather them from one frame tensor on its device (train/trainer.py DeviceData); ``to_batch``
-gathers the same Rows in numpy, the reference that a test holds the device gather to.
+gathers the same Rows in numpy, the reference that a test holds the device gather to. The chunk targets are
+index arithmetic on both sides (``chunk_targets``: step t + j clipped at the episode's last step, valid while
+t + j < T), so H does not change what is drawn: the same seed gives the same Rows for every H.
 """
 from __future__ import annotations
 
@@ -128,7 +142,8 @@ class Batch:
     prefix_ids: list[np.ndarray]  # per sample (P_b,)
     frames: np.ndarray  # (sum F_b, H, W, 3) float32 pixels in [0, 255]: each sample's past frames, then current
     frame_counts: np.ndarray  # (B,) F_b = past frames + 1
-    targets: np.ndarray  # (B, action_dims + 2) action bins: START, the action's bins, END
+    targets: np.ndarray  # (B, A + 2) action bins: START, the chunk's H * action_dims bins (time-major), END
+    target_mask: np.ndarray  # (B, A + 2) bool: False for the targets of padded steps (past the episode) and END
 
     def __len__(self) -> int:
         return len(self.prefix_ids)
@@ -159,12 +174,14 @@ class DemoDataset:
     """Episodes split into train / held-out, tokenised with q01/q99 of the training split; draws Batches."""
 
     def __init__(self, episodes: Sequence[BagEpisode], image_hw: tuple[int, int], vocab_size: int, n_bins: int,
-                 context: ContextSpec = ContextSpec(), holdout_frac: float = 0.1, seed: int = 0):
+                 context: ContextSpec = ContextSpec(), holdout_frac: float = 0.1, seed: int = 0, horizon: int = 1):
         if not episodes:
             raise ValueError("no episodes to train on")
         if not 0.0 <= holdout_frac < 1.0:
             raise ValueError(f"holdout_frac must be in [0, 1), got {holdout_frac}")
-        self.context, self.image_hw, self.n_bins = context, tuple(image_hw), int(n_bins)
+        if isinstance(horizon, bool) or not isinstance(horizon, (int, np.integer)) or horizon < 1:
+            raise ValueError(f"action horizon must be an integer >= 1, got {horizon!r}")
+        self.context, self.image_hw, self.n_bins, self.horizon = context, tuple(image_hw), int(n_bins), int(horizon)
         self.instructions = Counter()
         self.episodes: list[TrainEpisode] = []
         for e in episodes:
@@ -181,6 +198,10 @@ class DemoDataset:
         self.tokenizer = ActionTokenizer(vocab_size, self.q01, self.q99, n_bins)
         for ep in self.episodes:
             ep.bins = self.tokenizer.action_to_bins(ep.actions)
+        # every episode's steps in one array, for the chunk targets' index arithmetic (and DeviceData's copy)
+        self.lengths = np.array([ep.steps for ep in self.episodes], np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+        self.all_bins = np.concatenate([ep.bins for ep in self.episodes]).astype(np.int64)  # (sum T, action_dims)
         self.varying_dims = [i for i in range(len(self.q01)) if self.q99[i] > self.q01[i]]
         self._steps = {name: np.array([(i, t) for i in idx for t in range(self.episodes[i].steps)], dtype=np.int64)
                        for name, idx in (("train", self.train_idx), ("heldout", self.heldout_idx))}
@@ -194,11 +215,37 @@ class DemoDataset:
                 "heldout_episodes": len(self.heldout_idx), "train_steps": self.steps("train"),
                 "heldout_steps": self.steps("heldout"), "instructions": dict(self.instructions),
                 "heldout_sources": [self.episodes[i].source for i in self.heldout_idx],
-                "q01": self.q01, "q99": self.q99, "varying_dims": self.varying_dims}
+                "q01": self.q01, "q99": self.q99, "varying_dims": self.varying_dims,
+                "action_horizon": self.horizon, "padded_chunk_steps": self.padded_steps()}
+
+    def padded_steps(self) -> dict[str, int]:
+        """Chunk steps past an episode's end over all samples of each split (masked out of the loss): an
+        episode of T steps has sum over left = 1..T of max(0, H - left) = m (2H - 1 - m) / 2, m = min(H - 1, T)."""
+        m = np.minimum(self.horizon - 1, self.lengths)
+        per_episode = m * (2 * self.horizon - 1 - m) // 2
+        return {"train": int(per_episode[self.train_idx].sum()), "heldout": int(per_episode[self.heldout_idx].sum())}
 
     def targets(self, bins: np.ndarray) -> np.ndarray:
-        """(action_dims,) bins -> (action_dims + 2,) targets: START, the bins, END."""
-        return np.concatenate([[START_BIN], np.asarray(bins, dtype=np.int64), [end_bin(self.n_bins)]])
+        """(action_dims,) or (H, action_dims) bins -> (A + 2,) targets: START, the bins time-major, END."""
+        return np.concatenate([[START_BIN], np.asarray(bins, dtype=np.int64).reshape(-1), [end_bin(self.n_bins)]])
+
+    def chunk_targets(self, episodes: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(B,) episodes and current steps -> targets (B, A + 2) and target_mask (B, A + 2), vectorised: step
+        t + j's bins (clipped at the episode's last step, so a padded step repeats the last action) and whether
+        t + j is inside the episode (module docstring). trainer.DeviceData.batch does the same in torch."""
+        e, t = np.asarray(episodes, np.int64), np.asarray(t, np.int64)
+        left = self.lengths[e] - t  # steps from t to the episode's end, t included (>= 1)
+        if np.any(left < 1) or np.any(t < 0):
+            raise ValueError("chunk targets: a current step outside its episode")
+        j = np.arange(self.horizon)[None, :]
+        valid = j < left[:, None]  # (B, H)
+        src = (self.offsets[e] + t)[:, None] + np.minimum(j, left[:, None] - 1)
+        bins = self.all_bins[src].reshape(len(e), -1)  # (B, H * action_dims), time-major
+        col = np.ones((len(e), 1), np.int64)
+        targets = np.concatenate([START_BIN * col, bins, end_bin(self.n_bins) * col], axis=1)
+        dims = self.all_bins.shape[1]
+        mask = np.concatenate([col.astype(bool), np.repeat(valid, dims, axis=1), valid[:, -1:]], axis=1)
+        return targets, mask
 
     # ---- samples -----------------------------------------------------------------------------------------
     def past_steps(self, t: np.ndarray, k, rng: np.random.Generator | None) -> np.ndarray:
@@ -260,10 +307,9 @@ class DemoDataset:
             ys = shift_index(px.shape[1], [dy])[0]
             xs = shift_index(px.shape[2], [dx])[0]
             frames.append(px[:, ys][:, :, xs].astype(np.float32))
-        targets = np.stack([self.targets(self.episodes[int(e)].bins[int(t)])
-                            for e, t in zip(rows.episodes, rows.current)])
+        targets, mask = self.chunk_targets(rows.episodes, rows.current)
         return Batch([self.episodes[int(e)].prefix_ids for e in rows.episodes], np.concatenate(frames),
-                     counts.astype(np.int64), targets)
+                     counts.astype(np.int64), targets, mask)
 
     def make_batch(self, rows: Sequence[tuple[int, int, list[int]]], rng: np.random.Generator | None) -> Batch:
         """rows of (episode, current step, past steps) -> Batch; ``rng`` None: no augmentation."""

@@ -16,7 +16,10 @@ Two ways in:
   which keeps a training step on the GPU;
 - ``TorchStream`` (checks, and a torch engine when one is wanted): reference_chunk's streaming chunk -- a KV
   manager decides what is retained, a frame's pre-RoPE K/V are computed once on arrival and rotated at their
-  current packed position in every later chunk, greedy decode.
+  current packed position in every later chunk, greedy decode. An action chunk of H = vla.action_horizon steps
+  is A = H * action_dims bins, time-major (engine/interface.py's layout; train/dataset.py's targets): with
+  action_start "token" S = decode_tokens decode steps for H = 1 and max(decode_tokens, A + 1) for H > 1, bins =
+  gen[1..A]; with "prefill" S = A - 1, bins = gen[0..A-1] (engine/geometry.py: the engines' arithmetic, shared).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vla_edge_ros.core.action_tokenizer import from_config as action_tokenizer
+from vla_edge_ros.engine import geometry
 from vla_edge_ros.engine.checkpoint import expected_shapes, vision_shapes
 from vla_edge_ros.engine.config import ModelConfig
 from vla_edge_ros.engine.vision import check_image, resize, seeded_vision_weights
@@ -271,6 +275,7 @@ class TorchStream:
                              f"{kv.tokens_per_frame} per frame; the instruction has {len(ids)} bytes, the model "
                              f"{cfg.n_patches} patches; decode_tokens={decode_tokens}")
         self.policy, self.cfg, self.kv, self.decode_tokens = policy, cfg, kv, int(decode_tokens)
+        self.decode_steps = geometry.chunk_decode_steps(cfg, self.decode_tokens)  # S: the engines' own rule
         self.device = next(policy.parameters()).device
         self.tokenizer = action_tokenizer(cfg)
         self.frames: dict[int, list] = {}
@@ -312,14 +317,15 @@ class TorchStream:
         logits = [pol.action_logits(h[0, -1])]
         gen = [int(logits[0].argmax()) + off]
         decoded = []
-        for i in range(1, self.decode_tokens + 1):
+        for i in range(1, self.decode_steps + 1):
             e = pol.model.embed_tokens(torch.as_tensor([gen[-1]], device=self.device))[None]
             past = self._concat(context + [frame_kv] + decoded)
             h, kv_i = pol.decoder(e, pos(n_ctx + i - 1, n_ctx + i), past, pos(0, n_ctx + i - 1))
             decoded.append(kv_i)
             logits.append(pol.action_logits(h[0, -1]))
             gen.append(int(logits[-1].argmax()) + off)
-        bins = np.asarray(gen[1:1 + cfg.action_dims], dtype=np.int64) - off
+        chunk_bins = geometry.chunk_bins(cfg, np.asarray(gen, np.int64))  # (H, action_dims), time-major
+        chunk = geometry.chunk_actions(self.tokenizer, chunk_bins)  # row 0 is executed first
         return {"frame_id": int(frame_id), "logits": torch.stack(logits).cpu().numpy(),
-                "token_ids": np.asarray(gen, np.int64), "action_bins": bins,
-                "action": self.tokenizer.bins_to_action(bins)}
+                "token_ids": np.asarray(gen, np.int64), "action_bins": chunk_bins[0], "chunk_bins": chunk_bins,
+                "action": chunk[0], "chunk": chunk}

@@ -7,11 +7,14 @@ What one run does:
    q01/q99, n_action_bins 256, patch_grid, patch_size; vocabulary = 256 byte tokens + the action bins, as
    engine/config.py requires) and a seeded VLAPolicy (train/model.py);
 3. trains with AdamW (linear warm-up, cosine decay, gradient clipping) on batches of runtime contexts, the loss
-   the mean cross-entropy over all action_dims + 2 rows (START, bins, END; train/dataset.py); the frames live
-   on the training device and a batch is gathered there from the dataset's index Rows (DeviceData), so a step
-   is bound by the model, not by per-sample Python;
+   the mean cross-entropy over the A + 2 rows (START, the chunk's A = action_horizon * action_dims bins, END;
+   train/dataset.py), rows of chunk steps past an episode's end masked out (H > 1 only; H = 1 never pads and
+   keeps the plain mean); the frames live on the training device and a batch is gathered there from the
+   dataset's index Rows (DeviceData), so a step is bound by the model, not by per-sample Python;
 4. evaluates on the held-out episodes every ``eval_every`` steps (teacher-forced loss and action-token accuracy)
-   and at the end (also greedy decoding, as the engines decode, and with the full past context);
+   and at the end (also greedy decoding, as the engines decode, and with the full past context); with H > 1 the
+   action figures are over every unpadded chunk step, and ``step0`` repeats them for the chunk's first step
+   (the one executed first);
 5. writes ``config.json`` + ``model.safetensors`` (engine/checkpoint.write_checkpoint: what load_checkpoint and
    make_engine(checkpoint:=DIR) read), ``loss_curve.png`` and ``training_record.json`` (data hash, seed, the
    command, git commit, the figures, and how to deploy: the retained-frame limit the context was trained for).
@@ -83,6 +86,9 @@ class TrainConfig:
     # machines: a second run continues the first with a fresh warm-up and cosine); its config must equal this
     # run's (geometry and the q01 / q99 the bins mean), else it is refused
     init_checkpoint: str = ""
+    # H, actions per chunk (config.json vla.action_horizon; train/dataset.py's targets). The tensors do not depend
+    # on it, so an init_checkpoint of another H is accepted (H = 1 -> H = 4: a single-step policy continued)
+    action_horizon: int = 1
     progress: bool = True
     command: str = ""
 
@@ -100,7 +106,7 @@ def model_config_dict(tc: TrainConfig, q01: Sequence[float], q99: Sequence[float
              rope_theta=tc.rope_theta, tie_word_embeddings=tc.tie_embeddings)
     d["vla"] = {"action_dims": len(names), "action_names": list(names), "action_q01": list(q01),
                 "action_q99": list(q99), "n_action_bins": N_ACTION_BINS, "patch_grid": list(tc.patch_grid),
-                "patch_size": tc.patch_size}
+                "patch_size": tc.patch_size, "action_horizon": tc.action_horizon}
     return ModelConfig.from_json(d).to_dict()  # validated, in the canonical form
 
 
@@ -119,7 +125,8 @@ class DeviceBatch:
     prefix_lens: torch.Tensor  # (B,)
     frames: torch.Tensor  # (sum F_b, H, W, 3) float32 pixels in [0, 255], shifted
     frame_counts: torch.Tensor  # (B,)
-    targets: torch.Tensor  # (B, action_dims + 2) bins: START, the action's bins, END
+    targets: torch.Tensor  # (B, A + 2) bins: START, the chunk's bins (time-major), END
+    target_mask: torch.Tensor  # (B, A + 2) bool: False = padded (a chunk step past the episode's end, its END)
     context_len: int  # max_b P_b + F_b * tokens_per_frame (known on the host: no device sync)
 
     def __len__(self) -> int:
@@ -129,17 +136,17 @@ class DeviceBatch:
 class DeviceData:
     """The dataset's frames (one uint8 tensor, float16 when resized), action bins and instruction prefixes on
     the training device; ``batch`` turns dataset Rows into a DeviceBatch by index arithmetic -- the shift is a
-    clamped row / column index (dataset.shift_index), the gather one advanced index over all frames -- so the
-    CPU only draws a few hundred integers per step and the GPU does the rest."""
+    clamped row / column index (dataset.shift_index), the gather one advanced index over all frames, the chunk
+    targets and their padding mask dataset.chunk_targets' arithmetic -- so the CPU only draws a few hundred
+    integers per step and the GPU does the rest."""
 
     def __init__(self, ds: DemoDataset, device: torch.device, tokens_per_frame: int):
         self.ds, self.device, self.tpf = ds, device, int(tokens_per_frame)
         eps = ds.episodes
-        self.offsets = np.concatenate([[0], np.cumsum([ep.steps for ep in eps])[:-1]]).astype(np.int64)
+        self.offsets, self.lengths = ds.offsets, ds.lengths
         self.pixels = torch.from_numpy(np.concatenate([ep.pixels for ep in eps])).to(device)
-        bins = np.concatenate([ep.bins for ep in eps]).astype(np.int64)
-        B0 = np.full((len(bins), 1), START_BIN, np.int64)
-        self.targets = torch.from_numpy(np.concatenate([B0, bins, np.full_like(B0, end_bin(ds.n_bins))], 1)).to(device)
+        self.bins = torch.from_numpy(ds.all_bins).to(device)  # (sum T, action_dims)
+        self.chunk_steps = torch.arange(ds.horizon, device=device)[None, :]  # chunk step j = 0 .. H - 1
         self.prefix_lens = np.array([len(ep.prefix_ids) for ep in eps], np.int64)
         prefix = np.zeros((len(eps), max(1, int(self.prefix_lens.max()))), np.int64)
         for e, ep in enumerate(eps):
@@ -153,28 +160,47 @@ class DeviceData:
         frames = (glob[:, None] + rows.frames)[valid]  # (sum F_b,) in sample order, oldest -> current
         shifts = np.repeat(rows.shifts, counts, axis=0)  # one shift per sample, for all its frames
         lens = self.prefix_lens[rows.episodes]
+        left = self.lengths[rows.episodes] - rows.current  # steps to the episode's end, the current one included
         packed = torch.from_numpy(np.concatenate([frames, shifts[:, 0], shifts[:, 1], rows.episodes,
-                                                  glob + rows.current, counts, lens])).to(self.device)
+                                                  glob + rows.current, counts, lens, left])).to(self.device)
         n, b = len(frames), len(rows)
-        f, dy, dx, ep, cur, cnt, ln = torch.split(packed, [n, n, n, b, b, b, b])
+        f, dy, dx, ep, cur, cnt, ln, lf = torch.split(packed, [n, n, n, b, b, b, b, b])
         H, W = self.pixels.shape[1:3]
         ys = (torch.arange(H, device=self.device)[None, :] + dy[:, None]).clamp(0, H - 1)  # shift_index
         xs = (torch.arange(W, device=self.device)[None, :] + dx[:, None]).clamp(0, W - 1)
         px = self.pixels[f[:, None, None], ys[:, :, None], xs[:, None, :]].float()  # (n, H, W, 3)
-        return DeviceBatch(self.prefix[ep], ln, px, cnt, self.targets[cur],
-                           int((lens + counts * self.tpf).max()))
+        # dataset.chunk_targets: step t + j clipped at the episode's last step, valid while j < left
+        valid = self.chunk_steps < lf[:, None]  # (b, H)
+        src = cur[:, None] + torch.minimum(self.chunk_steps, lf[:, None] - 1)
+        col = torch.ones(b, 1, dtype=torch.long, device=self.device)
+        targets = torch.cat([START_BIN * col, self.bins[src].reshape(b, -1), end_bin(self.ds.n_bins) * col], 1)
+        dims = self.bins.shape[1]
+        mask = torch.cat([col.bool(), valid.repeat_interleave(dims, dim=1), valid[:, -1:]], 1)
+        return DeviceBatch(self.prefix[ep], ln, px, cnt, targets, mask, int((lens + counts * self.tpf).max()))
 
 
 def batch_loss(policy: VLAPolicy, batch: DeviceBatch):
-    targets = batch.targets
+    """Teacher-forced cross-entropy over the A + 2 target rows: the plain mean with H = 1 (nothing is padded;
+    the seed's loss, bit for bit), the mean over the unmasked rows with H > 1."""
+    cfg, targets = policy.cfg, batch.targets
+    rows = cfg.action_horizon * cfg.action_dims + 2
+    if targets.shape[1] != rows:
+        raise ValueError(f"batch targets have {targets.shape[1]} rows, the model's chunk {rows} (action_horizon "
+                         f"{cfg.action_horizon} x {cfg.action_dims} + START + END): dataset and model disagree on H")
     logits = policy.packed_logits(batch.prefix_ids, batch.prefix_lens, batch.frames, batch.frame_counts,
-                                  targets[:, :-1] + policy.cfg.action_token_offset, batch.context_len)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), logits, targets
+                                  targets[:, :-1] + cfg.action_token_offset, batch.context_len)
+    flat = logits.reshape(-1, logits.shape[-1])
+    if cfg.action_horizon == 1:
+        return F.cross_entropy(flat, targets.reshape(-1)), logits, targets
+    weight = batch.target_mask.reshape(-1).to(flat.dtype)
+    ce = F.cross_entropy(flat, targets.reshape(-1), reduction="none")
+    return (ce * weight).sum() / weight.sum().clamp(min=1.0), logits, targets
 
 
 @torch.no_grad()
 def greedy_bins(policy: VLAPolicy, batch: DeviceBatch) -> np.ndarray:
-    """gen[0..action_dims + 1] as bins, decoded greedily (each input is the model's own previous choice)."""
+    """gen[0..A + 1] as bins, decoded greedily (each input is the model's own previous choice); one full pass
+    per row (A + 2 passes: evaluation only)."""
     off = policy.cfg.action_token_offset
     targets = batch.targets
     gen_in = torch.zeros_like(targets[:, :-1])
@@ -188,36 +214,57 @@ def greedy_bins(policy: VLAPolicy, batch: DeviceBatch) -> np.ndarray:
     return picked.cpu().numpy()
 
 
+def action_figures(pa: np.ndarray, ta: np.ndarray, vary: Sequence[int], tok) -> dict[str, Any]:
+    """Predicted vs target bins (M, action_dims): token accuracy (all / varying dims / per dim), mean |bin error|
+    (varying dims) and mean |action error| per dimension (un-normalised units)."""
+    act_err = np.abs(tok.bins_to_action(pa) - tok.bins_to_action(ta))
+    return {"action_token_acc": float((pa == ta).mean()),
+            "action_token_acc_varying_dims": float((pa[:, vary] == ta[:, vary]).mean()),
+            "action_token_acc_per_dim": [float(v) for v in (pa == ta).mean(axis=0)],
+            "bin_mae_varying_dims": float(np.abs(pa - ta)[:, vary].mean()),
+            "action_mae_per_dim": [float(v) for v in act_err.mean(axis=0)]}
+
+
 @torch.no_grad()
 def evaluate(policy: VLAPolicy, data: DeviceData, batches: Sequence[Rows], greedy: bool = False) -> dict[str, Any]:
-    """Held-out figures: loss, action-token accuracy (all dims / the dims that vary in the data), START / END
-    accuracy, mean |bin error| (varying dims) and mean |action error| per dimension (un-normalised units)."""
+    """Held-out figures: loss (mean over the unmasked target rows), action_figures over every unpadded chunk step
+    (H = 1: the one action), START / END accuracy (samples whose END is not padding), and for the chunk's first
+    step alone (``step0``, the one executed first) and per step (``..._per_step``)."""
     if not batches:
         return {}
     was_training = policy.training
     policy.eval()
-    dims = policy.cfg.action_dims
-    losses, preds, targets = [], [], []
+    cfg = policy.cfg
+    H, dims = cfg.action_horizon, cfg.action_dims
+    losses, preds, targets, masks = [], [], [], []
     ds = data.ds
     for rows in batches:
         b = data.batch(rows)
         loss, logits, tgt = batch_loss(policy, b)
-        losses.append((float(loss), len(b)))
+        m = b.target_mask.cpu().numpy()
+        losses.append((float(loss), int(m.sum())))
         preds.append(greedy_bins(policy, b) if greedy else logits.argmax(-1).cpu().numpy())
         targets.append(tgt.cpu().numpy())
+        masks.append(m)
     policy.train(was_training)
-    p, t = np.concatenate(preds), np.concatenate(targets)
-    pa, ta = p[:, 1:1 + dims], t[:, 1:1 + dims]
+    p, t, m = np.concatenate(preds), np.concatenate(targets), np.concatenate(masks)
+    N = len(t)
+    pa, ta = p[:, 1:1 + H * dims].reshape(N, H, dims), t[:, 1:1 + H * dims].reshape(N, H, dims)
+    valid = m[:, 1:1 + H * dims].reshape(N, H, dims)[:, :, 0]  # (N, H): chunk step inside the episode
     vary = ds.varying_dims or list(range(dims))
     tok = ds.tokenizer
-    act_err = np.abs(tok.bins_to_action(pa) - tok.bins_to_action(ta))  # (N, dims), in the action's units
-    return {"samples": int(len(t)), "loss": sum(v * n for v, n in losses) / len(t),
-            "action_token_acc": float((pa == ta).mean()),
-            "action_token_acc_varying_dims": float((pa[:, vary] == ta[:, vary]).mean()),
-            "action_token_acc_per_dim": [float(v) for v in (pa == ta).mean(axis=0)],
-            "start_end_acc": float(((p[:, 0] == t[:, 0]) & (p[:, -1] == t[:, -1])).mean()),
-            "bin_mae_varying_dims": float(np.abs(pa - ta)[:, vary].mean()),
-            "action_mae_per_dim": [float(v) for v in act_err.mean(axis=0)]}
+    end_ok = m[:, -1]
+    start_end = (p[:, 0] == t[:, 0]) & (p[:, -1] == t[:, -1])
+    per_step = [action_figures(pa[valid[:, j], j], ta[valid[:, j], j], vary, tok) if valid[:, j].any() else None
+                for j in range(H)]
+    return {"samples": int(N), "loss": sum(v * n for v, n in losses) / max(1, sum(n for _, n in losses)),
+            **action_figures(pa[valid], ta[valid], vary, tok),
+            "start_end_acc": float(start_end[end_ok].mean()) if end_ok.any() else None,
+            "action_horizon": H, "padded_steps": int((~valid).sum()),
+            "step0": per_step[0],
+            "action_token_acc_varying_dims_per_step": [None if f is None else f["action_token_acc_varying_dims"]
+                                                       for f in per_step],
+            "bin_mae_varying_dims_per_step": [None if f is None else f["bin_mae_varying_dims"] for f in per_step]}
 
 
 def _lr_lambda(tc: TrainConfig) -> Callable[[int], float]:
@@ -278,10 +325,13 @@ def plot_curves(path: Path, losses: Sequence[float], evals: Sequence[dict]) -> N
 
 
 def _init_tensors(ckpt_dir: str, mcfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The tensors of ``ckpt_dir`` for ``init_checkpoint``, refused unless its config equals this run's."""
+    """The tensors of ``ckpt_dir`` for ``init_checkpoint``, refused unless its config equals this run's but for
+    vla.action_horizon (the tensors do not depend on H: a single-step checkpoint may start a chunk run)."""
     theirs = ModelConfig.from_json(ckpt_dir).to_dict()
     ours = mcfg.to_dict()
-    diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    diff = sorted(k for k in set(theirs) | set(ours) if k != "vla" and theirs.get(k) != ours.get(k))
+    tv, ov = theirs.get("vla", {}), ours.get("vla", {})
+    diff += sorted(f"vla.{k}" for k in set(tv) | set(ov) if k != "action_horizon" and tv.get(k) != ov.get(k))
     if diff:
         raise ValueError(f"init_checkpoint {ckpt_dir}: its config differs from this run's in {diff} "
                          f"(same geometry, data and action bins are needed to continue a run)")
@@ -292,6 +342,8 @@ def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]
     """One training run (module docstring); returns the training record (also written to the output)."""
     if tc.steps < 1 or tc.batch_size < 1:
         raise ValueError(f"steps and batch_size must be >= 1, got {tc.steps} and {tc.batch_size}")
+    if isinstance(tc.action_horizon, bool) or not isinstance(tc.action_horizon, int) or tc.action_horizon < 1:
+        raise ValueError(f"action_horizon must be an integer >= 1, got {tc.action_horizon!r}")
     t_start = time.perf_counter()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -305,13 +357,14 @@ def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]
         log(s.text())
     image_hw = (tc.patch_grid[0] * tc.patch_size, tc.patch_grid[1] * tc.patch_size)
     ds = DemoDataset(episodes, image_hw, BYTE_TOKENS + N_ACTION_BINS, N_ACTION_BINS, tc.context, tc.holdout_frac,
-                     tc.seed)
+                     tc.seed, tc.action_horizon)
     cfg_dict = model_config_dict(tc, ds.q01, ds.q99)
     mcfg = ModelConfig.from_json(cfg_dict)
     policy = VLAPolicy(mcfg).init_weights(tc.seed, tc.init_std)
     if tc.init_checkpoint:
         policy.load_tensors(_init_tensors(tc.init_checkpoint, mcfg))
-        log(f"vla_train: weights from {tc.init_checkpoint}")
+        log(f"vla_train: weights from {tc.init_checkpoint} (action_horizon "
+            f"{ModelConfig.from_json(tc.init_checkpoint).action_horizon} -> {tc.action_horizon})")
     policy = policy.to(device)
     n_params = sum(p.numel() for p in policy.parameters())
     info = ds.describe()
@@ -378,11 +431,13 @@ def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]
         "train": {k: v for k, v in asdict(tc).items() if k not in ("bags", "out", "command", "context")},
         "context": {**asdict(tc.context), "decode_targets": {"gen0_bin": START_BIN,
                                                              "end_bin": end_bin(N_ACTION_BINS),
-                                                             "rows": mcfg.action_dims + 2}},
+                                                             "rows": tc.action_horizon * mcfg.action_dims + 2,
+                                                             "action_horizon": tc.action_horizon}},
         "deploy": {"max_retained_frames": tc.context.max_past_frames + 1, "eviction_policy": "sliding_window",
                    "window_frames": tc.context.max_past_frames + 1, "tokens_per_frame": mcfg.n_patches,
                    "decode_tokens_min": mcfg.action_dims, "image_hw": list(image_hw),
-                   "frame_stride_control_steps": tc.context.frame_stride},
+                   "frame_stride_control_steps": tc.context.frame_stride, "action_horizon": tc.action_horizon,
+                   "decode_steps": tc.action_horizon * mcfg.action_dims + 1},
         "figures": {"steps": tc.steps, "final_train_loss": losses[-1],
                     "train_loss_last_10pct": float(np.mean(losses[-max(1, len(losses) // 10):])),
                     "time_per_step_ms": 1e3 * float(np.mean(timed)), "wall_s": time.perf_counter() - t_start,
