@@ -119,6 +119,9 @@ def test_runtime_and_sim_parameters_carry_the_setting():
     sim = vla_eval.sim_parameters(Setting("expert", "push"), cfg, "/tmp/e.jsonl")
     assert sim["sim_policy"] == "expert" and sim["num_episodes"] == cfg.episodes and sim["task"] == "push"
     assert vla_eval.sim_parameters(s, cfg, "/tmp/e.jsonl")["sim_policy"] == "external"
+    assert sim["camera_after_control"] is False
+    _, locked = vla_eval.build(vla_eval.parse_args(["--quick", "--camera-after-control"]))
+    assert vla_eval.sim_parameters(s, locked, "/tmp/e.jsonl")["camera_after_control"] is True
     assert [vla_eval.domain_for(i, 230) for i in range(5)] == [230, 231, 232, 230, 231]
 
 

@@ -90,3 +90,30 @@ def test_sim_node_applies_actions_and_records_episodes(tmp_path, ros_processes):
     assert stats["episodes"]["episodes"] == 2 and stats["frames_published"] >= len(images) > 0
     # the node's totals also count what arrived after the last episode ended
     assert all(stats["episodes"]["rejected"][k] >= n for k, n in rejected.items()), (stats, rejected)
+
+
+def test_camera_steps_per_frame_is_an_integer_ratio_or_refused_by_name():
+    from vla_edge_ros.ros.sim_node import camera_steps_per_frame
+
+    assert camera_steps_per_frame(10.0, 10.0) == 1 and camera_steps_per_frame(20.0, 5.0) == 4
+    for control, camera in ((10.0, 20.0), (10.0, 4.0)):
+        with pytest.raises(ValueError, match="camera_after_control needs control_hz / camera_hz"):
+            camera_steps_per_frame(control, camera)
+
+
+def test_camera_after_control_renders_every_kth_step_and_refuses_a_bad_ratio(tmp_path, ros_processes):
+    stats_path = tmp_path / "sim_stats.json"
+    common = ["-p", "task:=reach", "-p", "horizon:=16", "-p", "num_episodes:=1", "-p", "sim_policy:=expert",
+              "-p", "image_width:=32", "-p", "image_height:=32", "-p", "camera_after_control:=true"]
+    bad = ros_processes.start(SIM, "--ros-args", *common, "-p", "control_hz:=10.0", "-p", "camera_hz:=4.0",
+                              name="sim_bad")
+    assert wait_for(lambda: not bad.alive(), 60.0) and bad.stop() == 2, bad.output()
+    assert "camera_after_control needs control_hz / camera_hz" in bad.output()
+    sim = ros_processes.start(SIM, "--stats-out", stats_path, "--ros-args", *common, "-p", "control_hz:=20.0",
+                              "-p", "camera_hz:=10.0", name="sim")
+    assert wait_for(lambda: not sim.alive(), 90.0) and sim.stop() == 0, sim.output()
+    stats = read_json(stats_path)
+    assert stats["camera"] == {"mode": "after_control", "control_steps_per_frame": 2}
+    steps = stats["control_period"]["ticks"]
+    # one frame per 2 control ticks (the expert drives from the first tick), none from a timer of its own
+    assert abs(stats["frames_published"] - steps // 2) <= 1, (stats["frames_published"], steps)

@@ -153,6 +153,9 @@ PARAMS: tuple[ParamSpec, ...] = (
               "costs ~37 ms there, ~0.7 ms on the H200)", SIM, min=0.1, max=1000.0),
     ParamSpec("control_hz", float, 10.0, "rate at which the newest received action is applied (one env step "
               "each, wall clock; the sim never waits for the policy)", SIM, min=0.1, max=1000.0),
+    ParamSpec("camera_after_control", bool, False, "render the camera right after every k-th control step "
+              "(k = control_hz / camera_hz, an integer) instead of on its own timer: each frame shows the state the "
+              "last action produced", SIM),
     ParamSpec("image_width", int, 96, "rendered image width in pixels", SIM, min=8, max=2048),
     ParamSpec("image_height", int, 96, "rendered image height in pixels", SIM, min=8, max=2048),
     ParamSpec("camera_name", str, DEFAULT_CAMERA, "fixed MetaWorld camera rendered", SIM, choices=CAMERAS),

@@ -67,6 +67,7 @@ class RunConfig:
     camera_deadline_ms: float  # must exceed the camera period, else every frame gap reads as a stall
     stale_after_ms: float  # idem: the action publisher holds once the newest frame is older than this
     runtime_params: tuple[str, ...] = ()  # extra NAME:=VALUE for vla_runtime
+    camera_after_control: bool = False  # vla_sim renders right after the control steps (phase-locked camera)
 
     def episode_budget_s(self) -> float:
         """Generous wall-clock limit for the sim's N episodes (a slow 2-core machine stretches control ticks)."""
@@ -159,7 +160,8 @@ def sim_parameters(setting: Setting, cfg: RunConfig, results_path: Path,
     values = {"task": setting.task, "camera_hz": float(cfg.camera_hz), "control_hz": float(cfg.control_hz),
               "image_width": cfg.image_width, "image_height": cfg.image_height, "horizon": cfg.horizon,
               "seed_start": cfg.seed_start, "num_episodes": cfg.episodes, "wait_for_action": True,
-              "results_path": str(results_path), **(extra or {})}
+              "results_path": str(results_path), "camera_after_control": bool(cfg.camera_after_control),
+              **(extra or {})}
     reasons = [r for n, v in values.items() if (r := registry.validate(n, v))]
     if reasons:
         raise ValueError(f"sim parameters rejected: {'; '.join(reasons)}")
@@ -299,6 +301,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--image-size", dest="image_size", type=int, help=f"square image px (default {FULL['image_size']})")
     ap.add_argument("--image-wh", type=int, nargs=2, metavar=("W", "H"), default=None,
                     help="a non-square image instead (a trained policy's size, e.g. 128 64: its deploy block)")
+    ap.add_argument("--camera-after-control", dest="camera_after_control", action="store_true",
+                    help="vla_sim renders right after every k-th control step (k = control_hz / camera_hz): each "
+                         "frame shows what the last action did, as in the synchronous loop")
     ap.add_argument("--seed-start", dest="seed_start", type=int, default=DEFAULT_SEED_START)
     ap.add_argument("--runtime-param", dest="runtime_params", action="append", default=[], metavar="NAME:=VALUE",
                     help="extra vla_runtime parameter (repeatable)")
@@ -337,7 +342,8 @@ def build(args: argparse.Namespace) -> tuple[list[Setting], RunConfig]:
                     image_height=args.image_wh[1] if args.image_wh else args.image_size,
                     seed_start=args.seed_start, checkpoint=args.checkpoint, startup_timeout_s=args.startup_timeout,
                     domain_id=args.domain_id, camera_deadline_ms=max(3.0 * period_ms, 200.0),
-                    stale_after_ms=max(3.0 * period_ms, 200.0), runtime_params=tuple(args.runtime_params))
+                    stale_after_ms=max(3.0 * period_ms, 200.0), runtime_params=tuple(args.runtime_params),
+                    camera_after_control=bool(args.camera_after_control))
     return settings, cfg
 
 

@@ -78,7 +78,8 @@ def render_report(doc: Mapping[str, Any]) -> str:
         f"{cfg['episodes']} episodes per setting from seeds {cfg['seed_start']}.."
         f"{cfg['seed_start'] + cfg['episodes'] - 1}"
         f" (the same initial states in every setting), horizon {cfg['horizon']} control steps; vla_sim at camera "
-        f"{cfg['camera_hz']:g} Hz {cfg['image_width']}x{cfg['image_height']} px, control {cfg['control_hz']:g} Hz, in "
+        f"{cfg['camera_hz']:g} Hz {cfg['image_width']}x{cfg['image_height']} px, control {cfg['control_hz']:g} Hz"
+        f"{' (camera rendered right after the control steps)' if cfg.get('camera_after_control') else ''}, in "
         "wall-clock time (the sim never waits for the policy). Model settings: `vla_runtime --role all` (real ROS 2 "
         "processes, a fresh ROS_DOMAIN_ID per setting) against `vla_sim`; baselines: `vla_sim` alone with "
         "`sim_policy` expert / hold (same mapping and control timing, no runtime).",

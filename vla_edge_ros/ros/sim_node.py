@@ -1,7 +1,8 @@
 """`vla_sim`: a MetaWorld arm behind ROS 2 topics, for closed-loop runs of the runtime (issue 21).
 
 What it does, all in wall-clock time and never waiting for the policy:
-- renders the fixed camera at ``camera_hz`` and publishes it as sensor_msgs/Image rgb8 on ``sim_camera_topic``
+- renders the fixed camera at ``camera_hz`` (its own timer, or with ``camera_after_control`` right after every
+  k-th control step, k = control_hz / camera_hz: each frame then shows what the last action did) and publishes it as sensor_msgs/Image rgb8 on ``sim_camera_topic``
   (sensor-data QoS as the test camera offers it), stamped with the time the scene was captured;
 - subscribes ``sim_action_topic`` (sensor_msgs/JointState from vla_action: names = the action dimensions, kind in
   header.frame_id) and offers every message to the episode controller, which validates it (a wrong length,
@@ -64,6 +65,17 @@ def sim_param_specs() -> tuple[registry.ParamSpec, ...]:
     return registry.for_node(registry.SIM)
 
 
+def camera_steps_per_frame(control_hz: float, camera_hz: float) -> int:
+    """k for camera_after_control: control steps per camera frame, control_hz / camera_hz as an integer >= 1;
+    ValueError naming both rates otherwise (a phase-locked camera cannot run faster than the steps, nor at a
+    fraction of them)."""
+    k = control_hz / camera_hz
+    if k < 1.0 - 1e-6 or abs(k - round(k)) > 1e-6:
+        raise ValueError(f"camera_after_control needs control_hz / camera_hz to be an integer >= 1, got "
+                         f"control_hz {control_hz:g} / camera_hz {camera_hz:g} = {k:g}")
+    return int(round(k))
+
+
 class SimNode(Node):
     NODE_NAME = registry.SIM
 
@@ -116,7 +128,15 @@ class SimNode(Node):
         if not self.driver.drives:
             self._action_sub = self.create_subscription(JointState, v["sim_action_topic"], self._on_action,
                                                         qos.reliable_qos())
-        self._camera_timer = self.create_timer(1.0 / v["camera_hz"], self._on_camera)
+        # camera_after_control: a frame every k-th control step, right after it (phase-locked: the frame shows
+        # the state the last action produced, as the synchronous loop's frames do); else a timer of its own,
+        # whose phase against the control timer is whatever the start gave (created first: it fires just
+        # before the control step, so its frame misses that step's motion).
+        self._camera_every = camera_steps_per_frame(v["control_hz"], v["camera_hz"]) if v["camera_after_control"] \
+            else 0
+        self._control_ticks = 0
+        self._camera_timer = (None if self._camera_every else
+                              self.create_timer(1.0 / v["camera_hz"], self._on_camera))
         self._control_timer = self.create_timer(1.0 / v["control_hz"], self._on_control)
         self.get_logger().info(
             f"task {v['task']!r} ('{self.sim.instruction}'), camera {v['camera_name']} "
@@ -185,6 +205,7 @@ class SimNode(Node):
             self.get_logger().error(f"{self.driver.policy} action rejected ({self.controller.last_rejection})",
                                     throttle_duration_sec=1.0)
         if not self.controller.started:
+            self._camera_after_control()  # the runtime needs frames to send its first action
             return
         self.control_period.tick(now)
         self._episode_period.tick(now)
@@ -198,6 +219,14 @@ class SimNode(Node):
             self._record_step(video, cur, before)
         if self.controller.finished:
             self.done.set()
+            return
+        self._camera_after_control()
+
+    def _camera_after_control(self) -> None:
+        if self._camera_every:
+            self._control_ticks += 1
+            if self._control_ticks % self._camera_every == 0:
+                self._on_camera()
 
     def _on_result(self, result) -> None:
         per = self._episode_period.summary()
@@ -287,6 +316,8 @@ class SimNode(Node):
 
     def snapshot(self) -> dict[str, Any]:
         return {"episodes": self.controller.summary(), "frames_published": self.frames_published,
+                "camera": ({"mode": "after_control", "control_steps_per_frame": self._camera_every}
+                           if self._camera_every else {"mode": "timer"}),
                 "publish_errors": self.publish_errors, "first_render_ms": self.first_render_ms,
                 "render_ms": self.render_ms.summary(),
                 "control_step_ms": self.step_ms.summary(), "control_period": self.control_period.summary(),
