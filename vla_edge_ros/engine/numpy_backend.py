@@ -111,32 +111,56 @@ class _Layer:
         return sum(getattr(self, n).nbytes for n in self.__slots__)
 
 
-class NumpyEngine(Engine):
-    name = "numpy"
+class NumpyWeights:
+    """The float32 arrays an engine computes with (and its RoPE table), built once from a checkpoint's tensors.
+    Engines handed the same instance share them without a copy: a fleet (engine/fleet_numpy.py) holds the
+    weights once and a KV cache per robot."""
 
-    def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], kv, instruction: str = "",
-                 decode_tokens: int = 8, weight_dtype: str = "bf16"):
-        self.cfg = cfg
-        self.kv = kv
-        self.decode_tokens = int(decode_tokens)
-        self.prefix_ids = check_chunk_geometry(cfg, kv, instruction, self.decode_tokens)
-        self.decode_steps = chunk_decode_steps(cfg, self.decode_tokens)  # S (module docstring): sizes the scratch
-        self.weight_dtype = weight_dtype
+    def __init__(self, cfg: ModelConfig, weights, weight_dtype: str = "bf16"):
+        self.cfg, self.weight_dtype = cfg, weight_dtype
         weights = dequantized_weights(cfg, weights, weight_dtype)
         check_weights(cfg, weights)
         self.device_weight_bytes = weights_nbytes(expected_shapes(cfg, include_vision=True), weight_dtype)
-
-        self.H, self.KV, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.G = self.H // self.KV
-        self.hidden = cfg.hidden_size
-        self.eps = cfg.rms_norm_eps
-        self.scale = np.float32(1.0 / np.sqrt(self.D))
         self.layers = [_Layer(weights, i) for i in range(cfg.num_hidden_layers)]
         self.embed = np.ascontiguousarray(np.asarray(weights["model.embed_tokens.weight"], dtype=np.float32))
         head = weights["lm_head.weight"] if not cfg.tie_word_embeddings else self.embed
         self.head_t = np.ascontiguousarray(np.asarray(head, dtype=np.float32)[cfg.action_token_offset:].T)
         self.final_norm = np.asarray(weights["model.norm.weight"], dtype=np.float32).copy()
         self.vision = PatchEmbedder(cfg, weights)
+        # rotation positions must stay below max_position_embeddings; the table covers exactly that range
+        self.rope = RopeTable(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta)
+
+    def nbytes(self) -> int:
+        arrays = [self.embed, self.head_t, self.final_norm, self.rope.cos, self.rope.sin_signed,
+                  self.vision.weight_t, self.vision.bias_pos, *self.layers]
+        return sum(a.nbytes() if isinstance(a, _Layer) else a.nbytes for a in arrays)
+
+
+class NumpyEngine(Engine):
+    name = "numpy"
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray] | NumpyWeights, kv,
+                 instruction: str = "", decode_tokens: int = 8, weight_dtype: str = "bf16"):
+        self.cfg = cfg
+        self.kv = kv
+        self.decode_tokens = int(decode_tokens)
+        self.prefix_ids = check_chunk_geometry(cfg, kv, instruction, self.decode_tokens)
+        self.decode_steps = chunk_decode_steps(cfg, self.decode_tokens)  # S (module docstring): sizes the scratch
+        self.weight_dtype = weight_dtype
+        if not isinstance(weights, NumpyWeights):  # a checkpoint's tensors; a NumpyWeights is shared as it is
+            weights = NumpyWeights(cfg, weights, weight_dtype)
+        elif weights.cfg != cfg or weights.weight_dtype != weight_dtype:
+            raise EngineError(f"shared NumpyWeights ({weights.weight_dtype}) were built for another config or "
+                              f"weight_dtype than this engine's ({weight_dtype})")
+        self.weights, self.device_weight_bytes = weights, weights.device_weight_bytes
+
+        self.H, self.KV, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.G = self.H // self.KV
+        self.hidden = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.scale = np.float32(1.0 / np.sqrt(self.D))
+        self.layers, self.embed, self.head_t = weights.layers, weights.embed, weights.head_t
+        self.final_norm, self.vision, self.rope = weights.final_norm, weights.vision, weights.rope
         self.tokenizer = ActionTokenizer(cfg.vocab_size, cfg.action_q01, cfg.action_q99, cfg.n_action_bins)
 
         self.delta = 0  # extra rotation offset shared by every cached key (see module docstring)
@@ -171,8 +195,6 @@ class NumpyEngine(Engine):
             rot_pos[:n] = self.rot_pos[:n]
             k_norm[:, :, :n] = self.k_norm[:, :, :n]
         self.k_pre, self.v, self.k_rot, self.rot_pos, self.k_norm = k_pre, v, k_rot, rot_pos, k_norm
-        # rotation positions must stay below max_position_embeddings; the table covers exactly that range
-        self.rope = RopeTable(self.cfg.max_position_embeddings, self.D, self.cfg.rope_theta)
         tpf = self.kv.tokens_per_frame
         self._bias_base = np.full(self.capacity, NEG_INF, np.float32)
         self._scores = np.empty(self.G * tpf * self.capacity, np.float32)
@@ -182,11 +204,13 @@ class NumpyEngine(Engine):
     def _track_peak(self) -> None:
         self._peak_bytes = max(self._peak_bytes, self.memory()["current_bytes"])
 
+    def cache_bytes(self) -> int:
+        """Bytes of this engine's own KV cache and scratch (what a fleet adds per robot; not the weights)."""
+        arrays = [self.k_pre, self.v, self.k_rot, self.rot_pos, self.k_norm, self._bias_base, self._scores, self._ones]
+        return sum(a.nbytes for a in arrays)
+
     def memory(self) -> dict[str, int]:
-        arrays = [self.k_pre, self.v, self.k_rot, self.rot_pos, self.k_norm, self.embed, self.head_t, self.final_norm,
-                  self._bias_base, self._scores, self._ones, self.rope.cos, self.rope.sin_signed,
-                  self.vision.weight_t, self.vision.bias_pos]
-        cur = sum(a.nbytes for a in arrays) + sum(layer.nbytes() for layer in self.layers)
+        cur = self.cache_bytes() + self.weights.nbytes()
         return {"current_bytes": int(cur), "peak_bytes": int(max(self._peak_bytes, cur)),
                 "device_weight_bytes": int(self.device_weight_bytes)}
 
@@ -233,20 +257,7 @@ class NumpyEngine(Engine):
             raise EngineError("the numpy engine was closed")
         tpf = self.kv.tokens_per_frame
         x = check_vision_tokens(vision_tokens, tpf, self.hidden)
-
-        self._apply_moves()
-        adm = self.kv.admit(frame_id, pooled(x), salient)
-        if self.kv.budget_tokens > self.capacity:
-            self._allocate(self.kv.budget_tokens)
-        ctx = np.asarray(self.kv.context_slots(), dtype=np.int64)
-        n_ctx = len(ctx)
-        new_slots = np.asarray(adm.slots, dtype=np.int64)
-        old = ctx[:-tpf]
-        self._align_rotations(old, n_ctx)
-
-        self._bias_base[:] = NEG_INF
-        self._bias_base[old] = 0.0
-        r_end = int(ctx.max()) + 1
+        adm, n_ctx, new_slots, r_end = self._admit_frame(x, frame_id, salient)
         t1 = time.perf_counter()
         seg = self._context_segment(new_slots, r_end)
         h_last = self._forward_tokens(x, new_slots, np.arange(n_ctx - tpf, n_ctx), [seg], last_only=True)
@@ -258,7 +269,26 @@ class NumpyEngine(Engine):
         self._bias_base[new_slots] = 0.0  # decode tokens see the whole new frame
         self._decode(gen, logits, n_ctx, r_end)
         t3 = time.perf_counter()
+        return self._chunk_result(frame_id, salient, gen, logits, adm, n_ctx, (t2 - t1) * 1e3, (t3 - t2) * 1e3, t0)
 
+    def _admit_frame(self, x: np.ndarray, frame_id: int, salient: bool):
+        """A chunk's cache bookkeeping before its forward: the KV manager admits the frame (evicting by policy),
+        ``delta`` is aligned, ``_bias_base`` shows the retained context. -> (admission, n_ctx, new_slots, r_end)."""
+        self._apply_moves()
+        adm = self.kv.admit(frame_id, pooled(x), salient)
+        if self.kv.budget_tokens > self.capacity:
+            self._allocate(self.kv.budget_tokens)
+        ctx = np.asarray(self.kv.context_slots(), dtype=np.int64)
+        n_ctx = len(ctx)
+        new_slots = np.asarray(adm.slots, dtype=np.int64)
+        old = ctx[:-self.kv.tokens_per_frame]
+        self._align_rotations(old, n_ctx)
+        self._bias_base[:] = NEG_INF
+        self._bias_base[old] = 0.0
+        return adm, n_ctx, new_slots, int(ctx.max()) + 1
+
+    def _chunk_result(self, frame_id, salient, gen, logits, adm, n_ctx, prefill_ms, decode_ms, t0) -> ChunkResult:
+        """The decoded chunk ``gen`` / ``logits`` as a ChunkResult (and the engine's last_* diagnostics)."""
         self.last_logits = logits
         self.last_max_position = n_ctx + self.decode_steps - 1
         self.last_max_rotation_position = self.last_max_position + self.delta
@@ -266,7 +296,7 @@ class NumpyEngine(Engine):
         chunk = chunk_actions(self.tokenizer, bins)
         t4 = time.perf_counter()
         return ChunkResult(frame_id=int(frame_id), token_ids=gen, action_bins=bins[0].copy(), action=chunk[0].copy(),
-                           prefill_ms=(t2 - t1) * 1e3, decode_ms=(t3 - t2) * 1e3, total_ms=(t4 - t0) * 1e3,
+                           prefill_ms=prefill_ms, decode_ms=decode_ms, total_ms=(t4 - t0) * 1e3,
                            evicted_frames=list(adm.evicted), kv_occupancy_tokens=int(self.kv.occupancy_tokens),
                            salient=bool(salient), chunk=chunk, chunk_bins=bins)
 
@@ -375,14 +405,7 @@ class NumpyEngine(Engine):
         layer come from its input).
         """
         n = len(slots)
-        H, KV, D = self.H, self.KV, self.D
-        hq = H * D
-        kvd = KV * D
-        rpos = positions + self.delta
-        cos = self.rope.cos[rpos][:, None, :]
-        sin = self.rope.sin_signed[rpos][:, None, :]
-        contiguous = n > 0 and int(slots[-1]) - int(slots[0]) == n - 1 and bool(np.all(np.diff(slots) == 1))
-        sl = slice(int(slots[0]), int(slots[0]) + n) if contiguous else slots
+        place = self._placement(slots, positions)
         x = x.copy()
         n_layers = len(self.layers)
         for li, L in enumerate(self.layers):
@@ -390,23 +413,41 @@ class NumpyEngine(Engine):
             xn = _rmsnorm(x, L.ln1, self.eps)
             qkv = xn @ L.wqkv_t
             qkv += L.bqkv
-            k = qkv[:, hq:hq + kvd].reshape(n, KV, D)
-            self.k_pre[li, sl] = k
-            self.v[li][:, sl] = qkv[:, hq + kvd:].reshape(n, KV, D).transpose(1, 0, 2)
-            self.k_rot[li][:, sl] = RopeTable.apply_tables(k, cos, sin).transpose(1, 0, 2)
-            self.k_norm[li][:, sl] = np.sqrt(np.einsum("nhd,nhd->hn", k, k))
+            q = self._store_kv(li, qkv, place, last)
             if last:
-                q = RopeTable.apply_tables(qkv[n - 1:, :hq].reshape(1, H, D), cos[n - 1:], sin[n - 1:])
                 segs = [(a, b, c, None if v is None else v[-1:]) for a, b, c, v in segments]
                 x = x[n - 1:]
             else:
-                q = RopeTable.apply_tables(qkv[:, :hq].reshape(n, H, D), cos, sin)
                 segs = segments
             x += self._attend(li, q, segs) @ L.wo_t
             xn = _rmsnorm(x, L.ln2, self.eps)
             x += _silu_mul(xn @ L.wgu_t, self.cfg.intermediate_size) @ L.wd_t
-        self.rot_pos[slots] = rpos
+        self.rot_pos[slots] = place[3]
         return x
+
+    def _placement(self, slots: np.ndarray, positions: np.ndarray):
+        """Where n new tokens go in this cache: (slots or a slice of them, cos, sin, rotation positions)."""
+        n = len(slots)
+        rpos = positions + self.delta
+        cos = self.rope.cos[rpos][:, None, :]
+        sin = self.rope.sin_signed[rpos][:, None, :]
+        contiguous = n > 0 and int(slots[-1]) - int(slots[0]) == n - 1 and bool(np.all(np.diff(slots) == 1))
+        return (slice(int(slots[0]), int(slots[0]) + n) if contiguous else slots), cos, sin, rpos
+
+    def _store_kv(self, li: int, qkv: np.ndarray, place, last: bool) -> np.ndarray:
+        """Layer ``li``'s per-cache part: write the K/V of the rows' ``qkv`` at ``place`` (_placement); return
+        their rotated queries (n, H, D), or the last row's only (1, H, D) with ``last``."""
+        n, (sl, cos, sin, _) = qkv.shape[0], place
+        H, KV, D = self.H, self.KV, self.D
+        hq, kvd = H * D, KV * D
+        k = qkv[:, hq:hq + kvd].reshape(n, KV, D)
+        self.k_pre[li, sl] = k
+        self.v[li][:, sl] = qkv[:, hq + kvd:].reshape(n, KV, D).transpose(1, 0, 2)
+        self.k_rot[li][:, sl] = RopeTable.apply_tables(k, cos, sin).transpose(1, 0, 2)
+        self.k_norm[li][:, sl] = np.sqrt(np.einsum("nhd,nhd->hn", k, k))
+        if last:
+            return RopeTable.apply_tables(qkv[n - 1:, :hq].reshape(1, H, D), cos[n - 1:], sin[n - 1:])
+        return RopeTable.apply_tables(qkv[:, :hq].reshape(n, H, D), cos, sin)
 
     def _attend(self, li: int, q: np.ndarray, segments: list) -> np.ndarray:
         """q (m, H, D) rotated -> attention output (m, H*D) over the key ranges in ``segments``.
