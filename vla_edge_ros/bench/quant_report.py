@@ -1,39 +1,53 @@
 """What each weight_dtype costs and changes, side by side: bytes, weight error, and the model's output vs bf16.
 
-    python -m vla_edge_ros.bench.quant_report [--checkpoint DIR] [--frames 3] [--decode-tokens 8] [--json OUT]
+    python -m vla_edge_ros.bench.quant_report [--checkpoint DIR] [--frames-from random|bridge|sim] [--task push]
+        [--seeds 3] [--every 1] [--episodes 4] [--frames N] [--window-frames W] [--decode-tokens 8] [--json OUT]
 
 Why: issue 23's quality bar (cosine of the final hidden state and of the action logits vs bf16 >= 0.999 for
-int8 / fp8, >= 0.99 for int4, per decode step; action-token agreement) has to be measured on the same frames for
-every dtype in one run, or the figures are not comparable. The model here is engine/reference.py (the float64
-oracle) run on engine/quant.py's dequantised weights, so the figures are the quantisation's alone, not a
-kernel's rounding.
+int8 / fp8, >= 0.99 for int4, per decode step; action-token agreement with the bf16 engine on the frames of the
+real Bridge clip and on the sim episodes) has to be measured on the same frames for every dtype in one run, or
+the figures are not comparable. The model here is engine/reference.py (the float64 oracle) run on
+engine/quant.py's dequantised weights, so the figures are the quantisation's alone, not a kernel's rounding.
+The frames come from bench/quant_frames.py: noise (the default), the Bridge sample or MetaWorld expert rollouts,
+as sequences of consecutive frames of one episode each, with that episode's instruction.
 
-Per frame (prefix = the instruction, then the frame), two measurements:
-- teacher forced: both models are fed the bf16 model's greedy tokens, so step i compares outputs on the SAME
-  input: cosine of the final hidden state (before the final norm), of its residual part (hidden minus the
-  step's input embedding: what the decoder layers added, the part quantisation touches; the tiny default's
-  residual stream is dominated by its input), of the action logits, and whether the argmax agrees;
-- free running: reference_chunk on each model's own stream (a KV manager each), as an engine runs: whether the
-  action bins of the chunk are equal.
+Two measurements, every dtype against the bf16 model:
+- teacher forced, per frame (prefix = the instruction, then the frame alone): every model is fed the bf16
+  model's greedy tokens, so step i compares outputs on the SAME input: cosine of the final hidden state (before
+  the final norm), of its residual part (hidden minus the step's input embedding: what the decoder layers added,
+  the part quantisation touches; the tiny default's residual stream is dominated by its input), of the action
+  logits, and whether the argmax agrees;
+- streaming, per sequence: reference_chunk on each model's own stream (its own KV manager keeping a window of
+  ``window_frames`` frames, fresh per sequence) as an engine runs, over all H x action_dims bins of every chunk:
+  the fraction of chunks whose bins all equal bf16's, per-dimension bin agreement, mean |bin difference| per
+  dimension and the largest action difference in the action's own units (the tokenizer's un-normalisation).
+The window defaults to the checkpoint's training_record.json deploy.window_frames (the context it was trained
+with: 1 past frame -> 2), else 3.
 """
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from vla_edge_ros.bench.quant_frames import (DEFAULT_INSTRUCTION, FRAME_SOURCES, SHARED_OXE, FrameSequence,
+                                             bridge_sequences, random_sequences, sample_frames, sim_sequences)
 from vla_edge_ros.core.kv.manager import KVManager
 from vla_edge_ros.engine import reference as R
 from vla_edge_ros.engine.checkpoint import load_checkpoint
 from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.geometry import chunk_decode_steps
 from vla_edge_ros.engine.quant import WEIGHT_DTYPES, QuantizedModel, quantize_weights
 
-INSTRUCTION = "pick up the object"
+__all__ = ["INSTRUCTION", "THRESHOLDS", "cosine", "sample_frames", "kv_manager", "stream_chunks",
+           "streaming_agreement", "measure", "report", "print_report", "main"]
+
+INSTRUCTION = DEFAULT_INSTRUCTION
 THRESHOLDS = {"bf16": 0.999, "int8": 0.999, "fp8": 0.999, "int4": 0.99}  # issue 23's cosine bars
+DEFAULT_WINDOW_FRAMES = 3
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -44,27 +58,12 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / denom)
 
 
-@dataclass
-class Quality:
-    """Per decode step (index 0 = the frame's last token, i = decode step i), the minimum over frames."""
-    hidden_cos: list[float]
-    residual_cos: list[float]
-    logits_cos: list[float]
-    token_agreement: float  # teacher forced: argmax equal, over all frames and steps
-    chunk_action_agreement: float  # free running: fraction of chunks whose action bins are all equal
-    bin_agreement: float  # free running: fraction of action bins equal
+# ---- teacher forced ---------------------------------------------------------------------------------------------
 
-
-def sample_frames(n: int, seed: int = 0) -> list[np.ndarray]:
-    """Camera-like uint8 images, fixed by the seed."""
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, (120, 160, 3), dtype=np.uint8) for _ in range(n)]
-
-
-def _teacher_forced(cfg: ModelConfig, ws: Sequence[Mapping[str, np.ndarray]], tokens: np.ndarray,
-                    decode_tokens: int):
+def _teacher_forced(cfg: ModelConfig, ws: Sequence[Mapping[str, np.ndarray]], instruction: str, tokens: np.ndarray,
+                    decode_steps: int):
     """Per step: (hidden, input) of each model in ``ws`` and its logits; ws[0] chooses the tokens."""
-    ids = list(INSTRUCTION.encode("utf-8"))
+    ids = list(instruction.encode("utf-8"))
     prefix = [R.forward(cfg, w, R.embed(w, ids))[1] for w in ws]
     P, tpf = len(ids), len(tokens)
     frame = [R.forward(cfg, w, tokens, np.arange(P, P + tpf), p) for w, p in zip(ws, prefix)]
@@ -73,10 +72,10 @@ def _teacher_forced(cfg: ModelConfig, ws: Sequence[Mapping[str, np.ndarray]], to
     h = [f[0][-1:] for f in frame]  # the frame's last row
     x_in = [np.asarray(tokens[-1:], np.float64)] * len(ws)
     steps = []
-    for i in range(decode_tokens + 1):
+    for i in range(decode_steps + 1):
         logits = [R.action_logits(cfg, w, hh)[0] for w, hh in zip(ws, h)]
         steps.append((h, x_in, logits))
-        if i == decode_tokens:
+        if i == decode_steps:
             break
         token = int(np.argmax(logits[0])) + cfg.action_token_offset  # the first model's choice, fed to all
         x_in = [R.embed(w, [token]) for w in ws]
@@ -87,42 +86,101 @@ def _teacher_forced(cfg: ModelConfig, ws: Sequence[Mapping[str, np.ndarray]], to
     return steps
 
 
-def _kv(cfg: ModelConfig, frames: int) -> KVManager:
-    tpf = cfg.n_patches
-    budget = -(-(len(INSTRUCTION) + frames * tpf) // tpf) * tpf
-    return KVManager(budget, tpf, len(INSTRUCTION), policy="fifo", embed_dim=cfg.hidden_size)
+# ---- streaming --------------------------------------------------------------------------------------------------
+
+def kv_manager(cfg: ModelConfig, instruction: str, window_frames: int) -> KVManager:
+    """FIFO under a budget of exactly the pinned instruction plus ``window_frames`` frames (new one included)."""
+    tpf, P = cfg.n_patches, len(instruction.encode("utf-8"))
+    budget = -(-(P + window_frames * tpf) // tpf) * tpf  # a multiple of tpf; the round-up holds < 1 more frame
+    kv = KVManager(budget, tpf, P, policy="fifo", embed_dim=cfg.hidden_size)
+    if kv.capacity_frames != window_frames:
+        raise ValueError(f"KV window: budget {budget} holds {kv.capacity_frames} frames, not {window_frames}")
+    return kv
 
 
-def measure_quality(cfg: ModelConfig, base: Mapping[str, np.ndarray], quantized: Mapping[str, np.ndarray],
-                    images: Sequence[np.ndarray], decode_tokens: int = 8) -> Quality:
-    """``quantized`` (e.g. QuantizedModel.dequantized()) against ``base`` (the bf16 weights) on ``images``."""
-    wb, wq = R.load_weights(cfg, base), R.load_weights(cfg, quantized)
-    hidden, residual, logit = ([[] for _ in range(decode_tokens + 1)] for _ in range(3))
-    agree = []
-    sb = R.start_stream(cfg, base, _kv(cfg, 3), INSTRUCTION, decode_tokens)
-    sq = R.start_stream(cfg, quantized, _kv(cfg, 3), INSTRUCTION, decode_tokens)
-    chunks, bins = [], []
-    for fid, image in enumerate(images):
-        tokens = R.patch_embed(cfg, wb, image)  # vision is not quantised: the same tokens for both
-        for i, (h, x_in, lg) in enumerate(_teacher_forced(cfg, [wb, wq], tokens, decode_tokens)):
-            hidden[i].append(cosine(h[0], h[1]))
-            residual[i].append(cosine(h[0] - x_in[0], h[1] - x_in[1]))
-            logit[i].append(cosine(lg[0], lg[1]))
-            agree.append(int(np.argmax(lg[0])) == int(np.argmax(lg[1])))
-        a, b = R.reference_chunk(sb, tokens, fid), R.reference_chunk(sq, tokens, fid)
-        chunks.append(bool(np.array_equal(a.action_bins, b.action_bins)))
-        bins.extend(a.action_bins == b.action_bins)
-    return Quality([min(c) for c in hidden], [min(c) for c in residual], [min(c) for c in logit],
-                   float(np.mean(agree)), float(np.mean(chunks)), float(np.mean(bins)))
+def stream_chunks(cfg: ModelConfig, weights: Mapping[str, np.ndarray], instruction: str,
+                  frame_tokens: Sequence[np.ndarray], decode_tokens: int, window_frames: int,
+                  first_frame_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """One model's chunks over one sequence, as an engine streams it. -> bins (N, H, dims) int64 and the
+    un-normalised actions (N, H, dims) float32 of its N = len(frame_tokens) chunks."""
+    stream = R.start_stream(cfg, weights, kv_manager(cfg, instruction, window_frames), instruction, decode_tokens)
+    chunks = [R.reference_chunk(stream, t, first_frame_id + i) for i, t in enumerate(frame_tokens)]
+    return np.stack([c.chunk_bins for c in chunks]), np.stack([c.chunk for c in chunks])
+
+
+def streaming_agreement(base_bins: np.ndarray, bins: np.ndarray, base_actions: np.ndarray,
+                        actions: np.ndarray) -> dict:
+    """Chunks (N, H, dims) of a model against the bf16 model's on the same frames: agreement figures."""
+    base_bins, bins = np.asarray(base_bins, np.int64), np.asarray(bins, np.int64)
+    if base_bins.shape != bins.shape or base_bins.ndim != 3 or np.shape(actions) != bins.shape \
+            or np.shape(base_actions) != bins.shape:
+        raise ValueError(f"chunks must all be (N, H, dims): bins {base_bins.shape} / {bins.shape}, actions "
+                         f"{np.shape(base_actions)} / {np.shape(actions)}")
+    equal = base_bins == bins
+    diff = np.abs(base_bins - bins)
+    action_diff = np.abs(np.asarray(base_actions, np.float64) - np.asarray(actions, np.float64))
+    return {"chunks": int(bins.shape[0]),
+            "chunk_action_agreement": float(np.mean(np.all(equal, axis=(1, 2)))),
+            "bin_agreement": float(np.mean(equal)),
+            "bin_agreement_per_dim": np.mean(equal, axis=(0, 1)).tolist(),
+            "bin_agreement_per_step_dim": np.mean(equal, axis=0).tolist(),
+            "mean_abs_bin_diff_per_dim": np.mean(diff, axis=(0, 1)).tolist(),
+            "max_abs_bin_diff": int(diff.max()),
+            "max_action_diff_per_dim": action_diff.max(axis=(0, 1)).tolist(),
+            "max_action_diff": float(action_diff.max())}
+
+
+def measure(cfg: ModelConfig, base: Mapping[str, np.ndarray], models: Mapping[str, Mapping[str, np.ndarray]],
+            sequences: Sequence[FrameSequence], decode_tokens: int = 8,
+            window_frames: int = DEFAULT_WINDOW_FRAMES) -> dict[str, dict]:
+    """Each of ``models`` (name -> weights, e.g. QuantizedModel.dequantized()) against ``base`` (the bf16
+    weights) on ``sequences``: teacher-forced cosines per decode step (minimum over frames), argmax agreement,
+    and streaming_agreement over all chunks of all sequences."""
+    if not sequences or any(not s.frames for s in sequences):
+        raise ValueError("measure: every sequence needs at least one frame")
+    wb = R.load_weights(cfg, base)
+    ws = {name: R.load_weights(cfg, w) for name, w in models.items()}
+    steps = chunk_decode_steps(cfg, decode_tokens)
+    cos = {name: {k: [[] for _ in range(steps + 1)] for k in ("hidden", "residual", "logits")} for name in ws}
+    agree: dict[str, list[bool]] = {name: [] for name in ws}
+    runs: dict[str, list] = {name: [] for name in ["<base>", *ws]}
+    first_id = 0
+    for seq in sequences:
+        tokens = [R.patch_embed(cfg, wb, image) for image in seq.frames]  # vision is not quantised: shared
+        for tok in tokens:
+            for i, (h, x_in, lg) in enumerate(_teacher_forced(cfg, [wb, *ws.values()], seq.instruction, tok,
+                                                              steps)):
+                for j, name in enumerate(ws, start=1):
+                    cos[name]["hidden"][i].append(cosine(h[0], h[j]))
+                    cos[name]["residual"][i].append(cosine(h[0] - x_in[0], h[j] - x_in[j]))
+                    cos[name]["logits"][i].append(cosine(lg[0], lg[j]))
+                    agree[name].append(int(np.argmax(lg[0])) == int(np.argmax(lg[j])))
+        for name, w in [("<base>", wb), *ws.items()]:  # each model on its own stream, own KV manager
+            runs[name].append(stream_chunks(cfg, w, seq.instruction, tokens, decode_tokens, window_frames, first_id))
+        first_id += len(tokens)
+    base_bins, base_actions = (np.concatenate([r[k] for r in runs["<base>"]]) for k in (0, 1))
+    out = {}
+    for name in ws:
+        bins, actions = (np.concatenate([r[k] for r in runs[name]]) for k in (0, 1))
+        out[name] = {"hidden_cos": [min(c) for c in cos[name]["hidden"]],
+                     "residual_cos": [min(c) for c in cos[name]["residual"]],
+                     "logits_cos": [min(c) for c in cos[name]["logits"]],
+                     "token_agreement": float(np.mean(agree[name])),
+                     **streaming_agreement(base_bins, bins, base_actions, actions)}
+    return out
 
 
 def report(cfg: ModelConfig, weights: Mapping[str, np.ndarray], dtypes: Sequence[str] = WEIGHT_DTYPES,
-           frames: int = 3, decode_tokens: int = 8, seed: int = 0) -> dict[str, dict]:
-    """Per weight_dtype: bytes, weight error, Quality (asdict) vs the bf16 model, in one run on the same frames."""
-    images = sample_frames(frames, seed)
+           frames: int = 3, decode_tokens: int = 8, seed: int = 0,
+           sequences: Optional[Sequence[FrameSequence]] = None,
+           window_frames: int = DEFAULT_WINDOW_FRAMES) -> dict[str, dict]:
+    """Per weight_dtype: bytes, weight error and the measure() figures vs the bf16 model, in one run on the same
+    frames: ``sequences`` (default: ``frames`` random frames of ``seed``)."""
+    sequences = random_sequences(frames, seed) if sequences is None else sequences
     models: dict[str, QuantizedModel] = {wd: quantize_weights(weights, wd) for wd in dtypes}
     base = models["bf16"] if "bf16" in models else quantize_weights(weights, "bf16")
-    base_w = base.dequantized()
+    quality = measure(cfg, base.dequantized(), {wd: m.dequantized() for wd, m in models.items()}, sequences,
+                      decode_tokens, window_frames)
     out = {}
     for wd, m in models.items():
         stats = list(m.stats.values())
@@ -131,37 +189,80 @@ def report(cfg: ModelConfig, weights: Mapping[str, np.ndarray], dtypes: Sequence
                    "max_rel_frobenius_error": max(s.rel_frobenius_error for s in stats),
                    "mean_rel_frobenius_error": float(np.mean([s.rel_frobenius_error for s in stats])),
                    "max_abs_error": max(s.max_abs_error for s in stats),
-                   "threshold": THRESHOLDS[wd],
-                   **asdict(measure_quality(cfg, base_w, m.dequantized(), images, decode_tokens))}
+                   "threshold": THRESHOLDS[wd], **quality[wd]}
     return out
 
 
-def print_report(rows: Mapping[str, dict]) -> None:
+# ---- output -----------------------------------------------------------------------------------------------------
+
+MAX_STEP_ROWS = 16  # more decode steps than this (action_horizon > 1): the frame step and the decode minimum
+
+
+def _row(label: str, values: Sequence, fmt: str) -> str:
+    return f"{label:28s}" + "".join(fmt.format(v) for v in values)
+
+
+def print_report(rows: Mapping[str, dict], action_names: Optional[Sequence[str]] = None) -> None:
+    """All dtypes side by side: one column each."""
+    rs = list(rows.values())
     print(f"{'':28s}" + "".join(f"{wd:>12s}" for wd in rows))
     for key, fmt in (("linear_bytes", "{:12,d}"), ("model_bytes", "{:12,d}"), ("linear_vs_bf16", "{:12.3f}"),
                      ("max_rel_frobenius_error", "{:12.2e}"), ("mean_rel_frobenius_error", "{:12.2e}"),
-                     ("max_abs_error", "{:12.2e}"), ("token_agreement", "{:12.3f}"),
+                     ("max_abs_error", "{:12.2e}"), ("token_agreement", "{:12.3f}"), ("chunks", "{:12d}"),
                      ("chunk_action_agreement", "{:12.3f}"), ("bin_agreement", "{:12.3f}"),
-                     ("threshold", "{:12.3f}")):
-        print(f"{key:28s}" + "".join(fmt.format(r[key]) for r in rows.values()))
-    steps = len(next(iter(rows.values()))["hidden_cos"])
+                     ("max_abs_bin_diff", "{:12d}"), ("max_action_diff", "{:12.3g}"), ("threshold", "{:12.3f}")):
+        print(_row(key, [r[key] for r in rs], fmt))
+    dims = len(rs[0]["bin_agreement_per_dim"])
+    names = list(action_names) if action_names is not None else [f"dim{d}" for d in range(dims)]
+    for key, label, fmt in (("bin_agreement_per_dim", "bin agreement", "{:12.3f}"),
+                            ("mean_abs_bin_diff_per_dim", "mean |bin diff|", "{:12.3f}"),
+                            ("max_action_diff_per_dim", "max |action diff|", "{:12.3g}")):
+        for d in range(dims):
+            print(_row(f"{label} {names[d]}", [r[key][d] for r in rs], fmt))
+    steps = len(rs[0]["hidden_cos"])
     for key in ("hidden_cos", "residual_cos", "logits_cos"):
-        for i in range(steps):
-            label = f"{key} step {i}" + (" (frame)" if i == 0 else "")
-            print(f"{label:28s}" + "".join(f"{r[key][i]:12.6f}" for r in rows.values()))
+        if steps <= MAX_STEP_ROWS:
+            for i in range(steps):
+                print(_row(f"{key} step {i}" + (" (frame)" if i == 0 else ""), [r[key][i] for r in rs], "{:12.6f}"))
+        else:
+            print(_row(f"{key} step 0 (frame)", [r[key][0] for r in rs], "{:12.6f}"))
+            print(_row(f"{key} min steps 1-{steps - 1}", [min(r[key][1:]) for r in rs], "{:12.6f}"))
     for wd, r in rows.items():
         worst = min(min(r["hidden_cos"]), min(r["logits_cos"]))
         verdict = "meets" if worst >= r["threshold"] else "MISSES"
         print(f"{wd}: worst hidden/logits cosine {worst:.6f} {verdict} the {r['threshold']} bar")
 
 
+def default_window_frames(ckpt: Path) -> tuple[int, str]:
+    """The KV window the checkpoint was trained for (training_record.json deploy.window_frames), else 3."""
+    record = ckpt / "training_record.json"
+    try:
+        window = json.loads(record.read_text(encoding="utf-8"))["deploy"]["window_frames"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return DEFAULT_WINDOW_FRAMES, "default"
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"{record}: deploy.window_frames must be an integer >= 1, got {window!r}")
+    return window, f"{record.name} deploy.window_frames"
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Per weight_dtype bytes, error and cosines vs bf16: python -m vla_edge_ros.bench.quant_report"""
+    """Per weight_dtype bytes, error, cosines and action agreement vs bf16: python -m vla_edge_ros.bench.quant_report"""
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--checkpoint", default="", help="HF-layout bf16 checkpoint (default: the tiny default)")
-    ap.add_argument("--frames", type=int, default=3)
+    ap.add_argument("--frames-from", choices=FRAME_SOURCES, default="random")
+    ap.add_argument("--frames", type=int, default=None,
+                    help="random: how many (default 3); bridge / sim: at most this many per sequence (default all)")
+    ap.add_argument("--seed", type=int, default=0, help="random: the frames' seed; sim: the first seed")
+    ap.add_argument("--task", default="push", help="sim: the task (sim/tasks.py)")
+    ap.add_argument("--seeds", type=int, default=3, help="sim: how many seeds (one sequence each)")
+    ap.add_argument("--every", type=int, default=1, help="sim: a frame every k-th control step")
+    ap.add_argument("--camera", default=None, help="sim: the camera (default sim/tasks.py DEFAULT_CAMERA)")
+    ap.add_argument("--episodes", type=int, default=4, help="bridge: the first N episodes (one sequence each)")
+    ap.add_argument("--bridge-dir", default=str(SHARED_OXE), help="bridge: the RLDS dataset directory")
+    ap.add_argument("--window-frames", type=int, default=None,
+                    help="frames the streaming KV keeps (default: the checkpoint's training record, else 3)")
     ap.add_argument("--decode-tokens", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtypes", nargs="+", choices=WEIGHT_DTYPES, default=list(WEIGHT_DTYPES))
     ap.add_argument("--json", default="", help="also write the figures here")
     args = ap.parse_args(argv)
     if args.checkpoint:
@@ -170,13 +271,31 @@ def main(argv: list[str] | None = None) -> None:
         from vla_edge_ros.engine.tiny_default import ensure_tiny_default
         ckpt = ensure_tiny_default()
     cfg = ModelConfig.from_json(ckpt)
-    rows = report(cfg, load_checkpoint(ckpt, cfg), frames=args.frames, decode_tokens=args.decode_tokens,
-                  seed=args.seed)
-    print(f"checkpoint {ckpt}: {args.frames} frames, {args.decode_tokens} decode steps, reference forward "
-          "(float64) on dequantised weights; cosines are the minimum over frames")
-    print_report(rows)
+    window, window_from = ((args.window_frames, "--window-frames") if args.window_frames is not None
+                           else default_window_frames(ckpt))
+    if args.frames_from == "random":
+        sequences = random_sequences(3 if args.frames is None else args.frames, args.seed)
+    elif args.frames_from == "bridge":
+        sequences = bridge_sequences(args.bridge_dir, args.episodes, args.frames)
+    else:
+        image_hw = (cfg.patch_grid[0] * cfg.patch_size, cfg.patch_grid[1] * cfg.patch_size)
+        sequences = sim_sequences(args.task, args.seeds, args.seed, args.every, args.frames, image_hw, args.camera)
+    rows = report(cfg, load_checkpoint(ckpt, cfg), args.dtypes, decode_tokens=args.decode_tokens,
+                  sequences=sequences, window_frames=window)
+    steps = chunk_decode_steps(cfg, args.decode_tokens)
+    print(f"checkpoint {ckpt}: frames from {args.frames_from}, {sum(len(s.frames) for s in sequences)} frames in "
+          f"{len(sequences)} sequence(s), KV window {window} frames ({window_from}), {steps} decode steps, "
+          f"action_horizon {cfg.action_horizon}; reference forward (float64) on dequantised weights; cosines are "
+          "the minimum over frames, agreement is over all chunks and all H x dims bins")
+    for s in sequences:
+        print(f"  {s.name}: {len(s.frames)} frames, instruction {s.instruction!r}")
+    print_report(rows, cfg.action_names)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+        doc = {"checkpoint": str(ckpt), "frames_from": args.frames_from, "window_frames": window,
+               "window_from": window_from, "decode_tokens": args.decode_tokens, "decode_steps": steps,
+               "action_horizon": int(cfg.action_horizon), "action_names": list(cfg.action_names),
+               "sequences": [s.describe() for s in sequences], "dtypes": rows}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
