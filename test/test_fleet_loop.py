@@ -351,6 +351,10 @@ def test_warmup_measures_every_batch_size():
     figures = h.loop.warmup(3)
     sizes = [len(b) for b in h.engine.batches]
     assert sizes == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
+    # a KV cache refuses a frame id it already holds: every warm-up robot sees each id once, across the sizes
+    for name in {k for b in h.engine.batches for k in b}:
+        ids = [b[name] for b in h.engine.batches if name in b]
+        assert len(ids) == len(set(ids)), (name, ids)
     cost = h.sched.cost_model
     by_size = h.loop.stats()["scheduler"]["cost"]["by_batch_size"]
     for m in range(1, 5):

@@ -422,11 +422,13 @@ class FleetLoop:
             for name in names:
                 self.engine.add_robot(name)
                 added.append(name)
-            for m in range(1, len(names) + 1):
+            frame_id = 0  # warm-up frames count down from -1, one id per frame: a robot's KV cache keeps its
+            for m in range(1, len(names) + 1):  # frames across sizes and refuses an id it already holds
                 passes = []
-                for i in range(n):
+                for _ in range(n):
                     t0 = self._clock_ns()
-                    requests = {k: BatchRequest(self.engine.encode_frame(image), -(i + 1), False) for k in names[:m]}
+                    frame_id -= 1
+                    requests = {k: BatchRequest(self.engine.encode_frame(image), frame_id, False) for k in names[:m]}
                     results = self.engine.run_batch(requests)
                     wall_ms = (self._clock_ns() - t0) / 1e6
                     failed = {k: repr(results.get(k)) for k in requests

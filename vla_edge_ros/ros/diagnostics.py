@@ -11,6 +11,8 @@ One DiagnosticStatus per concern, so ``rqt_robot_monitor`` / ``ros2 topic echo /
                              a chunk in flight past deadline_ms WARN, past HUNG_CHUNK_MS ERROR);
 - ``vla_action: publisher``  fresh / repeat(fallback) / hold rates and counts, timer period error, missed ticks;
 - ``vla_runtime: memory``    RSS now and peak.
+The fleet edge (ros/fleet_node.py) publishes ``vla_inference: engine`` for the fleet (``fleet_status``) and, per
+robot ``<ns>``, ``vla_camera: ingest [<ns>]`` and ``vla_inference: robot [<ns>]`` (``fleet_robot_status``).
 The building of statuses is separate from the timer (pure functions of the snapshot dicts) so tests can check
 levels and keys without spinning anything.
 """
@@ -186,6 +188,91 @@ def action_status(s: dict[str, Any]) -> DiagnosticStatus:
     }
     holding = r["hold"] > 0.0 and r["fresh"] == 0.0
     return _status("vla_action: publisher", WARN if holding else OK, "holding" if holding else "ok", values)
+
+
+def robot_camera_status(ns: str, s: dict[str, Any]) -> DiagnosticStatus:
+    """A fleet robot's camera (ros/fleet_node.py): ``camera_status`` named after the robot."""
+    st = camera_status(s)
+    st.name = f"vla_camera: ingest [{ns}]"
+    return st
+
+
+def fleet_status(s: dict[str, Any]) -> DiagnosticStatus:
+    """The fleet edge as a whole (FleetNode.snapshot), under the single engine's name and level rules
+    (``inference_health``), with the batch figures: passes, sizes, refusals by reason, starvation promotions."""
+    loop = s.get("loop") or {}
+    totals = loop.get("totals") or {}
+    sched = (loop.get("scheduler") or {}).get("fleet") or {}
+    pass_ms = loop.get("pass_ms") or {}
+    fit = s.get("deadline_fit") or {}
+    deadline_ms = float(s.get("deadline_ms", math.nan))
+    robots, served = s.get("robot_namespaces", []), len(loop.get("robots") or {})
+    values = {
+        "state": s.get("state", "?"), "backend": s.get("backend", "?"), "robots": ",".join(robots),
+        "robots_served": served, "chunks_admitted": s.get("admitted", 0), "chunks_refused": s.get("refused", 0),
+        "refused_deadline": totals.get("refused_deadline", 0), "refused_capacity": totals.get("refused_capacity", 0),
+        "starvation_promotions": sched.get("starvation_promotions", 0),
+        "longest_refusal_streak": sched.get("longest_refusal_streak", 0),
+        "deadline_misses": s.get("deadline_misses", 0), "late_discarded": totals.get("late_discarded", 0),
+        "fresh_rate_hz": s.get("fresh_rate_hz", 0.0), "batches": loop.get("batches", 0),
+        "batch_sizes": " ".join(f"{k}:{n}" for k, n in (loop.get("batch_sizes") or {}).items()),
+        "pass_ms_p50": _fmt(pass_ms.get("p50", math.nan)), "pass_ms_p99": _fmt(pass_ms.get("p99", math.nan)),
+        "batch_failures": loop.get("batch_failures", 0), "cycle_overruns": loop.get("cycle_overruns", 0),
+        "engine_resets": loop.get("engine_resets", 0), "loop_errors": loop.get("loop_errors", 0),
+        "chunk_in_flight_ms": float(s.get("in_flight_ms", 0.0) or 0.0), "deadline_ms": _fmt(deadline_ms),
+        "chunk_estimate_ms": _fmt(fit["estimate_ms"] if fit.get("estimate_ms") is not None else math.nan),
+        "chunk_budget_ms": _fmt(fit.get("budget_ms", math.nan)),
+        "kv_budget_tokens": (s.get("kv") or {}).get("budget_tokens", 0), "last_error": s.get("last_error", ""),
+    }
+    age = s.get("last_error_age_s")
+    values["last_error_age_s"] = "" if age is None else float(age)
+    level, msg = inference_health(s.get("state", "?"), s.get("last_error", ""), age,
+                                  bool(s.get("last_error_sticky", True)), values["chunk_in_flight_ms"], deadline_ms,
+                                  estimate_ms=fit.get("estimate_ms"), budget_ms=fit.get("budget_ms"))
+    if level == OK:
+        msg = f"active: {served}/{len(robots)} robots served"
+    return _status("vla_inference: engine", level, msg, values)
+
+
+def fleet_robot_status(ns: str, r: dict[str, Any], state: str) -> DiagnosticStatus:
+    """One robot of the fleet edge (FleetNode.robot_snapshot). ERROR: not served while the fleet is active (its
+    KV cache could not be allocated) or a fault of its own within ERROR_HOLD_S; WARN: the fleet not active, no
+    fresh action for it within the last second (with the cause: its camera stalled or silent, its chunks
+    refused), or recovered from a fault within RECOVERED_WARN_S; else OK with its fresh rate. Only its own
+    figures decide: another robot's trouble never changes this status."""
+    loop, sch, cam = r.get("loop") or {}, r.get("scheduler") or {}, r.get("camera") or {}
+    lat, f2a = loop.get("latency_ms") or {}, r.get("frame_to_action_ms") or {}
+    values = {
+        "robot": ns, "served": r.get("served", False), "fresh_actions": r.get("fresh_actions", 0),
+        "fresh_rate_hz": r.get("fresh_rate_hz", 0.0), "fresh_action_topic": r["topics"]["fresh_action_topic"],
+        "camera_topic": r["topics"]["camera_topic"], "camera_rate_hz": cam.get("rate_hz", 0.0),
+        "camera_stalled": cam.get("stalled", False),
+        **{k: loop.get(k, 0) for k in ("frames_taken", "admitted", "deadline_misses", "late_discarded", "errors",
+                                         "bad_frames", "refused_deadline", "refused_capacity")},
+        **{k: sch.get(k, 0) for k in ("starvation_promotions", "refusal_streak", "longest_refusal_streak")},
+        "latency_ms_p50": _fmt(lat.get("p50", math.nan)), "latency_ms_p99": _fmt(lat.get("p99", math.nan)),
+        "frame_to_action_ms_p99": _fmt(f2a.get("p99", math.nan)),
+        "kv_occupancy_tokens": (r.get("kv") or {}).get("occupancy_tokens", 0),
+        "kv_budget_tokens": (r.get("kv") or {}).get("budget_tokens", 0), "last_error": r.get("last_error", ""),
+    }
+    age = r.get("last_error_age_s")
+    values["last_error_age_s"] = "" if age is None else float(age)
+    streak = int(sch.get("refusal_streak", 0) or 0)
+    if state == "active" and not r.get("served"):
+        level, msg = ERROR, f"not served: {r.get('last_error') or 'not added'}"
+    elif r.get("last_error") and (age is None or age < ERROR_HOLD_S):
+        level, msg = ERROR, r["last_error"]
+    elif state != "active":
+        level, msg = WARN, f"inference {state}"
+    elif not r.get("fresh_rate_hz"):  # nothing delivered within the last second: say why, its robot holds
+        why = ("camera stalled" if cam.get("stalled") else "no camera frames" if not cam.get("rate_hz")
+               else f"refused {streak} cycles in a row" if streak else "no chunk delivered")
+        level, msg = WARN, f"no fresh actions: {why}"
+    elif r.get("last_error") and age < RECOVERED_WARN_S:
+        level, msg = WARN, f"recovered {age:.0f} s ago; last error: {r['last_error']}"
+    else:
+        level, msg = OK, f"fresh {float(r.get('fresh_rate_hz', 0.0)):.1f} Hz"
+    return _status(f"vla_inference: robot [{ns}]", level, msg, values)
 
 
 def memory_status(extra: Optional[dict[str, Any]] = None) -> DiagnosticStatus:

@@ -4,7 +4,11 @@ Roles (``--role``):
 - ``all``   (default) vla_camera + vla_inference + vla_action in ONE process, sharing the DoubleBuffer (camera
             -> inference) and the ActionArbiter (inference -> action) as plain Python objects: no
             serialisation, no DDS hop, camera ingest / inference / the 30 Hz timer never wait on each other;
-- ``edge``  vla_camera + vla_inference; each fresh action is published on ``fresh_action_topic``;
+- ``edge``  vla_camera + vla_inference; each fresh action is published on ``fresh_action_topic``. With
+            ``robot_namespaces`` set (``-p robot_namespaces:=r1,r2,r3``) it is the fleet edge instead
+            (ros/fleet_node.py, issue 24): one vla_inference serving every robot with one batched engine, and
+            per robot ``<ns>`` a camera node ``/<ns>/vla_camera`` on ``/<ns><camera_topic>`` and fresh actions
+            on ``/<ns><fresh_action_topic>``;
 - ``robot`` vla_action only; it subscribes ``fresh_action_topic`` and keeps its own 30 Hz timer.
 
 Threads: one SingleThreadedExecutor per node, each in its own thread, and the inference loop in its own thread.
@@ -45,14 +49,10 @@ from vla_edge_ros.ros import diagnostics
 ROLES = ("all", "edge", "robot")
 
 
-def params_file_value(argv: list[str], node: str, name: str) -> Any:
-    """A parameter value from the ``--params-file`` files in ``argv`` (last one wins), else None.
-
-    Used for ``fresh_action_topic`` on the robot side, which runs no inference node: the same YAML then
-    configures both sides of a split."""
+def _params_file_entries(argv: list[str], node: str):
+    """(name, value) of ``node``'s sections ('/**', node, '/node') in each ``--params-file`` of argv, in order."""
     import yaml
 
-    value = None
     for i, a in enumerate(argv):
         if a == "--params-file" and i + 1 < len(argv):
             try:
@@ -61,10 +61,39 @@ def params_file_value(argv: list[str], node: str, name: str) -> Any:
             except OSError:
                 continue
             for key in ("/**", node, "/" + node):
-                p = (doc.get(key) or {}).get("ros__parameters", {})
-                if name in p:
-                    value = p[name]
+                yield from ((doc.get(key) or {}).get("ros__parameters", {}) or {}).items()
+
+
+def params_file_value(argv: list[str], node: str, name: str) -> Any:
+    """A parameter value from the ``--params-file`` files in ``argv`` (last one wins), else None.
+
+    Used for ``fresh_action_topic`` on the robot side, which runs no inference node: the same YAML then
+    configures both sides of a split."""
+    value = None
+    for key, v in _params_file_entries(argv, node):
+        if key == name:
+            value = v
     return value
+
+
+def given_values(argv: list[str], node: str) -> dict[str, Any]:
+    """``node``'s registry parameters given in ``argv`` before any node exists: the params files' sections, then
+    ``-p name:=value`` (which rcl applies over the files). Used to choose the fleet edge (``robot_namespaces``)
+    and to hand the ``vla_camera`` values to every robot's camera node (whose node name is namespaced, so the
+    file's ``vla_camera`` section would not reach it)."""
+    import yaml
+
+    names = {s.name for s in registry.for_node(node)}
+    values = {k: v for k, v in _params_file_entries(argv, node) if k in names}
+    for flag, arg in zip(argv, argv[1:]):
+        if flag in ("-p", "--param") and ":=" in arg:
+            key, text = arg.split(":=", 1)
+            if key in names:
+                try:
+                    values[key] = yaml.safe_load(text)  # rcl reads a -p value as YAML too
+                except yaml.YAMLError:
+                    values[key] = text
+    return values
 
 
 def _nan_to_none(obj: Any) -> Any:
@@ -91,7 +120,11 @@ class Runtime:
     """Builds the nodes of one role, spins them, collects figures. Usable in-process (tests, benches)."""
 
     def __init__(self, role: str = "all", context: Optional[Context] = None, autostart: bool = True,
-                 fresh_action_topic: Optional[str] = None, parameter_overrides: Optional[dict] = None):
+                 fresh_action_topic: Optional[str] = None, parameter_overrides: Optional[dict] = None,
+                 given: Optional[dict[str, dict]] = None):
+        """``given``: node -> parameter values from the command line (``given_values``), for what must be known
+        before the nodes exist: role edge serves a fleet when ``robot_namespaces`` is set (there or in
+        ``parameter_overrides``); the fleet's camera nodes take the ``vla_camera`` values."""
         if GIL_SWITCH_INTERVAL_S > 0:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         if role not in ROLES + ("camera",):
@@ -107,6 +140,11 @@ class Runtime:
         self.camera = self.inference = self.action = None
         kw: dict[str, Any] = {"context": context}
         overrides = parameter_overrides or {}
+        given = given or {}
+        robot_namespaces = overrides.get("robot_namespaces",
+                                         given.get(registry.INFERENCE, {}).get("robot_namespaces", ""))
+        fleet = role == "edge" and bool(str(robot_namespaces).strip())
+        self.fleet = None
 
         def node_kw(node: str) -> dict:
             from rclpy.parameter import Parameter
@@ -117,9 +155,14 @@ class Runtime:
             self.action = ActionNode(fresh_action_topic=fresh_action_topic if role == "robot" else None,
                                      **node_kw(registry.ACTION))
         arbiter = self.action.arbiter if self.action is not None else None
-        if role in ("all", "edge", "camera"):
+        if role in ("all", "edge", "camera") and not fleet:
             self.camera = CameraNode(self.buffer, arbiter=arbiter, **node_kw(registry.CAMERA))
-        if role in ("all", "edge"):
+        if fleet:  # the robots' camera subscriptions live in the fleet node (its camera nodes)
+            from vla_edge_ros.ros.fleet_node import FleetNode
+            camera_values = {**given.get(registry.CAMERA, {}),
+                             **{k: v for k, v in overrides.items() if registry.BY_NAME[k].node == registry.CAMERA}}
+            self.inference = self.fleet = FleetNode(camera_values, **node_kw(registry.INFERENCE))
+        elif role in ("all", "edge"):
             self.inference = InferenceNode(
                 self.buffer, arbiter=arbiter, publish_fresh=(role == "edge"),
                 on_action_names=self.action.set_action_names if self.action is not None else None,
@@ -128,11 +171,20 @@ class Runtime:
                 **node_kw(registry.INFERENCE))
         if self.action is not None and self.inference is not None:
             self.action.on_rate_change = self.inference.set_cycle_rate
+        declared = self.inference.params.get("robot_namespaces") if self.inference is not None else ""
+        if declared.strip() and self.fleet is None:  # given where this process could not read it ahead
+            raise ValueError(f"robot_namespaces={declared!r} is served by --role edge only (this is role {role}), "
+                             "given with -p or in a params file's vla_inference or /** section (read before the "
+                             "nodes are built)")
         self.nodes = [n for n in (self.camera, self.inference, self.action) if n is not None]
+        if self.fleet is not None:
+            self.nodes += list(self.fleet.cameras.values())
         sources = []
         if self.camera is not None:
             sources.append(lambda: diagnostics.camera_status(self.camera.snapshot()))
-        if self.inference is not None:
+        if self.fleet is not None:
+            sources += self._fleet_sources(self.fleet)
+        elif self.inference is not None:
             sources.append(lambda: diagnostics.inference_status(self.inference.snapshot()))
         if self.action is not None:
             sources.append(lambda: diagnostics.action_status(self.action.snapshot()))
@@ -147,6 +199,16 @@ class Runtime:
         self.active_since: Optional[float] = None
         self.gc_monitor = GcPauseMonitor().install()
         self.gc_freeze: Optional[dict] = None  # freeze_long_lived()'s figures once done
+
+    @staticmethod
+    def _fleet_sources(fleet) -> list:
+        """The fleet engine's status, then per robot its camera's and its own (one status each)."""
+        sources = [lambda: diagnostics.fleet_status(fleet.snapshot())]
+        for ns, cam in fleet.cameras.items():
+            sources.append(lambda ns=ns, cam=cam: diagnostics.robot_camera_status(ns, cam.snapshot()))
+            sources.append(lambda ns=ns: diagnostics.fleet_robot_status(ns, fleet.robot_snapshot(ns),
+                                                                        fleet.current_state_label()))
+        return sources
 
     # ---- lifecycle of the process ---------------------------------------------------------------------
     def start(self) -> None:
@@ -228,6 +290,13 @@ class Runtime:
             out["kv"] = {"policy": kv["policy"], "budget_tokens": kv["budget_tokens"],
                          "max_occupancy_tokens": kv["max_occupancy_tokens"]}
             out["inference"] = i
+            if "robots" in i:  # the fleet edge: per robot figures at the top, as a single edge's are
+                out["robots"] = {ns: {"fresh_actions": r["fresh_actions"], "admitted": r["loop"].get("admitted", 0),
+                                      "refused_deadline": r["loop"].get("refused_deadline", 0),
+                                      "refused_capacity": r["loop"].get("refused_capacity", 0),
+                                      "deadline_misses": r["loop"].get("deadline_misses", 0),
+                                      "frames_received": r["camera"].get("received", 0)}
+                                 for ns, r in i["robots"].items()}
         if self.camera is not None:
             c = self.camera.snapshot()
             out["frames"] = {"received": c["received"], "dropped": c["dropped"], "rejected": c["rejected"],
@@ -259,7 +328,8 @@ def run(role: str, argv: list[str], autostart: bool = True, stats_out: Optional[
         fresh_action_topic = (params_file_value(argv, registry.INFERENCE, "fresh_action_topic")
                               or registry.BY_NAME["fresh_action_topic"].default)
     try:
-        rt = Runtime(role, autostart=autostart, fresh_action_topic=fresh_action_topic)
+        rt = Runtime(role, autostart=autostart, fresh_action_topic=fresh_action_topic,
+                     given={node: given_values(argv, node) for node in (registry.CAMERA, registry.INFERENCE)})
     except Exception as exc:
         print(f"vla_runtime: cannot start: {exc}", file=sys.stderr)
         rclpy.try_shutdown()

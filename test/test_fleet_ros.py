@@ -1,0 +1,237 @@
+"""One edge serving a fleet over DDS (issue 24): an edge process with robot_namespaces r1,r2,r3 (numpy backend, the
+tiny default model), three unchanged robot processes (--role robot, namespaced topics), three test cameras, and a
+monitor node in this process recording every robot's action stream and /diagnostics.
+
+r2's camera process is stopped (its stream stalls): r1 and r3 keep fresh actions flowing, r2's robot holds every
+tick. Then r3's robot process is killed and restarted: r1 keeps fresh actions through it and r3 resumes. Every
+robot's tick numbers stay contiguous (per robot process). Timing figures are bounded loosely (one 2-core host runs
+all of it, see test_split.py), the functional ones strictly. Also: the fleet-only refusals (backend cuda, role all)
+and the pure helpers (namespace parsing, the command-line values, per-robot diagnostics levels).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ros_env import read_json, rclpy_context, runs, runtime_cmd, wait_for
+
+pytest.importorskip("rclpy")
+
+ROBOTS = ("r1", "r2", "r3")
+# 100 ms deadline: a batch of three chunks of the tiny model takes 25-100 ms on these 2 shared cores (33 ms is a
+# GPU's budget); 128 KV tokens (the prefix and 3 frames) keep each pass short.
+EDGE_PARAMS = ("-p", "robot_namespaces:=r1,r2,r3", "-p", "kv_budget_tokens:=128", "-p", "deadline_ms:=100.0")
+
+
+def robot_cmd(ns: str, stats) -> list[str]:
+    """The robot side exactly as docs/OPERATIONS.md "One edge, many robots" runs it."""
+    return runtime_cmd("-r", f"__ns:=/{ns}", "-p", f"action_topic:=/{ns}/vla/action",
+                       "-p", f"action_status_topic:=/{ns}/vla/action_status",
+                       "-p", f"action_trajectory_topic:=/{ns}/vla/action_trajectory",
+                       role="robot", stats_out=stats, backend=None,
+                       cli=["--fresh-action-topic", f"/{ns}/vla/action_fresh"])
+
+
+class FleetMonitor:
+    """Every robot's action kinds and tick numbers (receive time, monotonic) and the latest per-robot statuses
+    of /diagnostics, recorded by one node of this process."""
+
+    def __init__(self, ctx) -> None:
+        import rclpy
+        from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+        from rclpy.executors import SingleThreadedExecutor
+        from sensor_msgs.msg import JointState
+
+        from vla_edge_ros.ros import conversions, qos
+
+        self.node = rclpy.create_node("fleet_test_monitor", context=ctx)
+        self.actions: dict[str, list] = {ns: [] for ns in ROBOTS}  # (t, kind)
+        self.ticks: dict[str, list] = {ns: [] for ns in ROBOTS}  # (t, tick, kind)
+        self.diag: dict[str, tuple] = {}  # status name -> (t, level, message)
+        for ns in ROBOTS:
+            self.node.create_subscription(JointState, f"/{ns}/vla/action",
+                                          lambda m, ns=ns: self.actions[ns].append((time.monotonic(),
+                                                                                    m.header.frame_id)),
+                                          qos.reliable_qos(100))
+            self.node.create_subscription(DiagnosticStatus, f"/{ns}/vla/action_status",
+                                          lambda m, ns=ns: self._on_status(ns, conversions.status_to_dict(m)),
+                                          qos.reliable_qos(100))
+        self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, qos.reliable_qos(20))
+        self.executor = SingleThreadedExecutor(context=ctx)
+        self.executor.add_node(self.node)
+        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self.thread.start()
+
+    def _on_status(self, ns: str, v: dict) -> None:
+        self.ticks[ns].append((time.monotonic(), int(v.get("tick", -1)), v.get("kind")))
+
+    def _on_diagnostics(self, msg) -> None:
+        for st in msg.status:
+            if "[" in st.name:  # the fleet's per-robot statuses
+                level = st.level if isinstance(st.level, int) else int.from_bytes(st.level, "little")
+                self.diag[st.name] = (time.monotonic(), level, st.message)
+
+    def fresh(self, ns: str, t0: float, t1: float = float("inf")) -> int:
+        return sum(1 for t, kind in list(self.actions[ns]) if t0 < t < t1 and kind == "fresh")
+
+    def kinds(self, ns: str, t0: float, t1: float = float("inf")) -> list[str]:
+        return [kind for t, kind in list(self.actions[ns]) if t0 < t < t1]
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=2.0)
+        self.node.destroy_node()
+
+
+def tick_segments(ticks: list[tuple]) -> list[list[int]]:
+    """The tick numbers split where they restart (a new robot process counts from 1 again)."""
+    segments: list[list[int]] = []
+    for _, tick, _ in ticks:
+        if not segments or tick <= segments[-1][-1]:
+            segments.append([])
+        segments[-1].append(tick)
+    return segments
+
+
+def test_fleet_edge_serves_three_robots_through_a_stall_and_a_robot_restart(tmp_path, ros_processes):
+    procs = ros_processes
+    edge_stats = tmp_path / "edge.json"
+    stats = {ns: tmp_path / f"robot_{ns}.json" for ns in ROBOTS}
+    with rclpy_context(procs.domain_id, procs.home) as ctx:
+        mon = FleetMonitor(ctx)
+        try:
+            robots = {ns: procs.start_cmd(robot_cmd(ns, stats[ns]), name=f"robot_{ns}") for ns in ROBOTS}
+            cameras = {ns: procs.camera("-r", f"__ns:=/{ns}", "-p", f"topic:=/{ns}/camera/image_raw",
+                                        "-p", "width:=160", "-p", "height:=120", "-p", "rate_hz:=15.0",
+                                        name=f"camera_{ns}") for ns in ROBOTS}
+            # the edge at the lowest priority: its start-up must not take the robots' CPU (test_split.py)
+            edge = procs.start_cmd(["nice", "-n", "19"] + runtime_cmd(*EDGE_PARAMS, role="edge",
+                                                                      stats_out=edge_stats), name="edge")
+            assert wait_for(lambda: all(mon.fresh(ns, 0.0) > 20 for ns in ROBOTS) or not edge.alive(), 120.0), \
+                ({ns: mon.fresh(ns, 0.0) for ns in ROBOTS}, edge.output()[-3000:])
+            assert edge.alive(), edge.output()[-3000:]
+
+            # 1. r2's camera stalls (its process stopped)
+            assert procs.stop(cameras["r2"]) == {"camera_r2": 0}
+            t_stall = time.monotonic()
+            time.sleep(3.5)
+            diag_in_stall = dict(mon.diag)
+
+            # 2. r3's robot process is killed (no goodbye) and restarted
+            t_kill = time.monotonic()
+            robots["r3"].kill()
+            time.sleep(2.0)
+            t_restart = time.monotonic()
+            r3b = procs.start_cmd(robot_cmd("r3", tmp_path / "robot_r3b.json"), name="robot_r3b")
+            assert wait_for(lambda: mon.fresh("r3", t_restart) > 20, 60.0), (r3b.output()[-2000:],
+                                                                             edge.output()[-2000:])
+            time.sleep(0.5)
+            t_end = time.monotonic()
+            assert all(p.alive() for p in (edge, robots["r1"], robots["r2"], r3b, cameras["r1"], cameras["r3"]))
+            codes = procs.stop(edge, cameras["r1"], cameras["r3"], robots["r1"], robots["r2"], r3b)
+            assert set(codes.values()) == {0}, (codes, edge.output()[-3000:])
+        finally:
+            mon.close()
+
+    # every tick of every robot process reached the monitor, in order (r3: two processes)
+    segments = {ns: tick_segments(mon.ticks[ns]) for ns in ROBOTS}
+    for ns in ROBOTS:
+        assert len(segments[ns]) == (2 if ns == "r3" else 1), (ns, [(s[0], s[-1]) for s in segments[ns]])
+        for seg in segments[ns]:
+            assert seg == list(range(seg[0], seg[0] + len(seg))), (ns, seg)
+    for ns, path in (("r1", stats["r1"]), ("r2", stats["r2"]), ("r3", tmp_path / "robot_r3b.json")):
+        a = read_json(path)["action"]
+        n_ticks = sum(a["ticks"].values())
+        # the robots' timer punctuality is a timing figure of this shared host: bounded by a fraction (as in
+        # test_split.py), never zero-tolerance
+        assert a["missed_ticks"] <= max(3, 0.05 * n_ticks), (ns, a["missed_ticks"], n_ticks)
+        assert a["publish_errors"] == 0 and a["fresh_msgs_rejected"] == 0, (ns, a)
+
+    # r2: fresh before its camera stalled; after it (stale_after_ms 200 + a chunk in flight, 1 s of slack) it
+    # holds on every tick, and gets no other robot's actions
+    assert mon.fresh("r2", 0.0, t_stall) > 20
+    held = mon.kinds("r2", t_stall + 1.0, t_end)
+    assert len(held) >= 0.5 * 30 * (t_end - t_stall - 1.0), len(held)
+    assert set(held) == {"hold"}, runs(held)
+    # r1 keeps fresh actions flowing through r2's stall, r3's outage and r3's return; r3 through r2's stall
+    for t0, t1 in ((t_stall, t_kill), (t_kill, t_restart), (t_restart, t_end)):
+        assert mon.fresh("r1", t0, t1) >= 5, (t0 - t_stall, t1 - t_stall, runs(mon.kinds("r1", t0, t1)))
+    assert mon.fresh("r3", t_stall, t_kill) >= 5, runs(mon.kinds("r3", t_stall, t_kill))
+    assert mon.fresh("r3", t_restart) > 20
+
+    # /diagnostics: one status per robot and its camera; r2's says why it holds
+    for ns in ROBOTS:
+        assert f"vla_inference: robot [{ns}]" in diag_in_stall and f"vla_camera: ingest [{ns}]" in diag_in_stall
+    _, level, message = diag_in_stall["vla_inference: robot [r2]"]
+    assert level == 1 and "camera" in message, (level, message)
+
+    # the edge's figures: every robot served by one engine, chunks of several robots in one pass
+    s = read_json(edge_stats)
+    loop = s["inference"]["loop"]
+    assert sorted(loop["robots"]) == list(ROBOTS) and loop["robot_add_failures"] == 0
+    assert any(int(size) >= 2 for size in loop["batch_sizes"]), loop["batch_sizes"]
+    for ns in ROBOTS:
+        assert s["robots"][ns]["admitted"] > 0 and s["robots"][ns]["fresh_actions"] > 20, s["robots"][ns]
+    assert loop["totals"]["errors"] == 0 and loop["batch_failures"] == 0, (loop["totals"], loop["last_error"])
+    print(f"fleet test: batch sizes {loop['batch_sizes']}, pass ms {loop['pass_ms']}, per robot "
+          f"{ {ns: s['robots'][ns] for ns in ROBOTS} }")
+
+
+@pytest.mark.parametrize("role,backend,expect", [
+    ("edge", "cuda", "issue 24"),  # the batched CUDA pass is not written: refused by name
+    ("all", "numpy", "served by --role edge only"),  # role all serves one robot: a fleet list there is a mistake
+])
+def test_fleet_settings_refused_at_start(ros_processes, role, backend, expect):
+    proc = ros_processes.start_cmd(runtime_cmd("-p", "robot_namespaces:=r1,r2", role=role, backend=backend),
+                                   name="runtime")
+    assert wait_for(lambda: not proc.alive(), 60.0), proc.output()
+    assert proc.stop() == 2 and expect in proc.output(), proc.output()
+
+
+def test_robot_namespaces_parsing():
+    from vla_edge_ros.ros.fleet_node import parse_robot_namespaces, robot_topic
+
+    assert parse_robot_namespaces("") == () and parse_robot_namespaces("  ") == ()
+    assert parse_robot_namespaces(" r1, /r2 ,fleet/r_3/") == ("r1", "r2", "fleet/r_3")
+    for bad, why in (("r1,,r2", "not a robot namespace"), ("r1,1r", "not a robot namespace"),
+                     ("r1,r1", "listed twice"), ("a b", "not a robot namespace"), ("__warmup0", "not a robot"),
+                     (["r1", "r2"], "one comma-separated string")):
+        with pytest.raises(ValueError, match=why):
+            parse_robot_namespaces(bad)
+    assert robot_topic("r1", "/vla/action_fresh") == "/r1/vla/action_fresh"
+    assert robot_topic("fleet/r2", "camera/image_raw") == "/fleet/r2/camera/image_raw"
+
+
+def test_given_values_files_then_dash_p(tmp_path):
+    from vla_edge_ros import params as P
+    from vla_edge_ros.ros.runtime import given_values
+
+    f = tmp_path / "p.yaml"
+    f.write_text("vla_camera:\n  ros__parameters:\n    camera_topic: /cam\n    camera_deadline_ms: 50.0\n"
+                 "vla_inference:\n  ros__parameters:\n    robot_namespaces: a,b\n")
+    argv = ["x", "--ros-args", "--params-file", str(f), "-p", "camera_deadline_ms:=70.0", "-p", "backend:=numpy"]
+    assert given_values(argv, P.CAMERA) == {"camera_topic": "/cam", "camera_deadline_ms": 70.0}
+    assert given_values(argv, P.INFERENCE) == {"robot_namespaces": "a,b", "backend": "numpy"}
+    assert given_values(["x", "--ros-args", "-p", "robot_namespaces:=r1,r2"], P.INFERENCE) == \
+        {"robot_namespaces": "r1,r2"}
+
+
+def test_robot_status_depends_on_its_own_figures_only():
+    from vla_edge_ros.ros import diagnostics as D
+
+    def robot(fresh_hz=12.0, stalled=False, cam_hz=15.0, error="", age=None, served=True):
+        return {"served": served, "topics": {"fresh_action_topic": "/x/f", "camera_topic": "/x/c"},
+                "fresh_rate_hz": fresh_hz, "fresh_actions": 10, "frame_to_action_ms": {}, "kv": {},
+                "loop": {"admitted": 3}, "scheduler": {"refusal_streak": 0},
+                "camera": {"stalled": stalled, "rate_hz": cam_hz, "received": 5},
+                "last_error": error, "last_error_age_s": age}
+
+    assert D.fleet_robot_status("r1", robot(), "active").level == D.OK
+    st = D.fleet_robot_status("r2", robot(fresh_hz=0.0, stalled=True, cam_hz=0.0), "active")
+    assert (st.level, st.message, st.name) == (D.WARN, "no fresh actions: camera stalled", "vla_inference: robot [r2]")
+    st = D.fleet_robot_status("r3", robot(error="chunk_error: boom", age=1.0), "active")
+    assert st.level == D.ERROR and "boom" in st.message
+    assert D.fleet_robot_status("r3", robot(error="chunk_error: boom", age=20.0), "active").level == D.WARN
+    assert D.fleet_robot_status("r4", robot(served=False), "active").level == D.ERROR
+    assert D.fleet_robot_status("r1", robot(), "inactive").level == D.WARN
