@@ -282,14 +282,32 @@ def test_configure_runs_an_h4_checkpoint_and_the_loop_counts_its_decode_steps(sy
         node.destroy_node()
 
 
-@pytest.mark.parametrize("vla, reason", [({"chunk_decode": "parallel"}, "vla.chunk_decode='parallel'"),
-                                         ({"action_horizon": 4, "chunk_decode": "parallel"},
-                                          "vla.chunk_decode='parallel'")])
-def test_configure_refuses_a_checkpoint_whose_chunks_the_backend_cannot_decode(system, tmp_path, vla, reason):
+def test_configure_runs_a_parallel_checkpoint_with_forcing_on(system, tmp_path):
+    """Issue 22: numpy decodes vla.chunk_decode parallel (one pass: the cost model counts 1 decode step);
+    force_committed_steps reaches the inference loop."""
     from vla_edge_ros.core.double_buffer import DoubleBuffer
     from vla_edge_ros.ros.inference_node import InferenceNode
 
-    ckpt = checkpoint_with(tmp_path, vla)
+    action, _ = system
+    ckpt = checkpoint_with(tmp_path, {"action_horizon": 4, "chunk_decode": "parallel"})
+    node = InferenceNode(DoubleBuffer(), arbiter=action.arbiter, context=action.context, parameter_overrides=[
+        Parameter("checkpoint", value=str(ckpt)), Parameter("backend", value="numpy"),
+        Parameter("warmup_chunks", value=2), Parameter("force_committed_steps", value=True)])
+    try:
+        assert node.safe_transition("configure"), node.last_error
+        assert (node.engine.decode_steps, node.engine.scratch_slots, node.loop.decode_tokens) == (1, 28, 1)
+        assert node.action_horizon == 4 and node.loop.committed.active
+    finally:
+        if node.engine is not None:
+            node.safe_transition("cleanup")  # closes the engine
+        node.destroy_node()
+
+
+def test_configure_refuses_a_checkpoint_whose_chunks_cannot_be_decoded(system, tmp_path):
+    from vla_edge_ros.core.double_buffer import DoubleBuffer
+    from vla_edge_ros.ros.inference_node import InferenceNode
+
+    ckpt = checkpoint_with(tmp_path, {"action_horizon": 4, "chunk_decode": "parallel", "action_start": "prefill"})
     action, _ = system
     node = InferenceNode(DoubleBuffer(), arbiter=action.arbiter, context=action.context, parameter_overrides=[
         Parameter("checkpoint", value=str(ckpt)), Parameter("backend", value="numpy"),
@@ -297,7 +315,7 @@ def test_configure_refuses_a_checkpoint_whose_chunks_the_backend_cannot_decode(s
     try:
         assert not node.safe_transition("configure")
         assert node.current_state_label() == "unconfigured" and node.engine is None
-        assert "checkpoint refused" in node.last_error and reason in node.last_error and "numpy" in node.last_error
+        assert "vla.chunk_decode='parallel' with vla.action_start='prefill'" in node.last_error, node.last_error
         assert action.arbiter.horizon == 1  # the executor was not switched to the refused horizon
     finally:
         node.destroy_node()

@@ -84,9 +84,8 @@ PARAMS: tuple[ParamSpec, ...] = (
               "(middleware event) marks the camera stalled", CAMERA, min=1.0, max=60000.0),
     ParamSpec("max_image_bytes", int, 33554432, "images larger than this are rejected (counted) before decoding",
               CAMERA, min=1, max=1 << 31),
-    ParamSpec("frozen_frame_limit", int, 30, "this many consecutive identical frames (re-sends of the same header "
-              "stamp not counted) flag a frozen camera, once the picture has also stood still longer than 3x the "
-              "source's usual picture duration, so a bag re-timed to 60 Hz is not frozen (0 disables the check)", CAMERA, min=0, max=1000000, live=True, applies="next frame"),
+    ParamSpec("frozen_frame_limit", int, 30, "consecutive identical frames that flag a frozen camera, once the "
+              "picture also stood still 3x its usual duration (docs/OPERATIONS.md; 0 = off)", CAMERA, min=0, max=1000000, live=True, applies="next frame"),
     ParamSpec("hold_on_frozen", bool, False, "treat a frozen camera as stale (the action publisher holds)",
               CAMERA, live=True, applies="next frame"),
     # ---- inference ----------------------------------------------------------------------------------------
@@ -118,20 +117,28 @@ PARAMS: tuple[ParamSpec, ...] = (
               applies="next chunk"),
     ParamSpec("warmup_chunks", int, 3, "chunks run at configure time to seed the cost EMAs", INFERENCE,
               min=0, max=1000),
-    ParamSpec("inference_thread_nice", int, 5, "OS nice increment of the inference thread (Linux, per thread): on "
-              "a small CPU the camera callback and the 30 Hz action timer win the cores over a chunk (0 = off)",
+    ParamSpec("inference_thread_nice", int, 5, "nice increment of the inference thread (Linux): the camera and "
+              "action callbacks win a small CPU over a chunk (0 = off)",
               INFERENCE, min=0, max=19),
     ParamSpec("max_vram_gb", float, 8.0, "refuse to start when model + KV budget + scratch exceed this",
               INFERENCE, min=0.01, max=1024.0),
     ParamSpec("weight_dtype", str, "bf16", "linear-layer weights; cuda: bf16 only",
               INFERENCE, choices=WEIGHT_DTYPES),
-    ParamSpec("saliency_threshold", float, 0.2, "a frame whose pooled embedding has cosine distance above this "
-              "from the previous frame is tagged salient (scene change)", INFERENCE, min=0.0, max=2.0, live=True,
+    ParamSpec("saliency_threshold", float, 0.2, "cosine distance of a frame's pooled embedding from the previous "
+              "one above which it is salient (scene change)", INFERENCE, min=0.0, max=2.0, live=True,
               applies="next frame"),
     ParamSpec("fresh_action_topic", str, "/vla/action_fresh", "fresh actions (chunks) from inference to the "
               "action publisher, across processes in the robot/edge split", INFERENCE),
     ParamSpec("execution_horizon_steps", int, 0, "steps of an action chunk played before the next starts; "
               "0 = H/2", INFERENCE, min=0, max=4096, live=True, applies="next cycle"),
+    ParamSpec("force_committed_steps", bool, False, "with chunk_merge blend: force-decode the committed steps (RTC)",
+              INFERENCE),
+    # ---- one edge serving a fleet (issue 24, ros/fleet_node.py; docs/OPERATIONS.md "One edge, many robots") --
+    ParamSpec("robot_namespaces", str, "", "--role edge: robots served, comma-separated (r1,r2)",
+              INFERENCE),
+    ParamSpec("fleet_max_batch", int, 8, "robots per batched pass, at most", INFERENCE, min=1, max=64),
+    ParamSpec("fleet_starvation_limit", int, 3, "capacity refusals before a robot goes first (0 off)",
+              INFERENCE, min=0, max=1000),
     # ---- action publisher -------------------------------------------------------------------------------
     ParamSpec("action_rate_hz", float, 30.0, "rate of the action publisher timer", ACTION, min=1.0, max=1000.0,
               live=True, applies="next tick (timer re-created)"),

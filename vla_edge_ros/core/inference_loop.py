@@ -16,7 +16,9 @@ they overlap, must be in before the executing one (on schedule) runs out. Per cy
 4. admitted: encode the frame, tag it salient when its pooled embedding's cosine distance from the previous
    frame exceeds ``saliency_threshold``, ``engine.run_chunk``, record the real duration (encode counts as
    prefill: everything that is not decode) and whether it missed the deadline, then ``on_action(result, frame)``
-   with ``result.frame_stamp_ns`` set to the frame's stamp (the executor times the chunk's steps by it);
+   with ``result.frame_stamp_ns`` set to the frame's stamp (the executor times the chunk's steps by it). With
+   ``force_committed_steps`` and H > 1 the chunk is decoded with the steps the executing chunk commits before it
+   arrives forced as its first steps (core/committed_prefix.py; counted in ``stats()["committed_prefix"]``);
 5. the thread sleeps to the next cycle boundary, then takes the freshest frame (older unread frames are counted
    as overwritten by the buffer); when none arrived and the previous frame was refused for lack of time, that
    frame is retried once, now with a whole cycle ahead of it.
@@ -40,6 +42,7 @@ import numpy as np
 from vla_edge_ros import params
 from vla_edge_ros.core.admission import AdmissionController, CycleClock
 from vla_edge_ros.core.chunk_schedule import ChunkSchedule
+from vla_edge_ros.core.committed_prefix import CommittedPrefix
 from vla_edge_ros.core.double_buffer import DoubleBuffer
 from vla_edge_ros.core.loop_settings import ADMISSION_KEYS, KV_KEYS, LIVE_KEYS, check_live_values, check_loop_values
 from vla_edge_ros.core.metrics import LatencyStats
@@ -48,6 +51,9 @@ from vla_edge_ros.core.metrics import LatencyStats
 ADMITTED, REFUSED, ERROR, LATE = "admitted", "refused", "error", "late_discarded"
 
 __all__ = ["ADMITTED", "REFUSED", "ERROR", "LATE", "LIVE_KEYS", "InferenceLoop", "cosine_distance"]
+COUNTERS = ("frames_taken", "admitted", "refused", "probes", "completed", "errors", "deadline_misses", "late_discarded",
+            "engine_resets", "salient_frames", "dropped_while_paused", "retried", "cycles_not_due", "callback_errors",
+            "kv_changes_applied")  # InferenceLoop's counters, in stats() under these names
 
 
 def cosine_distance(a: np.ndarray, b: np.ndarray) -> float:
@@ -66,11 +72,12 @@ class InferenceLoop:
                  decode_tokens: int = 8, saliency_threshold: float = 0.2, late_discard_ms: Optional[float] = None,
                  wait_timeout_s: float = 0.1, time_ns: Callable[[], int] = time.monotonic_ns,
                  thread_name: str = "vla_inference_loop", thread_nice: int = 0, action_horizon: int = 1,
-                 execution_horizon_steps: int = 0) -> None:
+                 execution_horizon_steps: int = 0, force_committed_steps: bool = False) -> None:
         """``late_discard_ms``: a chunk finishing more than this past its deadline has its action discarded
         (default: one period). ``time_ns``: monotonic clock (injectable for tests). ``thread_nice``: nice
         increment applied to the loop's own thread (see :meth:`_lower_thread_priority`). ``action_horizon``,
-        ``execution_horizon_steps``: the chunk schedule (core/chunk_schedule.py)."""
+        ``execution_horizon_steps``: the chunk schedule (core/chunk_schedule.py). ``force_committed_steps``:
+        force-decode the committed prefix (core/committed_prefix.py)."""
         if decode_tokens < 1:
             raise ValueError(f"decode_tokens must be >= 1, got {decode_tokens}")
         if not 0 <= int(thread_nice) <= 19:
@@ -87,10 +94,12 @@ class InferenceLoop:
         self.wait_timeout_s = float(wait_timeout_s)
         self.thread_name = thread_name
         check_loop_values({"period_ms": period_ms, "saliency_threshold": saliency_threshold,
+                           "force_committed_steps": force_committed_steps,
                            **({} if late_discard_ms is None else {"late_discard_ms": late_discard_ms})})
         self.clock = CycleClock(period_ms, start_ns=time_ns())
         self.schedule = ChunkSchedule(action_horizon, execution_horizon_steps)
         self._executing_start_ns: Optional[int] = None  # cycle start of the last chunk delivered (executing)
+        self.committed = CommittedPrefix(force_committed_steps, action_horizon)  # that chunk's bins, the counts
         self.saliency_threshold = float(saliency_threshold)
         self.late_discard_ms = None if late_discard_ms is None else float(late_discard_ms)
 
@@ -105,21 +114,12 @@ class InferenceLoop:
         self._in_flight_since: Optional[int] = None
         self._resume_written = 0
 
-        self.frames_taken = 0
-        self.admitted = 0
-        self.refused = 0
-        self.probes = 0
-        self.completed = 0
-        self.errors = 0
-        self.deadline_misses = 0
-        self.late_discarded = 0
-        self.engine_resets = 0
-        self.salient_frames = 0
-        self.dropped_while_paused = 0
+        # the counters (COUNTERS: reported by stats() under their names)
+        self.frames_taken = self.admitted = self.refused = self.probes = self.completed = self.errors = 0
+        self.deadline_misses = self.late_discarded = self.engine_resets = self.salient_frames = 0
+        self.dropped_while_paused = self.callback_errors = self.kv_changes_applied = 0
         self.retried = 0  # refused-for-time frames retried at the next cycle's start
         self.cycles_not_due = 0  # cycles skipped: the executing chunk had not played its execution horizon
-        self.callback_errors = 0
-        self.kv_changes_applied = 0
         self.kv_last_evicted: list = []
         self.last_error = ""
         self.last_outcome = ""
@@ -195,7 +195,9 @@ class InferenceLoop:
         for i in range(n):
             t0 = self._time_ns()
             tokens = self.engine.encode_frame(image)
-            result = self.engine.run_chunk(tokens, -(i + 1), False)
+            # forcing on: warm-up forces a step too, so a backend refusing it (cuda) fails configure, by name
+            kw = {"forced_bins": np.asarray(result.chunk_bins)[:1]} if i and self.committed.active else {}
+            result = self.engine.run_chunk(tokens, -(i + 1), False, **kw)
             total_ms = (self._time_ns() - t0) / 1e6
             decode_ms = min(max(float(result.decode_ms), 0.0), total_ms)
             prefill.append(total_ms - decode_ms)
@@ -258,11 +260,15 @@ class InferenceLoop:
         self.admitted += 1
         self.probes += decision.probe
         frame_id = getattr(frame, "frame_id", None)
+        stamp_ns = int(getattr(frame, "stamp_ns", 0) or 0)
+        forced = self.committed.forced_bins(stamp_ns, decision.estimate_ms, self.admission.safety_margin_ms,
+                                            self._step_ns())
         self._in_flight_since = now
         try:
             tokens = self.engine.encode_frame(frame.image)
             salient = self._salient(tokens)
-            result = self.engine.run_chunk(tokens, frame_id, salient)
+            kw = {} if forced is None else {"forced_bins": forced}  # only when forcing: any engine runs without
+            result = self.engine.run_chunk(tokens, frame_id, salient, **kw)
         except Exception as exc:
             end = self._time_ns()
             self._in_flight_since = None
@@ -277,6 +283,7 @@ class InferenceLoop:
         self.chunk_ms.add(total_ms)
         self.completed += 1
         self.salient_frames += salient
+        self.committed.ran(forced)
         try:
             result.salient = salient
         except AttributeError:
@@ -294,7 +301,7 @@ class InferenceLoop:
             return LATE
         self._executing_start_ns = cycle_start
         try:
-            result.frame_stamp_ns = int(getattr(frame, "stamp_ns", 0) or 0)
+            result.frame_stamp_ns = stamp_ns
         except AttributeError:
             pass
         try:
@@ -302,6 +309,7 @@ class InferenceLoop:
         except Exception as exc:
             self.callback_errors += 1
             self._emit("action_callback_error", {"frame_id": frame_id, "error": repr(exc)})
+        self.committed.delivered(result, stamp_ns)
         self.last_outcome = ADMITTED
         return ADMITTED
 
@@ -427,6 +435,7 @@ class InferenceLoop:
         self.clock.set_period_ms(self.clock.period_ms, start_ns=self._time_ns())
         self._served_cycle = None
         self._executing_start_ns = None
+        self.committed.forget()
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
@@ -457,6 +466,7 @@ class InferenceLoop:
         chunk after resuming uses a frame received after it."""
         self._resume_written = self.buffer.written
         self._executing_start_ns = None  # the action side held while paused: nothing is executing
+        self.committed.forget()
         self._resumed.set()
         self._emit("resumed", {})
 
@@ -470,22 +480,9 @@ class InferenceLoop:
             "running": self.running,
             "paused": self.paused,
             "thread_nice": self.thread_nice_applied,
-            "frames_taken": self.frames_taken,
-            "admitted": self.admitted,
-            "refused": self.refused,
-            "probes": self.probes,
-            "completed": self.completed,
-            "errors": self.errors,
-            "deadline_misses": self.deadline_misses,
-            "late_discarded": self.late_discarded,
-            "engine_resets": self.engine_resets,
-            "salient_frames": self.salient_frames,
-            "dropped_while_paused": self.dropped_while_paused,
-            "retried": self.retried,
-            "cycles_not_due": self.cycles_not_due,
+            **{name: getattr(self, name) for name in COUNTERS},
             "chunk_schedule": self.schedule.stats(),
-            "callback_errors": self.callback_errors,
-            "kv_changes_applied": self.kv_changes_applied,
+            "committed_prefix": self.committed.stats(),
             "last_error": self.last_error,
             "in_flight_ms": self.in_flight_ms(),
             "chunk_ms": self.chunk_ms.summary(),

@@ -39,6 +39,8 @@ def check_loop_values(values: Mapping[str, Any], horizon: int = 1) -> None:
             r = horizon_problem(horizon, v)
             if r:
                 reasons.append(r)
+        elif k == "force_committed_steps" and not isinstance(v, bool):  # read-only: the constructor's
+            reasons.append(f"force_committed_steps must be true or false, got {v!r}")
     if reasons:
         raise ValueError("; ".join(reasons))
 

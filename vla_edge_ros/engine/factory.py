@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 from vla_edge_ros import params as P
 from vla_edge_ros.engine.config import ModelConfig
 from vla_edge_ros.engine.geometry import (check_decode_tokens, check_positions, check_tokens_per_frame,
-                                          chunk_decode_steps, describe_decode_steps, prefix_token_ids)
+                                          chunk_scratch_slots, describe_decode_steps, prefix_token_ids)
 from vla_edge_ros.engine.interface import Engine, EngineError
 
 ENGINE_PARAMS = ("checkpoint", "backend", "instruction", "tokens_per_frame", "decode_tokens", "kv_budget_tokens",
@@ -90,10 +90,11 @@ def make_engine(params: Mapping[str, Any], log: Callable[[str], None] = print) -
             log(f"engine: backend=numpy (auto: {why}), checkpoint {ckpt}")
     chosen = "cuda" if cuda_mod is not None else "numpy"
     budget = P.resolve_kv_budget(v["kv_budget_tokens"], chosen, tpf)
-    check_positions(cfg, budget, dec)  # for the chunk's effective decode steps (geometry.chunk_decode_steps)
-    if cfg.action_start != "token" or cfg.action_horizon > 1:
-        log(f"engine: vla.action_start={cfg.action_start}, vla.action_horizon={cfg.action_horizon}: 1 prefill + "
-            f"{describe_decode_steps(cfg, dec)} per chunk ({chunk_decode_steps(cfg, dec)} scratch slots)")
+    check_positions(cfg, budget, dec)  # for the chunk's decode tokens (geometry.chunk_scratch_slots)
+    if cfg.action_start != "token" or cfg.action_horizon > 1 or cfg.chunk_decode != "autoregressive":
+        log(f"engine: vla.action_start={cfg.action_start}, vla.action_horizon={cfg.action_horizon}, vla.chunk_decode="
+            f"{cfg.chunk_decode}: 1 prefill + {describe_decode_steps(cfg, dec)} per chunk "
+            f"({chunk_scratch_slots(cfg, dec)} scratch slots)")
 
     from vla_edge_ros.core.kv.manager import KVManager
     try:

@@ -165,14 +165,17 @@ class FaultInjectingEngine(Engine):
                 hit = rule
         return hit
 
-    def run_chunk(self, vision_tokens: np.ndarray, frame_id: int, salient: bool = False) -> ChunkResult:
+    def run_chunk(self, vision_tokens: np.ndarray, frame_id: int, salient: bool = False,
+                  forced_bins: Optional[np.ndarray] = None) -> ChunkResult:
+        # forced_bins goes through as given (only when given: a wrapped engine may predate the argument)
+        kw = {} if forced_bins is None else {"forced_bins": forced_bins}
         if frame_id is not None and frame_id < 0:  # warm-up chunk: never faulted
-            return self._engine.run_chunk(vision_tokens, frame_id, salient)
+            return self._engine.run_chunk(vision_tokens, frame_id, salient, **kw)
         self.live_chunks += 1
         n = self.live_chunks
         rule = self._rule_for(n)
         if rule is None:
-            return self._engine.run_chunk(vision_tokens, frame_id, salient)
+            return self._engine.run_chunk(vision_tokens, frame_id, salient, **kw)
         self.injected[rule.kind] += 1
         self.events.append((n, rule.describe()))
         self._log(f"FAULT INJECTION: {rule.describe()} in live chunk {n} (frame {frame_id})")
@@ -185,7 +188,7 @@ class FaultInjectingEngine(Engine):
         if rule.kind == "memerror":
             raise MemoryError(f"injected MemoryError in chunk {n} (frame {frame_id})")
         self._sleep(rule.hang_ms / 1e3)  # hang
-        return self._engine.run_chunk(vision_tokens, frame_id, salient)
+        return self._engine.run_chunk(vision_tokens, frame_id, salient, **kw)
 
     def reset(self) -> None:
         self._engine.reset()

@@ -20,6 +20,9 @@ Decode is plain greedy, one token per member per pass, ``decode_steps`` passes. 
 batched path: a robot accepts a draft of whatever length its own greedy choices allow, so after the first pass
 the members would sit at different steps and need passes of different widths; a width-k pass per robot (rows of
 idle members padded or dropped) could come later. Greedy is greedy: the tokens are the same either way.
+``vla.chunk_decode: parallel`` is one pass of A rows per member (engine/numpy_decode.parallel_pass: the same
+inputs, positions and bidirectional slot mask as the single engine). A forced prefix (run_chunk's forced_bins)
+is not offered by the batched path: a request carries none.
 
 Errors are per robot where they can be: a member whose vision tokens fail ``check_vision_tokens`` gets its
 ValueError in the result and stays out of the pass (its cache untouched); an unknown name gets an
@@ -37,9 +40,10 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 import numpy as np
 
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.geometry import check_decode_tokens, chunk_decode_steps
+from vla_edge_ros.engine.geometry import check_decode_tokens, chunk_decode_steps, chunk_scratch_slots, is_parallel
 from vla_edge_ros.engine.interface import ChunkResult, EngineError, check_vision_tokens
 from vla_edge_ros.engine.numpy_backend import NumpyEngine, NumpyWeights, _rmsnorm, _silu_mul
+from vla_edge_ros.engine.numpy_decode import parallel_pass
 
 
 class BatchRequest(NamedTuple):
@@ -90,6 +94,7 @@ class FleetNumpyEngine:
         self.cfg, self.instruction, self.weight_dtype = cfg, instruction, weight_dtype
         self.decode_tokens = int(decode_tokens)
         self.decode_steps = chunk_decode_steps(cfg, self.decode_tokens)  # S: one checkpoint, the same for all
+        self.scratch_slots = chunk_scratch_slots(cfg, self.decode_tokens)  # S, or A parallel slots
         self.weights = weights if isinstance(weights, NumpyWeights) else NumpyWeights(cfg, weights, weight_dtype)
         self._kv_factory = kv_factory
         try:
@@ -225,7 +230,7 @@ class FleetNumpyEngine:
 
     def _prefill(self, members: list[_Member]) -> None:
         """Every member's frame tokens in one stacked pass; gen[0] / logits[0] of each from its last row."""
-        tpf, S = self.tokens_per_frame, self.decode_steps
+        tpf, S = self.tokens_per_frame, self.scratch_slots
         for i, m in enumerate(members):
             m.rows = (i * tpf, (i + 1) * tpf)
             m.place = m.eng._placement(m.new_slots, np.arange(m.n_ctx - tpf, m.n_ctx))
@@ -238,7 +243,10 @@ class FleetNumpyEngine:
             m.gen[0] = int(np.argmax(lg[i])) + self.cfg.action_token_offset
 
     def _decode(self, members: list[_Member]) -> None:
-        """S greedy passes of one token per member (M rows): NumpyEngine._decode with ``speculative = False``."""
+        """S greedy passes of one token per member (M rows): NumpyEngine._decode with ``speculative = False``;
+        parallel: ``_decode_parallel``."""
+        if is_parallel(self.cfg):
+            return self._decode_parallel(members)
         off = self.cfg.action_token_offset
         for m in members:
             m.eng._bias_base[m.new_slots] = 0.0  # decode tokens see the whole new frame
@@ -256,6 +264,19 @@ class FleetNumpyEngine:
             for j, m in enumerate(members):
                 m.logits[i] = lg[j]
                 m.gen[i] = choice[j]
+
+    def _decode_parallel(self, members: list[_Member]) -> None:
+        """One pass of A action slots per member (M x A rows), each member's from parallel_pass."""
+        a, tokens = self.scratch_slots, []
+        for j, m in enumerate(members):
+            m.eng._bias_base[m.new_slots] = 0.0  # the slots see the whole new frame
+            tok, slots, positions, m.segments = parallel_pass(m.eng, m.n_ctx, m.r_end)
+            m.rows, m.place = (j * a, (j + 1) * a), m.eng._placement(slots, positions)
+            tokens.append(tok)
+        lg = self._lm_head(self._forward(members, self.weights.embed[np.concatenate(tokens)], last_only=False))
+        for j, m in enumerate(members):
+            m.logits[1:] = lg[j * a:(j + 1) * a]
+            m.gen[1:] = np.argmax(m.logits[1:], axis=1) + self.cfg.action_token_offset
 
     def _forward(self, members: list[_Member], x: np.ndarray, last_only: bool) -> np.ndarray:
         """NumpyEngine._forward_tokens over the stacked rows of every member: the dense parts once, the cache

@@ -11,9 +11,11 @@ messages name the parameter, its value and what the model needs, so that one lin
 change. Weight shapes are checked by ``engine.checkpoint`` (it owns the table of tensor names and shapes).
 
 The chunk's token layout (engine/interface.py's module docstring) is arithmetic every backend, the reference
-and the factory need: how many decode steps a chunk runs (``chunk_decode_steps``, the "effective decode steps"
-S that sizes scratch slots, buffers and the position check) and which greedy choices are the action bins
-(``action_token_slice``, ``chunk_bins``). It is written here once so that the backends cannot drift apart.
+and the factory need: how many decode passes a chunk runs (``chunk_decode_steps``, what the admission cost model
+counts), how many scratch slots its decode tokens take (``chunk_scratch_slots``: they size buffers and the
+position check), which greedy choices are the action bins (``action_token_slice``, ``chunk_bins``), the input of
+a parallel slot (``parallel_slot_token``) and which choices a forced prefix fixes (``check_forced_bins``,
+``forced_gen``). It is written here once so that the backends cannot drift apart.
 """
 from __future__ import annotations
 
@@ -47,14 +49,42 @@ def chunk_action_tokens(cfg: ModelConfig) -> int:
     return int(cfg.action_horizon) * int(cfg.action_dims)
 
 
+PARALLEL = "parallel"  # vla.chunk_decode: every action slot in one pass (OpenVLA-OFT style)
+
+
+def is_parallel(cfg: ModelConfig) -> bool:
+    """Whether the checkpoint decodes its action slots in one parallel pass (else autoregressively)."""
+    return getattr(cfg, "chunk_decode", "autoregressive") == PARALLEL
+
+
+def parallel_slot_token(cfg: ModelConfig) -> int:
+    """The input token id of every parallel action slot: bin 0's id, ``action_token_offset + 0`` (the START
+    token the parallel training feeds at every slot; vla_edge_ros/train builds against this definition)."""
+    return int(cfg.action_token_offset) + 0
+
+
+def check_chunk_decode(cfg: ModelConfig) -> None:
+    """Parallel decoding needs action_start "token": its A slots follow the prefill's start token (gen[0]), and
+    with "prefill" the first bin would come from the prefill while the other slots could not see it."""
+    if is_parallel(cfg) and cfg.action_start != "token":
+        raise EngineError(f"vla.chunk_decode='parallel' with vla.action_start={cfg.action_start!r}: parallel "
+                          "decoding needs action_start \"token\" (the A action slots follow the start token)")
+
+
 def chunk_decode_steps(cfg: ModelConfig, decode_tokens: int) -> int:
     """S, the decode steps of one chunk (each feeds gen[i-1], yields gen[i]; gen[0] comes from the prefill).
 
     action_start "prefill": gen[0] is bin 1, so A - 1 steps whatever ``decode_tokens`` says. "token": gen[0] is
     the action-start token; with H = 1 the operator's ``decode_tokens`` steps (the seed behaviour, 8 = 7 bins and
     the end token, larger values decode further); with H > 1 at least A + 1 (the A bins and the end token: the
-    training targets are [START, bins of steps t..t+H-1, END])."""
+    training targets are [START, bins of steps t..t+H-1, END]).
+    chunk_decode "parallel": 1. Its decode is ONE pass A slots wide; a pass reads every weight and the whole KV
+    context once, like one autoregressive step, so the cost model (prefill + decode_steps x per-step cost) counts
+    it as one step. Its scratch slots are A (``chunk_scratch_slots``), not S."""
+    check_chunk_decode(cfg)
     a = chunk_action_tokens(cfg)
+    if is_parallel(cfg):
+        return 1
     if cfg.action_start == "prefill":
         return a - 1
     if int(cfg.action_horizon) == 1:
@@ -62,9 +92,17 @@ def chunk_decode_steps(cfg: ModelConfig, decode_tokens: int) -> int:
     return max(int(decode_tokens), a + 1)
 
 
+def chunk_scratch_slots(cfg: ModelConfig, decode_tokens: int) -> int:
+    """Scratch slots of a chunk's decode tokens (outside the KV budget, not retained): one per autoregressive step
+    (S), or the A parallel slots. gen, the greedy choices, has this + 1 entries (gen[0] from the prefill)."""
+    return chunk_action_tokens(cfg) if is_parallel(cfg) else chunk_decode_steps(cfg, decode_tokens)
+
+
 def describe_decode_steps(cfg: ModelConfig, decode_tokens: int) -> str:
     """S and where it comes from, for messages and logs (H = 1 "token": just ``decode_tokens=N``)."""
     s, a, h = chunk_decode_steps(cfg, decode_tokens), chunk_action_tokens(cfg), int(cfg.action_horizon)
+    if is_parallel(cfg):
+        return f"1 parallel decode pass over {a} action slots (vla.action_horizon {h} x {cfg.action_dims})"
     if cfg.action_start == "prefill":
         return (f"{s} decode steps (vla.action_start prefill: {h} x {cfg.action_dims} action tokens, the first from "
                 "the prefill)")
@@ -99,10 +137,41 @@ def chunk_actions(tokenizer, bins: np.ndarray) -> np.ndarray:
     return np.stack([tokenizer.bins_to_action(row) for row in bins]).astype(np.float32)
 
 
+def check_forced_bins(cfg: ModelConfig, forced_bins) -> np.ndarray | None:
+    """A forced prefix (``Engine.run_chunk(forced_bins=...)``) as a (d, action_dims) int64 array, None when there
+    is none (None or d = 0). ValueError with the reason: not (d, action_dims), not integers, a bin outside
+    [0, n_action_bins), or d > action_horizon."""
+    if forced_bins is None:
+        return None
+    arr = np.asarray(forced_bins)
+    dims, h, n = int(cfg.action_dims), int(cfg.action_horizon), int(cfg.n_action_bins)
+    if arr.ndim != 2 or arr.shape[1] != dims:
+        raise ValueError(f"forced_bins must have shape (d, action_dims={dims}), got {arr.shape}")
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"forced_bins must be integer action bins, got dtype {arr.dtype}")
+    if arr.shape[0] > h:
+        raise ValueError(f"forced_bins has {arr.shape[0]} steps, more than the chunk's action_horizon {h}")
+    bad = np.argwhere((arr < 0) | (arr >= n))
+    if len(bad):
+        k, j = (int(v) for v in bad[0])
+        raise ValueError(f"forced_bins must lie in [0, {n}): step {k}, dimension {j} is {int(arr[k, j])}")
+    return arr.astype(np.int64) if len(arr) else None
+
+
+def forced_gen(cfg: ModelConfig, forced: np.ndarray | None, n_gen: int) -> np.ndarray:
+    """(n_gen,) int64: the vocabulary id a forced prefix fixes for each entry of gen, -1 where the decode chooses
+    (the action-token slice's first d * action_dims entries are the forced bins, time-major)."""
+    out = np.full(int(n_gen), -1, np.int64)
+    if forced is not None:
+        first = first_bin_index(cfg)
+        out[first:first + forced.size] = forced.ravel() + cfg.action_token_offset
+    return out
+
+
 def check_positions(cfg: ModelConfig, kv_budget_tokens: int, decode_tokens: int) -> None:
-    """Every logical position of a chunk (context slots, then its S = chunk_decode_steps decode steps) stays
+    """Every logical position of a chunk (context slots, then its decode tokens: chunk_scratch_slots) stays
     below max_position_embeddings: the model was not trained past it. ``decode_tokens`` is the parameter."""
-    if cfg.max_position_embeddings <= kv_budget_tokens + chunk_decode_steps(cfg, decode_tokens):
+    if cfg.max_position_embeddings <= kv_budget_tokens + chunk_scratch_slots(cfg, decode_tokens):
         raise EngineError(f"kv_budget_tokens={kv_budget_tokens} + {describe_decode_steps(cfg, decode_tokens)} "
                           f"must stay below max_position_embeddings={cfg.max_position_embeddings} of {cfg.source}")
 

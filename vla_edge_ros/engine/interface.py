@@ -20,11 +20,28 @@ S, the "effective decode steps" (``engine.decode_steps`` on both backends), not 
 sizes everything: the decode tokens live in S scratch slots outside the KV budget (not retained), the logits /
 token buffers hold S + 1 rows, and every position (kv budget + S) must stay below max_position_embeddings.
 
+``vla.chunk_decode: parallel`` (OpenVLA-OFT style; action_start "token" only, refused by name otherwise): after
+the prefill (gen[0], the start token, as above) ONE pass over the A action slots. Every slot's input is
+``geometry.parallel_slot_token`` (bin 0's id, the training's START token), slot j sits at position n_ctx + j and
+sees the whole context and ALL A slots (bidirectional among the slots, no causal mask); slot j's argmax is
+gen[1 + j], the bins are gen[1..A] as above. It takes A scratch slots (``geometry.chunk_scratch_slots``, which
+sizes the buffers and the position check) and ``decode_steps`` = 1: the admission cost model counts decode
+passes, and a width-A pass costs about one decode pass (it reads the weights and the context once).
+
+Forced prefix (issue 22, RTC-like blending; ``run_chunk(..., forced_bins=(d, action_dims) ints)``, 0 <= d <= H):
+the first d chunk steps take the given bins instead of the decode's argmax. Autoregressively they are teacher-
+forced: fed as the next steps' inputs, so the rest of the chunk is the greedy decode conditioned on them. In a
+parallel pass no slot reads another's choice, so they simply replace the first d steps' choices. The logits stay
+the model's own. ``ChunkResult.chunk_bins[:d]`` is ``forced_bins`` and ``forced_steps`` d. Bad ``forced_bins``
+are a ValueError with the reason (``geometry.check_forced_bins``). Per call, so not a ``chunk_support_problem``:
+the CUDA backend refuses a non-empty one with an EngineError naming it (its decode graph argmaxes on the device).
+
 Results: ``ChunkResult.chunk`` is the (H, action_dims) float32 array of actions, ``chunk_bins`` its (H,
 action_dims) bins, ``action`` / ``action_bins`` their first row (what a single-step caller reads; a result built
 with ``action`` alone gets ``chunk = action[None]``), ``token_ids`` all of gen. Both backends decode H >= 1
-autoregressively; ``vla.chunk_decode: parallel`` is refused at configure by name (``Engine.chunk_support_problem``)
-until it is implemented. The inference loop sets ``frame_stamp_ns``: the executor times the chunk's steps from it.
+autoregressively; the numpy backend also decodes parallel, the CUDA backend refuses it at configure by name
+(``Engine.chunk_support_problem``: its prefill attention kernel has no slot mask yet). The inference loop sets
+``frame_stamp_ns``: the executor times the chunk's steps from it.
 """
 from __future__ import annotations
 
@@ -53,7 +70,7 @@ class EngineError(RuntimeError):
 @dataclass
 class ChunkResult:
     frame_id: int
-    token_ids: np.ndarray  # (S + 1,) int64: gen[0..S] (S = the engine's decode_steps), vocabulary ids
+    token_ids: np.ndarray  # (scratch slots + 1,) int64: gen (S + 1 autoregressive, A + 1 parallel), vocabulary ids
     action_bins: np.ndarray  # (action_dims,) int64 in [0, 256): the chunk's first step
     action: np.ndarray  # (action_dims,) float32, un-normalised with q01/q99: the chunk's first step
     prefill_ms: float
@@ -65,6 +82,7 @@ class ChunkResult:
     chunk: Optional[np.ndarray] = None  # (H, action_dims) float32; None at construction: action[None] (H = 1)
     frame_stamp_ns: int = 0  # stamp of the camera frame the chunk was computed from (set by the inference loop)
     chunk_bins: Optional[np.ndarray] = None  # (H, action_dims) int64; None at construction: action_bins[None]
+    forced_steps: int = 0  # d: chunk_bins[:d] were forced (run_chunk's forced_bins), not decoded
 
     def __post_init__(self) -> None:
         if self.chunk is None and self.action is not None:
@@ -96,8 +114,10 @@ class Engine(abc.ABC):
         """(H, W, 3) uint8 RGB -> (tokens_per_frame, hidden) float32 vision tokens (patch embedder)."""
 
     @abc.abstractmethod
-    def run_chunk(self, vision_tokens: np.ndarray, frame_id: int, salient: bool = False) -> ChunkResult:
-        """Admit the frame into the KV cache (policy eviction), prefill it, decode greedily, return the action."""
+    def run_chunk(self, vision_tokens: np.ndarray, frame_id: int, salient: bool = False,
+                  forced_bins: Optional[np.ndarray] = None) -> ChunkResult:
+        """Admit the frame into the KV cache (policy eviction), prefill it, decode greedily (the first d steps
+        forced to ``forced_bins``, (d, action_dims) ints: module docstring), return the chunk."""
 
     @abc.abstractmethod
     def reset(self) -> None:
@@ -117,14 +137,9 @@ class Engine(abc.ABC):
 
     def chunk_support_problem(self) -> Optional[str]:
         """Why this backend cannot decode the chunks its checkpoint asks for (None: it can). The inference node
-        refuses to configure with this reason. Both backends decode any action_horizon H >= 1 autoregressively
-        (module docstring); parallel decoding is not implemented yet. A backend that differs overrides this."""
-        cfg = getattr(self, "cfg", None)
-        decode = getattr(cfg, "chunk_decode", "autoregressive")
-        if decode != "autoregressive":
-            horizon = int(getattr(cfg, "action_horizon", 1))
-            return (f"vla.chunk_decode={decode!r}: parallel decoding of an action chunk (action_horizon {horizon}) "
-                    f"is not implemented by the {self.name} backend yet (issue 22); use \"autoregressive\"")
+        refuses to configure with this reason. The rule here is the numpy backend's (and its fleet's): any
+        action_horizon H >= 1, autoregressive or parallel (module docstring). A backend that differs (CUDA:
+        no parallel yet) overrides this. A per-call refusal (forced_bins) is run_chunk's, not this."""
         return None
 
     @property

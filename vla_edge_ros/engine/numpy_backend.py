@@ -4,16 +4,17 @@ Model: token embedding, per layer RMSNorm -> q/k/v projections (with biases) -> 
 attention -> o_proj -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head restricted to the
 last ``n_action_bins`` vocabulary rows (tied to the embedding unless the checkpoint has ``lm_head.weight``).
 
-KV cache: ``k_pre`` (keys BEFORE RoPE) of shape ``[layers, capacity + decode_steps, kv_heads, head_dim]``;
-``v`` and the rotated-key cache ``k_rot`` are stored head-major, ``[layers, kv_heads, capacity + decode_steps,
+KV cache: ``k_pre`` (keys BEFORE RoPE) of shape ``[layers, capacity + scratch_slots, kv_heads, head_dim]``;
+``v`` and the rotated-key cache ``k_rot`` are stored head-major, ``[layers, kv_heads, capacity + scratch_slots,
 head_dim]``, so each (layer, head) is one contiguous matrix for BLAS (decode is memory-bound: a strided layout
-cost 2-3x). Slot ``s`` is addressed as the KVManager hands it out; the ``decode_steps`` scratch slots after the
-capacity hold the decode tokens of the current chunk only. Attention runs over the physical slot range
+cost 2-3x). Slot ``s`` is addressed as the KVManager hands it out; the ``scratch_slots`` after the capacity
+(geometry.chunk_scratch_slots: S decode steps, or A parallel slots) hold the decode tokens of the current chunk
+only. Attention runs over the physical slot range
 ``[0, max context slot]`` with an additive mask (free slots, evicted frames: -inf; the new frame: causal), so
 eviction never moves or gathers K/V.
 
 Positions: a context slot's logical position is its index in ``KVManager.context_slots()``; the new frame's
-queries sit at n_ctx-32 .. n_ctx-1, decode step i at n_ctx + i - 1; all below ``capacity + decode_steps``
+queries sit at n_ctx-32 .. n_ctx-1, decode step i at n_ctx + i - 1; all below ``capacity + scratch_slots``
 for ever. A second array ``k_rot`` caches the rotated keys. Because RoPE scores depend only on the position
 difference, rotating every key AND every query by the same extra offset ``delta`` leaves attention unchanged;
 the engine keeps one ``delta`` such that ``k_rot[s] = rope(k_pre[s], logical(s) + delta)`` for every context
@@ -28,6 +29,9 @@ Chunk shape (``vla.action_start``, issue 23; ``vla.action_horizon`` H, issue 22)
 engine/interface.py, arithmetic from engine/geometry.py. ``decode_steps`` = S: "token" (default, the seed shape):
 gen[0] is an action-start token, S = decode_tokens (H = 1) or max(decode_tokens, H * action_dims + 1), the bins
 are gen[1..A]; "prefill": gen[0] IS bin 1, S = A - 1, the bins are gen[0..A-1] (A = H * action_dims, time-major).
+``vla.chunk_decode: parallel``: one pass over the A action slots, ``decode_steps`` = 1, ``scratch_slots`` = A.
+The decode itself (autoregressive with exact speculative drafts, the parallel pass, a forced prefix in either) is
+engine/numpy_decode.py's.
 
 Weights (``weight_dtype``, issue 23): bf16 computes with the weights as handed over (unchanged). int8 / fp8 /
 int4 quantise them with engine/quant.quantize_weights (or take a pre-quantised ``QuantizedModel``) and compute with
@@ -46,9 +50,11 @@ import numpy as np
 from vla_edge_ros.core.action_tokenizer import ActionTokenizer
 from vla_edge_ros.engine.checkpoint import check_weights, expected_shapes
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.geometry import chunk_actions, chunk_bins, chunk_decode_steps, check_chunk_geometry
+from vla_edge_ros.engine.geometry import (check_chunk_geometry, check_forced_bins, chunk_actions, chunk_bins,
+                                          chunk_decode_steps, chunk_scratch_slots, forced_gen, is_parallel)
 from vla_edge_ros.engine.geometry import prefix_token_ids  # noqa: F401  (re-exported)
 from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
+from vla_edge_ros.engine.numpy_decode import decode_autoregressive, decode_parallel
 from vla_edge_ros.engine.quant import WEIGHT_DTYPES, QuantizedModel, quantize_weights, weights_nbytes
 from vla_edge_ros.engine.rope import RopeTable
 from vla_edge_ros.engine.vision import PatchEmbedder, pooled
@@ -145,7 +151,8 @@ class NumpyEngine(Engine):
         self.kv = kv
         self.decode_tokens = int(decode_tokens)
         self.prefix_ids = check_chunk_geometry(cfg, kv, instruction, self.decode_tokens)
-        self.decode_steps = chunk_decode_steps(cfg, self.decode_tokens)  # S (module docstring): sizes the scratch
+        self.decode_steps = chunk_decode_steps(cfg, self.decode_tokens)  # S (module docstring): the cost model's
+        self.scratch_slots = chunk_scratch_slots(cfg, self.decode_tokens)  # S, or A parallel slots: sizes scratch
         self.weight_dtype = weight_dtype
         if not isinstance(weights, NumpyWeights):  # a checkpoint's tensors; a NumpyWeights is shared as it is
             weights = NumpyWeights(cfg, weights, weight_dtype)
@@ -165,11 +172,11 @@ class NumpyEngine(Engine):
 
         self.delta = 0  # extra rotation offset shared by every cached key (see module docstring)
         self.rerotated_slots = 0  # keys re-rotated in the last chunk (diagnostics)
-        self.last_logits: np.ndarray | None = None  # (decode_steps + 1, n_action_bins) of the last chunk
+        self.last_logits: np.ndarray | None = None  # (scratch_slots + 1, n_action_bins) of the last chunk
         self.last_max_position = -1  # largest logical position used by the last chunk
         self.last_max_rotation_position = -1
         self.last_decode_passes = 0
-        self.speculative = True  # exact speculative decoding (see _decode); False = one token per pass
+        self.speculative = True  # exact speculative decoding (engine/numpy_decode.py); False = one token per pass
         self._peak_bytes = 0
         self._closed = False
         self._allocate(kv.budget_tokens)
@@ -181,7 +188,7 @@ class NumpyEngine(Engine):
         old = getattr(self, "k_pre", None)
         old_cap = getattr(self, "capacity", 0)
         self.capacity = int(capacity)
-        S = self.capacity + self.decode_steps
+        S = self.capacity + self.scratch_slots
         k_pre = np.zeros((L, S, self.KV, self.D), np.float32)
         v = np.zeros((L, self.KV, S, self.D), np.float32)
         k_rot = np.zeros_like(v)
@@ -251,25 +258,29 @@ class NumpyEngine(Engine):
         self.rot_pos = np.zeros(0, np.int64)
         self._scores = self._ones = self._bias_base = np.zeros(0, np.float32)
 
-    def run_chunk(self, vision_tokens: np.ndarray, frame_id: int, salient: bool = False) -> ChunkResult:
+    def run_chunk(self, vision_tokens: np.ndarray, frame_id: int, salient: bool = False,
+                  forced_bins: np.ndarray | None = None) -> ChunkResult:
         t0 = time.perf_counter()
         if self._closed:
             raise EngineError("the numpy engine was closed")
         tpf = self.kv.tokens_per_frame
         x = check_vision_tokens(vision_tokens, tpf, self.hidden)
+        forced_rows = check_forced_bins(self.cfg, forced_bins)  # ValueError before the cache is touched
+        forced = forced_gen(self.cfg, forced_rows, self.scratch_slots + 1)
         adm, n_ctx, new_slots, r_end = self._admit_frame(x, frame_id, salient)
         t1 = time.perf_counter()
         seg = self._context_segment(new_slots, r_end)
         h_last = self._forward_tokens(x, new_slots, np.arange(n_ctx - tpf, n_ctx), [seg], last_only=True)
-        logits = np.empty((self.decode_steps + 1, self.cfg.n_action_bins), np.float32)
-        gen = np.empty(self.decode_steps + 1, np.int64)
+        logits = np.empty((self.scratch_slots + 1, self.cfg.n_action_bins), np.float32)
+        gen = np.empty(self.scratch_slots + 1, np.int64)
         logits[0] = self._lm_head(h_last)[0]
-        gen[0] = int(np.argmax(logits[0])) + self.cfg.action_token_offset
+        gen[0] = forced[0] if forced[0] >= 0 else int(np.argmax(logits[0])) + self.cfg.action_token_offset
         t2 = time.perf_counter()
         self._bias_base[new_slots] = 0.0  # decode tokens see the whole new frame
-        self._decode(gen, logits, n_ctx, r_end)
+        self._decode(gen, logits, n_ctx, r_end, forced)
         t3 = time.perf_counter()
-        return self._chunk_result(frame_id, salient, gen, logits, adm, n_ctx, (t2 - t1) * 1e3, (t3 - t2) * 1e3, t0)
+        return self._chunk_result(frame_id, salient, gen, logits, adm, n_ctx, (t2 - t1) * 1e3, (t3 - t2) * 1e3, t0,
+                                  forced_steps=0 if forced_rows is None else len(forced_rows))
 
     def _admit_frame(self, x: np.ndarray, frame_id: int, salient: bool):
         """A chunk's cache bookkeeping before its forward: the KV manager admits the frame (evicting by policy),
@@ -287,10 +298,11 @@ class NumpyEngine(Engine):
         self._bias_base[old] = 0.0
         return adm, n_ctx, new_slots, int(ctx.max()) + 1
 
-    def _chunk_result(self, frame_id, salient, gen, logits, adm, n_ctx, prefill_ms, decode_ms, t0) -> ChunkResult:
+    def _chunk_result(self, frame_id, salient, gen, logits, adm, n_ctx, prefill_ms, decode_ms, t0,
+                      forced_steps: int = 0) -> ChunkResult:
         """The decoded chunk ``gen`` / ``logits`` as a ChunkResult (and the engine's last_* diagnostics)."""
         self.last_logits = logits
-        self.last_max_position = n_ctx + self.decode_steps - 1
+        self.last_max_position = n_ctx + self.scratch_slots - 1
         self.last_max_rotation_position = self.last_max_position + self.delta
         bins = chunk_bins(self.cfg, gen)  # (H, action_dims)
         chunk = chunk_actions(self.tokenizer, bins)
@@ -298,43 +310,13 @@ class NumpyEngine(Engine):
         return ChunkResult(frame_id=int(frame_id), token_ids=gen, action_bins=bins[0].copy(), action=chunk[0].copy(),
                            prefill_ms=prefill_ms, decode_ms=decode_ms, total_ms=(t4 - t0) * 1e3,
                            evicted_frames=list(adm.evicted), kv_occupancy_tokens=int(self.kv.occupancy_tokens),
-                           salient=bool(salient), chunk=chunk, chunk_bins=bins)
+                           salient=bool(salient), chunk=chunk, chunk_bins=bins, forced_steps=int(forced_steps))
 
-    def _decode(self, gen: np.ndarray, logits: np.ndarray, n_ctx: int, r_end: int) -> None:
-        """Greedy decode of gen[1..decode_steps] (gen[0] and logits[0] are set).
-
-        Exact speculative decoding: one pass feeds gen[i-1] followed by a draft of the remaining steps (the
-        draft repeats gen[i-1]); row j's logits are valid as long as every earlier draft token equalled the
-        greedy choice, so each pass yields at least one token and the result equals plain greedy decoding.
-        A pass reads the whole KV context once whatever its width, so accepted drafts save whole passes.
-        With ``speculative = False`` every pass is one token wide.
-        """
-        dec = self.decode_steps
-        off = self.cfg.action_token_offset
-        ctx_seg = self._context_segment(np.zeros(0, np.int64), r_end)
-        s0 = self.capacity
-        i = 1
-        self.last_decode_passes = 0
-        while i <= dec:
-            k = dec - i + 1 if self.speculative else 1
-            tokens = np.full(k, gen[i - 1], np.int64)
-            start = s0 + i - 1  # scratch slot of the first row
-            slots = np.arange(start, start + k)
-            positions = np.arange(n_ctx + i - 1, n_ctx + i - 1 + k)
-            causal = np.where(np.tri(k, start + k - s0, start - s0, dtype=bool), np.float32(0.0), NEG_INF)
-            scratch_seg = (s0, start + k, None, causal)
-            h = self._forward_tokens(self.embed[tokens], slots, positions, [ctx_seg, scratch_seg],
-                                     last_only=False)
-            lg = self._lm_head(h)
-            choice = np.argmax(lg, axis=1) + off
-            self.last_decode_passes += 1
-            for j in range(k):
-                logits[i + j] = lg[j]
-                gen[i + j] = choice[j]
-                if j + 1 < k and tokens[j + 1] != choice[j]:
-                    k = j + 1
-                    break
-            i += k
+    def _decode(self, gen: np.ndarray, logits: np.ndarray, n_ctx: int, r_end: int,
+                forced: np.ndarray | None = None) -> None:
+        """gen[1..] after the prefill (gen[0], logits[0] set): engine/numpy_decode.py, by vla.chunk_decode."""
+        forced = np.full(len(gen), -1, np.int64) if forced is None else forced
+        (decode_parallel if is_parallel(self.cfg) else decode_autoregressive)(self, gen, logits, n_ctx, r_end, forced)
 
     def _context_segment(self, new_slots: np.ndarray, r_end: int):
         """Attention segment over the context range [0, r_end): only the masked columns carry a bias —
@@ -367,7 +349,7 @@ class NumpyEngine(Engine):
         n_old = len(old)
         logical = np.arange(n_old, dtype=np.int64)
         d = self.rot_pos[old] - logical
-        limit = self.cfg.max_position_embeddings - (n_ctx + self.decode_steps - 1)  # delta must stay below
+        limit = self.cfg.max_position_embeddings - (n_ctx + self.scratch_slots - 1)  # delta must stay below
         if n_old:
             vals, counts = np.unique(d, return_counts=True)
             delta = int(vals[np.argmax(counts)])

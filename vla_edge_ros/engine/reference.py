@@ -30,6 +30,12 @@ The chunk (``reference_chunk``; token layout as in engine/interface.py):
   (1 prefill + 6 decode passes for 7 bins). That arithmetic is engine/geometry.py's (``chunk_decode_steps``,
   ``chunk_bins``): one rule for every backend, so the oracle takes it from there too; the tests pin its numbers
   independently (test/test_chunk_horizon.py).
+- parallel decode (``vla.chunk_decode: parallel``, action_start "token"): after gen[0], ONE forward over the N
+  action slots, every input the slot token (geometry.parallel_slot_token: bin 0's id), slot j at position
+  n_ctx + j, every slot seeing the whole context and every slot (bidirectional); action bins = gen[1..N].
+- forced prefix (``forced_bins``, (d, action_dims) bins): the first d steps' bins are taken instead of the argmax;
+  autoregressively they are then fed as inputs like any chosen token (teacher forcing), in parallel they just
+  replace the choices. Logits stay the model's. Checked and laid out by geometry.check_forced_bins / forced_gen.
 """
 from __future__ import annotations
 
@@ -42,7 +48,8 @@ import numpy as np
 from vla_edge_ros.core.action_tokenizer import from_config as action_tokenizer
 from vla_edge_ros.engine.checkpoint import expected_shapes, vision_shapes
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.geometry import chunk_actions, chunk_bins, chunk_decode_steps
+from vla_edge_ros.engine.geometry import (check_forced_bins, chunk_action_tokens, chunk_actions, chunk_bins,
+                                          chunk_decode_steps, forced_gen, is_parallel, parallel_slot_token)
 from vla_edge_ros.engine.vision import check_image, seeded_vision_weights
 
 LayerKV = tuple[np.ndarray, np.ndarray]  # one layer's keys (pre-RoPE) and values of n tokens: (n, KV, D) each
@@ -219,6 +226,7 @@ class ReferenceChunk:
     evicted: list[int]  # frames the KV manager evicted to admit this one
     chunk_bins: np.ndarray  # (H, action_dims) bins, row k = the chunk's step k
     chunk: np.ndarray  # (H, action_dims) float32 un-normalised actions
+    forced_steps: int = 0  # d: chunk_bins[:d] were forced (forced_bins), not decoded
 
 
 @dataclass
@@ -255,14 +263,17 @@ def _concat(segments: list[list[LayerKV]]) -> list[LayerKV]:
             for i in range(len(segments[0]))]
 
 
-def reference_chunk(stream: ReferenceStream, tokens: np.ndarray, frame_id: int, salient: bool = False):
+def reference_chunk(stream: ReferenceStream, tokens: np.ndarray, frame_id: int, salient: bool = False,
+                    forced_bins=None):
     """One chunk (module docstring): admit the frame into the KV manager (which evicts by its policy), prefill
-    its tokens (tpf, hidden) after prefix + retained frames, decode greedily. -> ReferenceChunk."""
+    its tokens (tpf, hidden) after prefix + retained frames, decode greedily (or in parallel), the first d steps
+    forced to ``forced_bins`` when given. -> ReferenceChunk."""
     cfg, w, kv = stream.cfg, stream.w, stream.kv
     tokens = np.asarray(tokens, dtype=np.float32)  # what the engines receive (interface.check_vision_tokens)
     if tokens.shape != (kv.tokens_per_frame, cfg.hidden_size) or not np.all(np.isfinite(tokens)):
         raise ValueError(f"reference chunk: vision tokens must be finite, shape ({kv.tokens_per_frame}, "
                          f"{cfg.hidden_size}); got shape {tokens.shape}")
+    forced_rows = check_forced_bins(cfg, forced_bins)  # (d, action_dims) or None; ValueError with the reason
     admission = kv.admit(frame_id, tokens.mean(axis=0), salient)  # pooled embedding, as the engines pass it
     kv.take_moves()  # K/V are held by frame id here: slot relocations after a budget shrink change nothing
     retained = kv.frames[:-1]  # oldest -> newest, without the new frame (admitted last)
@@ -273,16 +284,31 @@ def reference_chunk(stream: ReferenceStream, tokens: np.ndarray, frame_id: int, 
     h, frame_kv = forward(cfg, w, tokens, np.arange(S, n_ctx), _concat(context))  # (tpf, hidden)
     stream.frames[frame_id] = frame_kv
     off = cfg.action_token_offset
+    n = chunk_action_tokens(cfg)
+    steps = chunk_decode_steps(cfg, stream.decode_tokens)  # module docstring (1 for parallel: one pass)
+    forced = forced_gen(cfg, forced_rows, 1 + (n if is_parallel(cfg) else steps))  # -1: the decode chooses
+
+    def choose(row_logits: np.ndarray) -> int:  # the forced token of the next entry of gen, else the argmax
+        f = int(forced[len(gen)])
+        return f if f >= 0 else int(np.argmax(row_logits)) + off
+
+    gen: list[int] = []
     logits = [action_logits(cfg, w, h[-1:])[0]]  # (A,) from the frame's last token
-    gen = [int(np.argmax(logits[0])) + off]
+    gen.append(choose(logits[0]))
+    if is_parallel(cfg):
+        slots = embed(w, [parallel_slot_token(cfg)] * n)  # (N, hidden): every slot's input is the slot token
+        visible = np.ones((n, n_ctx + n), bool)  # the whole context and every slot: bidirectional
+        h, _ = forward(cfg, w, slots, np.arange(n_ctx, n_ctx + n), _concat(context + [frame_kv]), visible=visible)
+        for row in action_logits(cfg, w, h):  # (N, A)
+            logits.append(row)
+            gen.append(choose(row))
     decoded: list[list[LayerKV]] = []  # this chunk's decode tokens, not retained
-    steps = chunk_decode_steps(cfg, stream.decode_tokens)  # module docstring
-    for i in range(1, steps + 1):
+    for i in range(1, 0 if is_parallel(cfg) else steps + 1):
         h, kv_i = forward(cfg, w, embed(w, [gen[-1]]), [n_ctx + i - 1], _concat(context + [frame_kv] + decoded))
         decoded.append(kv_i)
         logits.append(action_logits(cfg, w, h)[0])
-        gen.append(int(np.argmax(logits[-1])) + off)
+        gen.append(choose(logits[-1]))
     bins = chunk_bins(cfg, np.asarray(gen, dtype=np.int64))  # (H, action_dims)
     actions = chunk_actions(action_tokenizer(cfg), bins)  # (H, action_dims)
     return ReferenceChunk(int(frame_id), np.stack(logits), np.asarray(gen, dtype=np.int64), bins[0], actions[0],
-                          list(admission.evicted), bins, actions)
+                          list(admission.evicted), bins, actions, 0 if forced_rows is None else len(forced_rows))

@@ -181,7 +181,8 @@ class InferenceNode(LifecycleNode):
                                       saliency_threshold=values["saliency_threshold"],
                                       thread_nice=values["inference_thread_nice"],
                                       action_horizon=self.action_horizon,
-                                      execution_horizon_steps=values["execution_horizon_steps"])
+                                      execution_horizon_steps=values["execution_horizon_steps"],
+                                      force_committed_steps=values["force_committed_steps"])
             self.warmup_stats = self.loop.warmup(values["warmup_chunks"])
             self._note_memory()
         except Exception as exc:

@@ -11,6 +11,11 @@ Decode steps: ``decode_steps`` = S (engine/geometry.chunk_decode_steps; the toke
 not the ``decode_tokens`` parameter, sizes the activations, the KV scratch slots, the memory plan and the decode
 graph: an action chunk of H > 1 actions (``vla.action_horizon``) is S = max(decode_tokens, H * action_dims + 1)
 greedy steps in the same graph, and its bins come back as ``ChunkResult.chunk_bins`` (H, action_dims).
+
+Not built yet (issue 22), refused by name: ``vla.chunk_decode: parallel`` at configure (``chunk_support_problem``:
+the prefill attention kernel has no mask for bidirectional action slots), and a forced prefix per call
+(``run_chunk(forced_bins=...)`` non-empty: EngineError; the decode graph argmaxes on the device, so the committed
+bins cannot be fed in). The numpy backend does both.
 """
 from __future__ import annotations
 
@@ -286,8 +291,22 @@ class CudaEngine(Engine):
             self.stream.synchronize()
         return out[:n]
 
-    def run_chunk(self, vision_tokens: np.ndarray, frame_id: int, salient: bool = False) -> ChunkResult:
+    def chunk_support_problem(self) -> str | None:
+        """Parallel decoding is refused by name (module docstring); autoregressive chunks of any H are decoded."""
+        if getattr(self.cfg, "chunk_decode", "autoregressive") != "autoregressive":
+            return (f"vla.chunk_decode={self.cfg.chunk_decode!r}: parallel decoding of an action chunk "
+                    f"(action_horizon {self.cfg.action_horizon}) is not implemented by the {self.name} backend yet "
+                    "(issue 22: its prefill attention kernel has no slot mask); use backend numpy, or a checkpoint "
+                    "with chunk_decode \"autoregressive\"")
+        return None
+
+    def run_chunk(self, vision_tokens: np.ndarray, frame_id: int, salient: bool = False,
+                  forced_bins: np.ndarray | None = None) -> ChunkResult:
         t0 = time.perf_counter()
+        if forced_bins is not None and np.size(forced_bins) > 0:
+            raise EngineError("forced_bins: the cuda backend cannot force-decode a committed prefix yet (its decode "
+                              "graph argmaxes on the device; issue 22); set force_committed_steps false or use "
+                              "backend numpy")
         x = check_vision_tokens(vision_tokens, self.kv.tokens_per_frame, self.cfg.hidden_size)
         cuda = self._cuda
         try:
