@@ -6,6 +6,10 @@
 #             checkpoint, carry it) at lr 6e-4; past frames 2 control steps apart (--frame-stride 2: the
 #             runtime starts the next chunk after ceil(H / 2) = 2 steps, execution_horizon_steps 0, so its
 #             retained frame is 2 steps old); the closed loop plays 2 actions of each chunk, then the next chunk.
+#   STAGE=p4: c4 with --chunk-decode parallel (issue 22: the 4 x 7 bins as action slots filled in one pass,
+#             OpenVLA-OFT style), also continued from results/policy_h200_v4 (autoregressive H = 1 weights: the
+#             tensors are the same), checkpoint results/policy_h200_p4; closed loop as c4 (the numpy engine
+#             decodes vla.chunk_decode parallel: one pass over the 28 slots per chunk).
 # History of the recipe:
 # v2: run.sh's recipe (3 tasks' demos -> one multi-task policy, hidden 256, 6 layers, 4/2
 # heads, batch 256, lr 1e-3, 1 past frame) with batches gathered on the GPU (trainer.DeviceData), so 2500-6000
@@ -19,7 +23,9 @@ case $STAGE in
   v3) CONTINUE="" ;;
   v4) CONTINUE="--init $PWD/results/policy_h200_v3 --lr 6e-4" ;;
   c4) CONTINUE="--init $PWD/results/policy_h200_v4 --lr 6e-4 --action-horizon 4 --frame-stride 2"; EXEC="--exec-steps 2" ;;
-  *) echo "STAGE must be v3, v4 or c4, got $STAGE"; exit 2 ;;
+  p4) CONTINUE="--init $PWD/results/policy_h200_v4 --lr 6e-4 --action-horizon 4 --frame-stride 2 --chunk-decode parallel"
+      EXEC="--exec-steps 2" ;;
+  *) echo "STAGE must be v3, v4, c4 or p4, got $STAGE"; exit 2 ;;
 esac
 el() { echo "[run.sh $STAGE t=$(( $(date +%s) - START ))s] $*"; }
 set -o pipefail

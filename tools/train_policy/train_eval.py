@@ -5,7 +5,8 @@ Uses train/trainer.train unchanged (v2: batches gathered on the GPU, trainer.Dev
 captures the DemoDataset / VLAPolicy instances train() builds, to evaluate per task afterwards.
 --action-horizon H trains action chunks (vla.action_horizon; the timing probe runs that geometry too); the
 per-task figures are then over every unpadded chunk step, ``step0`` the chunk's first step alone (the mode-bin
-baseline is step 0's).
+baseline is step 0's). --chunk-decode parallel trains the A = H x 7 bins as action slots filled in one pass
+(trainer chunk_decode; its greedy evaluation is that one pass, so no extra time is reserved for it).
 """
 import argparse
 import json
@@ -72,6 +73,8 @@ def main():
     p.add_argument("--init", default="", help="continue from this checkpoint (trainer init_checkpoint)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--action-horizon", type=int, default=1, help="H: actions per chunk (trainer action_horizon)")
+    p.add_argument("--chunk-decode", default="autoregressive", choices=("autoregressive", "parallel"),
+                   help="vla.chunk_decode (trainer chunk_decode)")
     p.add_argument("--frame-stride", type=int, default=1,
                    help="control steps between retained past frames (synchronous chunks retain one per chunk)")
     p.add_argument("--geometry", default="h200", choices=("h200", "tiny"), help="tiny: the smoke run's model")
@@ -113,7 +116,7 @@ def main():
     tc = T.TrainConfig(bags=a.bags, out=a.out, hidden=256, layers=6, heads=4, kv_heads=2, steps=10, batch_size=256,
                        lr=a.lr, warmup_steps=100, weight_decay=0.01, context=ctx, holdout_frac=0.1, eval_every=250,
                        eval_samples=1024, seed=0, device=a.device, weights_dtype="bfloat16", progress=False,
-                       action_horizon=a.action_horizon)
+                       action_horizon=a.action_horizon, chunk_decode=a.chunk_decode)
     if a.geometry == "tiny":
         tc.hidden, tc.layers, tc.batch_size, tc.eval_every = 32, 1, 8, 5
 
@@ -143,7 +146,7 @@ def main():
         times.append(time.perf_counter() - t0)
     step_s = float(np.mean(times[5:]))
     reserve = 30.0  # final evals + writing (H = 1: the v3 / v4 recipe's figure)
-    if tc.action_horizon > 1:  # greedy evals cost A + 2 passes a batch: time one and count the batches
+    if tc.action_horizon > 1 and tc.chunk_decode == "autoregressive":  # greedy evals cost A + 2 passes a batch
         pol.eval()
         b = data0.batch(ds0.eval_rows(256, max_samples=256)[0])
         sync()

@@ -1,13 +1,16 @@
 """`vla_train`: behaviour cloning of a checkpoint from bags (train/trainer.py says what a run does).
 
     vla_train BAG [BAG ...] --out DIR [--steps 1000] [--batch-size 32] [--hidden 128 --layers 4 --heads 4]
-              [--max-past-frames 3] [--frame-stride 1] [--action-horizon 1] [--seed 0] [--device auto|cpu|cuda]
+              [--max-past-frames 3] [--frame-stride 1] [--action-horizon 1] [--chunk-decode autoregressive]
+              [--seed 0] [--device auto|cpu|cuda]
 
 DIR receives config.json + model.safetensors (load it with ``checkpoint:=DIR``), loss_curve.png and
 training_record.json. Deploy with at most ``max_past_frames + 1`` retained frames (the record's ``deploy``
 block) and the image size and camera the demonstrations were recorded with. ``--action-horizon H`` trains
 action chunks: H actions of consecutive control steps per chunk (config.json vla.action_horizon;
-train/dataset.py), an H = 1 checkpoint may seed it through ``--init-checkpoint``.
+train/dataset.py), an H = 1 checkpoint may seed it through ``--init-checkpoint``. ``--chunk-decode parallel``
+trains the chunk's A = H x action_dims bins as action slots filled in one pass (config.json vla.chunk_decode;
+train/model.py parallel_logits); an autoregressive checkpoint may seed it too.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from vla_edge_ros.data.bag_reader import BagReadError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vla_edge_ros.engine.config import CHUNK_DECODES
     from vla_edge_ros.train.dataset import PAST_SAMPLING
 
     p = argparse.ArgumentParser(prog="vla_train", description=__doc__.split("\n\n")[0],
@@ -38,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--weights-dtype", choices=("float32", "bfloat16"), default="float32")
     m.add_argument("--action-horizon", type=int, default=1,
                    help="H: actions per chunk, one per control step (vla.action_horizon; 1 = single step)")
+    m.add_argument("--chunk-decode", choices=CHUNK_DECODES, default="autoregressive",
+                   help="vla.chunk_decode: one greedy step per action token, or all A slots in one pass")
     o = p.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, default=1000)
     o.add_argument("--batch-size", type=int, default=32)
@@ -59,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--init-checkpoint", default="",
-                   help="continue from this checkpoint's weights (same config; its action_horizon may differ)")
+                   help="continue from this checkpoint's weights (same config; its action_horizon and "
+                        "chunk_decode may differ)")
     return p
 
 
@@ -79,6 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          eval_every=a.eval_every, eval_samples=a.eval_samples, seed=a.seed, device=a.device,
                          threads=a.threads, weights_dtype=a.weights_dtype, progress=not a.no_progress,
                          init_checkpoint=a.init_checkpoint, action_horizon=a.action_horizon,
+                         chunk_decode=a.chunk_decode,
                          command=shlex.join(["vla_train", *argv]))
         record = train(tc)
     except (ValueError, BagReadError, FileNotFoundError) as exc:

@@ -20,6 +20,14 @@ Two ways in:
   is A = H * action_dims bins, time-major (engine/interface.py's layout; train/dataset.py's targets): with
   action_start "token" S = decode_tokens decode steps for H = 1 and max(decode_tokens, A + 1) for H > 1, bins =
   gen[1..A]; with "prefill" S = A - 1, bins = gen[0..A-1] (engine/geometry.py: the engines' arithmetic, shared).
+
+vla.chunk_decode "parallel" (OpenVLA-OFT style, issue 22): after the same context, ONE pass over A action
+slots, every slot the same input id (engine/geometry.parallel_slot_token: bin 0's id) at positions n_ctx ..
+n_ctx + A - 1; the context stays causal and never sees a slot, every slot sees the whole context and all A
+slots (bidirectional among them), and slot j's logits over the action rows give bin j. ``parallel_logits``
+trains it (one packed pass, ``parallel_attention_mask`` by index arithmetic), ``TorchStream`` decodes it the
+same way after its streamed context. No slot reads another's choice, so teacher forcing and greedy decoding are
+the same pass.
 """
 from __future__ import annotations
 
@@ -237,6 +245,32 @@ class VLAPolicy(nn.Module):
         ``context_len`` = max_b P_b + F_b * n_patches when the caller knows it (saves a device sync). Sample b's
         sequence is [P_b prefix tokens][F_b * n_patches vision tokens][G decode inputs], right-padded with zero
         rows (after every real token, so causal attention never lets a real token see one)."""
+        x, pos, ctx = self._packed_sequence(prefix_ids, prefix_lens, frames, frame_counts, gen_inputs, context_len)
+        B, G = gen_inputs.shape
+        h, _ = self.decoder(x, pos)
+        rows = ctx[:, None] - 1 + torch.arange(G + 1, device=x.device)
+        return self.action_logits(h.gather(1, rows[..., None].expand(B, G + 1, h.shape[-1])))
+
+    def parallel_logits(self, prefix_ids: torch.Tensor, prefix_lens: torch.Tensor, frames: torch.Tensor,
+                        frame_counts: torch.Tensor, context_len: int | None = None) -> torch.Tensor:
+        """vla.chunk_decode "parallel" (OpenVLA-OFT style) for a whole batch: packed_logits' sequence with the
+        A = action_horizon * action_dims decode inputs replaced by A action slots (each the id
+        geometry.parallel_slot_token, at positions n_ctx .. n_ctx + A - 1), one pass under
+        ``parallel_attention_mask`` (context causal, every slot sees the context and all slots). -> logits
+        (B, A, n_action_bins): row j is bin j of the chunk, time-major. The context's own last-token logits are
+        not part of this layout."""
+        cfg = self.cfg
+        B, A = int(prefix_lens.shape[0]), geometry.chunk_action_tokens(cfg)
+        slots = torch.full((B, A), geometry.parallel_slot_token(cfg), dtype=torch.long,
+                           device=prefix_lens.device)
+        x, pos, ctx = self._packed_sequence(prefix_ids, prefix_lens, frames, frame_counts, slots, context_len)
+        h, _ = self.decoder(x, pos, mask=parallel_attention_mask(ctx, A, x.shape[1]))
+        rows = ctx[:, None] + torch.arange(A, device=x.device)
+        return self.action_logits(h.gather(1, rows[..., None].expand(B, A, h.shape[-1])))
+
+    def _packed_sequence(self, prefix_ids, prefix_lens, frames, frame_counts, gen_inputs, context_len):
+        """The batch's input rows (B, L, hidden), their positions (B, L) and each sample's context length (B,):
+        [P_b prefix][F_b * n_patches vision][G = gen_inputs.shape[1] inputs], right-padded with zero rows."""
         cfg = self.cfg
         dev = gen_inputs.device
         B, G = gen_inputs.shape
@@ -257,9 +291,19 @@ class VLAPolicy(nn.Module):
         vis_at = (first_token[:, None] + pos - prefix_lens[:, None]).clamp(0, max(0, vt.shape[0] - 1))
         x = torch.where(is_vision[..., None], vt[vis_at], self.model.embed_tokens(tok))
         x = x * (is_prefix | is_vision | is_gen)[..., None].to(x.dtype)  # padding rows are zeros
-        h, _ = self.decoder(x, pos)
-        rows = ctx[:, None] - 1 + torch.arange(G + 1, device=dev)
-        return self.action_logits(h.gather(1, rows[..., None].expand(B, G + 1, h.shape[-1])))
+        return x, pos, ctx
+
+
+def parallel_attention_mask(ctx: torch.Tensor, n_slots: int, length: int) -> torch.Tensor:
+    """(B, 1, L, L) bool, True = query row may attend key column, for sequences [ctx_b context tokens][n_slots
+    action slots][padding up to L]: a context token (and a pad) sees keys up to itself (causal), so no context
+    token sees a slot; a slot sees every key before the sample's end ctx_b + n_slots -- the whole context and all
+    slots, later ones included -- and never a pad (pads sit after the end). Index arithmetic, no per-sample loop."""
+    i = torch.arange(length, device=ctx.device)
+    q, k = i[None, :, None], i[None, None, :]
+    start, end = ctx[:, None, None], (ctx + n_slots)[:, None, None]
+    is_slot = (q >= start) & (q < end)
+    return ((k <= q) | (is_slot & (k < end)))[:, None]
 
 
 # ---- the streaming chunk (engine/reference.py reference_chunk) ------------------------------------------------
@@ -274,8 +318,13 @@ class TorchStream:
             raise ValueError(f"torch stream: the KV manager pins {kv.prefix_tokens} prefix tokens of "
                              f"{kv.tokens_per_frame} per frame; the instruction has {len(ids)} bytes, the model "
                              f"{cfg.n_patches} patches; decode_tokens={decode_tokens}")
+        self.parallel = cfg.chunk_decode == "parallel"
+        if self.parallel and cfg.action_start != "token":
+            raise ValueError(f"torch stream: vla.chunk_decode parallel needs vla.action_start token, the "
+                             f"checkpoint has {cfg.action_start!r}")
         self.policy, self.cfg, self.kv, self.decode_tokens = policy, cfg, kv, int(decode_tokens)
-        self.decode_steps = geometry.chunk_decode_steps(cfg, self.decode_tokens)  # S: the engines' own rule
+        # S: the engines' own rule (parallel: 1, the one pass over the A action slots)
+        self.decode_steps = geometry.chunk_decode_steps(cfg, self.decode_tokens)
         self.device = next(policy.parameters()).device
         self.tokenizer = action_tokenizer(cfg)
         self.frames: dict[int, list] = {}
@@ -316,6 +365,8 @@ class TorchStream:
         off = cfg.action_token_offset
         logits = [pol.action_logits(h[0, -1])]
         gen = [int(logits[0].argmax()) + off]
+        if self.parallel:
+            return self._parallel_chunk(frame_id, self._concat(context + [frame_kv]), n_ctx, logits[0], gen[0])
         decoded = []
         for i in range(1, self.decode_steps + 1):
             e = pol.model.embed_tokens(torch.as_tensor([gen[-1]], device=self.device))[None]
@@ -325,7 +376,27 @@ class TorchStream:
             logits.append(pol.action_logits(h[0, -1]))
             gen.append(int(logits[-1].argmax()) + off)
         chunk_bins = geometry.chunk_bins(cfg, np.asarray(gen, np.int64))  # (H, action_dims), time-major
+        return self._result(frame_id, torch.stack(logits), np.asarray(gen, np.int64), chunk_bins)
+
+    def _parallel_chunk(self, frame_id: int, past, n_ctx: int, start_logits: torch.Tensor, gen0: int) -> dict:
+        """One pass over the A action slots (VLAPolicy.parallel_logits' layout) after the context's K/V ``past``
+        (n_ctx tokens at positions 0 .. n_ctx - 1): every slot sees the whole context and all slots; slot j's
+        argmax is bin j, time-major. As the engines report it (engine/interface.py): gen = [gen[0] from the
+        prefill (the start token, not part of the parallel training's loss), slot 0 .. slot A - 1], logits
+        likewise A + 1 rows, bins = gen[1..A]. The slots' K/V are not retained (decode tokens never are)."""
+        cfg, pol = self.cfg, self.policy
+        A = geometry.chunk_action_tokens(cfg)
+        ids = torch.full((A,), geometry.parallel_slot_token(cfg), dtype=torch.long, device=self.device)
+        positions = torch.arange(n_ctx + A, device=self.device)[None]
+        everything = torch.ones(1, 1, A, n_ctx + A, dtype=torch.bool, device=self.device)
+        h, _ = pol.decoder(pol.model.embed_tokens(ids)[None], positions[:, n_ctx:], past, positions[:, :n_ctx],
+                           mask=everything)
+        logits = torch.cat([start_logits[None], pol.action_logits(h[0])])  # (A + 1, n_action_bins)
+        gen = np.concatenate([[gen0], logits[1:].argmax(-1).cpu().numpy() + cfg.action_token_offset])
+        gen = gen.astype(np.int64)
+        return self._result(frame_id, logits, gen, geometry.chunk_bins(cfg, gen))
+
+    def _result(self, frame_id: int, logits: torch.Tensor, token_ids: np.ndarray, chunk_bins: np.ndarray) -> dict:
         chunk = geometry.chunk_actions(self.tokenizer, chunk_bins)  # row 0 is executed first
-        return {"frame_id": int(frame_id), "logits": torch.stack(logits).cpu().numpy(),
-                "token_ids": np.asarray(gen, np.int64), "action_bins": chunk_bins[0], "chunk_bins": chunk_bins,
-                "action": chunk[0], "chunk": chunk}
+        return {"frame_id": int(frame_id), "logits": logits.cpu().numpy(), "token_ids": token_ids,
+                "action_bins": chunk_bins[0], "chunk_bins": chunk_bins, "action": chunk[0], "chunk": chunk}

@@ -9,12 +9,14 @@ What one run does:
 3. trains with AdamW (linear warm-up, cosine decay, gradient clipping) on batches of runtime contexts, the loss
    the mean cross-entropy over the A + 2 rows (START, the chunk's A = action_horizon * action_dims bins, END;
    train/dataset.py), rows of chunk steps past an episode's end masked out (H > 1 only; H = 1 never pads and
-   keeps the plain mean); the frames live on the training device and a batch is gathered there from the
-   dataset's index Rows (DeviceData), so a step is bound by the model, not by per-sample Python;
+   keeps the plain mean); with ``chunk_decode`` "parallel" over the A bins alone, predicted by A action slots in
+   one pass (train/model.py parallel_logits), the same rows masked; the frames live on the training device and a
+   batch is gathered there from the dataset's index Rows (DeviceData), so a step is bound by the model, not by
+   per-sample Python;
 4. evaluates on the held-out episodes every ``eval_every`` steps (teacher-forced loss and action-token accuracy)
-   and at the end (also greedy decoding, as the engines decode, and with the full past context); with H > 1 the
-   action figures are over every unpadded chunk step, and ``step0`` repeats them for the chunk's first step
-   (the one executed first);
+   and at the end (also greedy decoding, as the engines decode -- one pass for parallel -- and with the full past
+   context); with H > 1 the action figures are over every unpadded chunk step, and ``step0`` repeats them for
+   the chunk's first step (the one executed first); train/evaluate.py holds the loss and the figures;
 5. writes ``config.json`` + ``model.safetensors`` (engine/checkpoint.write_checkpoint: what load_checkpoint and
    make_engine(checkpoint:=DIR) read), ``loss_curve.png`` and ``training_record.json`` (data hash, seed, the
    command, git commit, the figures, and how to deploy: the retained-frame limit the context was trained for).
@@ -38,12 +40,15 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from vla_edge_ros.data.bag_reader import bag_digest, read_bags
+from vla_edge_ros.engine import geometry
 from vla_edge_ros.engine.checkpoint import load_checkpoint, write_checkpoint
-from vla_edge_ros.engine.config import BYTE_TOKENS, DEFAULT_ACTION_NAMES, ModelConfig, tiny_default_dict
+from vla_edge_ros.engine.config import (BYTE_TOKENS, CHUNK_DECODES, DEFAULT_ACTION_NAMES, ModelConfig,
+                                        tiny_default_dict)
 from vla_edge_ros.train.dataset import START_BIN, ContextSpec, DemoDataset, Rows, end_bin
+# the objective and the figures live in train/evaluate.py; re-exported here for the callers that import them here
+from vla_edge_ros.train.evaluate import action_figures, batch_loss, evaluate, greedy_bins  # noqa: F401
 from vla_edge_ros.train.model import VLAPolicy
 
 N_ACTION_BINS = 256
@@ -89,6 +94,10 @@ class TrainConfig:
     # H, actions per chunk (config.json vla.action_horizon; train/dataset.py's targets). The tensors do not depend
     # on it, so an init_checkpoint of another H is accepted (H = 1 -> H = 4: a single-step policy continued)
     action_horizon: int = 1
+    # vla.chunk_decode: "autoregressive" (targets START, bins, END, teacher forced) or "parallel" (A action
+    # slots in one pass, the A bins as targets; train/evaluate.py). The tensors do not depend on it either, so
+    # an autoregressive init_checkpoint may start a parallel run
+    chunk_decode: str = "autoregressive"
     progress: bool = True
     command: str = ""
 
@@ -106,7 +115,7 @@ def model_config_dict(tc: TrainConfig, q01: Sequence[float], q99: Sequence[float
              rope_theta=tc.rope_theta, tie_word_embeddings=tc.tie_embeddings)
     d["vla"] = {"action_dims": len(names), "action_names": list(names), "action_q01": list(q01),
                 "action_q99": list(q99), "n_action_bins": N_ACTION_BINS, "patch_grid": list(tc.patch_grid),
-                "patch_size": tc.patch_size, "action_horizon": tc.action_horizon}
+                "patch_size": tc.patch_size, "action_horizon": tc.action_horizon, "chunk_decode": tc.chunk_decode}
     return ModelConfig.from_json(d).to_dict()  # validated, in the canonical form
 
 
@@ -179,94 +188,6 @@ class DeviceData:
         return DeviceBatch(self.prefix[ep], ln, px, cnt, targets, mask, int((lens + counts * self.tpf).max()))
 
 
-def batch_loss(policy: VLAPolicy, batch: DeviceBatch):
-    """Teacher-forced cross-entropy over the A + 2 target rows: the plain mean with H = 1 (nothing is padded;
-    the seed's loss, bit for bit), the mean over the unmasked rows with H > 1."""
-    cfg, targets = policy.cfg, batch.targets
-    rows = cfg.action_horizon * cfg.action_dims + 2
-    if targets.shape[1] != rows:
-        raise ValueError(f"batch targets have {targets.shape[1]} rows, the model's chunk {rows} (action_horizon "
-                         f"{cfg.action_horizon} x {cfg.action_dims} + START + END): dataset and model disagree on H")
-    logits = policy.packed_logits(batch.prefix_ids, batch.prefix_lens, batch.frames, batch.frame_counts,
-                                  targets[:, :-1] + cfg.action_token_offset, batch.context_len)
-    flat = logits.reshape(-1, logits.shape[-1])
-    if cfg.action_horizon == 1:
-        return F.cross_entropy(flat, targets.reshape(-1)), logits, targets
-    weight = batch.target_mask.reshape(-1).to(flat.dtype)
-    ce = F.cross_entropy(flat, targets.reshape(-1), reduction="none")
-    return (ce * weight).sum() / weight.sum().clamp(min=1.0), logits, targets
-
-
-@torch.no_grad()
-def greedy_bins(policy: VLAPolicy, batch: DeviceBatch) -> np.ndarray:
-    """gen[0..A + 1] as bins, decoded greedily (each input is the model's own previous choice); one full pass
-    per row (A + 2 passes: evaluation only)."""
-    off = policy.cfg.action_token_offset
-    targets = batch.targets
-    gen_in = torch.zeros_like(targets[:, :-1])
-    picked = torch.zeros_like(targets)
-    for i in range(targets.shape[1]):
-        row = policy.packed_logits(batch.prefix_ids, batch.prefix_lens, batch.frames, batch.frame_counts, gen_in,
-                                   batch.context_len)[:, i].argmax(-1)
-        picked[:, i] = row
-        if i < gen_in.shape[1]:
-            gen_in[:, i] = row + off
-    return picked.cpu().numpy()
-
-
-def action_figures(pa: np.ndarray, ta: np.ndarray, vary: Sequence[int], tok) -> dict[str, Any]:
-    """Predicted vs target bins (M, action_dims): token accuracy (all / varying dims / per dim), mean |bin error|
-    (varying dims) and mean |action error| per dimension (un-normalised units)."""
-    act_err = np.abs(tok.bins_to_action(pa) - tok.bins_to_action(ta))
-    return {"action_token_acc": float((pa == ta).mean()),
-            "action_token_acc_varying_dims": float((pa[:, vary] == ta[:, vary]).mean()),
-            "action_token_acc_per_dim": [float(v) for v in (pa == ta).mean(axis=0)],
-            "bin_mae_varying_dims": float(np.abs(pa - ta)[:, vary].mean()),
-            "action_mae_per_dim": [float(v) for v in act_err.mean(axis=0)]}
-
-
-@torch.no_grad()
-def evaluate(policy: VLAPolicy, data: DeviceData, batches: Sequence[Rows], greedy: bool = False) -> dict[str, Any]:
-    """Held-out figures: loss (mean over the unmasked target rows), action_figures over every unpadded chunk step
-    (H = 1: the one action), START / END accuracy (samples whose END is not padding), and for the chunk's first
-    step alone (``step0``, the one executed first) and per step (``..._per_step``)."""
-    if not batches:
-        return {}
-    was_training = policy.training
-    policy.eval()
-    cfg = policy.cfg
-    H, dims = cfg.action_horizon, cfg.action_dims
-    losses, preds, targets, masks = [], [], [], []
-    ds = data.ds
-    for rows in batches:
-        b = data.batch(rows)
-        loss, logits, tgt = batch_loss(policy, b)
-        m = b.target_mask.cpu().numpy()
-        losses.append((float(loss), int(m.sum())))
-        preds.append(greedy_bins(policy, b) if greedy else logits.argmax(-1).cpu().numpy())
-        targets.append(tgt.cpu().numpy())
-        masks.append(m)
-    policy.train(was_training)
-    p, t, m = np.concatenate(preds), np.concatenate(targets), np.concatenate(masks)
-    N = len(t)
-    pa, ta = p[:, 1:1 + H * dims].reshape(N, H, dims), t[:, 1:1 + H * dims].reshape(N, H, dims)
-    valid = m[:, 1:1 + H * dims].reshape(N, H, dims)[:, :, 0]  # (N, H): chunk step inside the episode
-    vary = ds.varying_dims or list(range(dims))
-    tok = ds.tokenizer
-    end_ok = m[:, -1]
-    start_end = (p[:, 0] == t[:, 0]) & (p[:, -1] == t[:, -1])
-    per_step = [action_figures(pa[valid[:, j], j], ta[valid[:, j], j], vary, tok) if valid[:, j].any() else None
-                for j in range(H)]
-    return {"samples": int(N), "loss": sum(v * n for v, n in losses) / max(1, sum(n for _, n in losses)),
-            **action_figures(pa[valid], ta[valid], vary, tok),
-            "start_end_acc": float(start_end[end_ok].mean()) if end_ok.any() else None,
-            "action_horizon": H, "padded_steps": int((~valid).sum()),
-            "step0": per_step[0],
-            "action_token_acc_varying_dims_per_step": [None if f is None else f["action_token_acc_varying_dims"]
-                                                       for f in per_step],
-            "bin_mae_varying_dims_per_step": [None if f is None else f["bin_mae_varying_dims"] for f in per_step]}
-
-
 def _lr_lambda(tc: TrainConfig) -> Callable[[int], float]:
     def f(step: int) -> float:
         if step < tc.warmup_steps:
@@ -324,14 +245,26 @@ def plot_curves(path: Path, losses: Sequence[float], evals: Sequence[dict]) -> N
     plt.close(fig)
 
 
+def decode_targets(tc: TrainConfig, mcfg: ModelConfig) -> dict[str, Any]:
+    """The record's account of what the loss was over (train/evaluate.target_rows)."""
+    a = tc.action_horizon * mcfg.action_dims
+    if tc.chunk_decode == "parallel":
+        return {"chunk_decode": "parallel", "slot_token": geometry.parallel_slot_token(mcfg), "rows": a,
+                "action_horizon": tc.action_horizon}
+    return {"chunk_decode": "autoregressive", "gen0_bin": START_BIN, "end_bin": end_bin(N_ACTION_BINS),
+            "rows": a + 2, "action_horizon": tc.action_horizon}
+
+
 def _init_tensors(ckpt_dir: str, mcfg: ModelConfig) -> dict[str, np.ndarray]:
     """The tensors of ``ckpt_dir`` for ``init_checkpoint``, refused unless its config equals this run's but for
-    vla.action_horizon (the tensors do not depend on H: a single-step checkpoint may start a chunk run)."""
+    vla.action_horizon and vla.chunk_decode (the tensors depend on neither: a single-step checkpoint may start a
+    chunk run, an autoregressive one a parallel run)."""
     theirs = ModelConfig.from_json(ckpt_dir).to_dict()
     ours = mcfg.to_dict()
     diff = sorted(k for k in set(theirs) | set(ours) if k != "vla" and theirs.get(k) != ours.get(k))
     tv, ov = theirs.get("vla", {}), ours.get("vla", {})
-    diff += sorted(f"vla.{k}" for k in set(tv) | set(ov) if k != "action_horizon" and tv.get(k) != ov.get(k))
+    free = ("action_horizon", "chunk_decode")
+    diff += sorted(f"vla.{k}" for k in set(tv) | set(ov) if k not in free and tv.get(k) != ov.get(k))
     if diff:
         raise ValueError(f"init_checkpoint {ckpt_dir}: its config differs from this run's in {diff} "
                          f"(same geometry, data and action bins are needed to continue a run)")
@@ -344,6 +277,8 @@ def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]
         raise ValueError(f"steps and batch_size must be >= 1, got {tc.steps} and {tc.batch_size}")
     if isinstance(tc.action_horizon, bool) or not isinstance(tc.action_horizon, int) or tc.action_horizon < 1:
         raise ValueError(f"action_horizon must be an integer >= 1, got {tc.action_horizon!r}")
+    if tc.chunk_decode not in CHUNK_DECODES:
+        raise ValueError(f"chunk_decode must be one of {', '.join(CHUNK_DECODES)}, got {tc.chunk_decode!r}")
     t_start = time.perf_counter()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -363,8 +298,9 @@ def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]
     policy = VLAPolicy(mcfg).init_weights(tc.seed, tc.init_std)
     if tc.init_checkpoint:
         policy.load_tensors(_init_tensors(tc.init_checkpoint, mcfg))
-        log(f"vla_train: weights from {tc.init_checkpoint} (action_horizon "
-            f"{ModelConfig.from_json(tc.init_checkpoint).action_horizon} -> {tc.action_horizon})")
+        theirs = ModelConfig.from_json(tc.init_checkpoint)
+        log(f"vla_train: weights from {tc.init_checkpoint} (action_horizon {theirs.action_horizon} -> "
+            f"{tc.action_horizon}, chunk_decode {theirs.chunk_decode} -> {tc.chunk_decode})")
     policy = policy.to(device)
     n_params = sum(p.numel() for p in policy.parameters())
     info = ds.describe()
@@ -429,15 +365,13 @@ def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]
                            "skipped": dict(s.skipped), "notes": s.notes} for s in summaries], **info},
         "model": {"parameters": n_params, "config": cfg_dict, "weights_dtype": tc.weights_dtype},
         "train": {k: v for k, v in asdict(tc).items() if k not in ("bags", "out", "command", "context")},
-        "context": {**asdict(tc.context), "decode_targets": {"gen0_bin": START_BIN,
-                                                             "end_bin": end_bin(N_ACTION_BINS),
-                                                             "rows": tc.action_horizon * mcfg.action_dims + 2,
-                                                             "action_horizon": tc.action_horizon}},
+        "context": {**asdict(tc.context), "decode_targets": decode_targets(tc, mcfg)},
         "deploy": {"max_retained_frames": tc.context.max_past_frames + 1, "eviction_policy": "sliding_window",
                    "window_frames": tc.context.max_past_frames + 1, "tokens_per_frame": mcfg.n_patches,
                    "decode_tokens_min": mcfg.action_dims, "image_hw": list(image_hw),
                    "frame_stride_control_steps": tc.context.frame_stride, "action_horizon": tc.action_horizon,
-                   "decode_steps": tc.action_horizon * mcfg.action_dims + 1},
+                   "chunk_decode": tc.chunk_decode,  # the engines' decode passes (parallel: 1, over A slots)
+                   "decode_steps": geometry.chunk_decode_steps(mcfg, mcfg.action_dims + 1)},
         "figures": {"steps": tc.steps, "final_train_loss": losses[-1],
                     "train_loss_last_10pct": float(np.mean(losses[-max(1, len(losses) // 10):])),
                     "time_per_step_ms": 1e3 * float(np.mean(timed)), "wall_s": time.perf_counter() - t_start,
