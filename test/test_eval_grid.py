@@ -167,6 +167,11 @@ def test_aggregate_row_from_episodes_and_runtime_stats():
     assert aggregate(s, eps, _stats(), expected=3, seed_start=100)["jerk_sq_mean"] == pytest.approx(13.0)
     del eps[1]["jerk_sq_mean"]  # a line written before the field existed: no figure, not a wrong one
     assert aggregate(s, eps, _stats(), expected=3, seed_start=100)["jerk_sq_mean"] is None
+    for e, k in zip(eps, (10, 20, 45)):
+        e["new_plan"] = k
+    assert aggregate(s, eps, _stats(), expected=3, seed_start=100)["new_plan_share"] == pytest.approx(75 / 150)
+    del eps[2]["new_plan"]
+    assert aggregate(s, eps, _stats(), expected=3, seed_start=100)["new_plan_share"] is None
 
 
 @pytest.mark.parametrize("case,expect", [

@@ -196,3 +196,17 @@ def test_episode_result_carries_the_commanded_jerk_of_the_applied_steps():
     assert r2.jerk_sq_mean == 0.0
     with pytest.raises(ValueError, match="control_period_s"):
         SimController(FakeSim(), control_period_s=0.0)
+
+
+def test_new_plan_counts_steps_whose_action_comes_from_a_newer_frame():
+    sim = FakeSim(horizon=100)
+    ctl = SimController(sim, clock_ns=Clock())
+    a = [0.001, 0, 0, 0, 0, 0, 1.0]
+    steps = [("fresh", 10), ("repeat", 10), ("repeat", 20), ("repeat", 20), ("fresh", 30), ("hold", 40),
+             ("repeat", 25), ("repeat", 0)]  # an older stamp (reordered) and an unknown one are not new
+    for kind, stamp in steps:
+        ctl.offer(kind, a, source_ns=stamp)
+        ctl.control_step()
+    cur = ctl.current
+    assert cur.new_plan == 3  # stamps 10, 20, 30; the hold and the older / unknown stamps are not new plans
+    assert (cur.fresh, cur.repeat, cur.hold) == (2, 5, 1)

@@ -284,6 +284,10 @@ def aggregate(setting: Setting, episodes: Sequence[Mapping], runtime_stats: Opti
         "shares": {k: _ratio(c, steps) for k, c in kinds.items()},
         "sim_hold_by_reason": sim_hold_by,
         "actions_rejected": sum(sum((e.get("rejected") or {}).values()) for e in episodes),
+        # steps that applied an action from a newer frame than the step before (sim/episode.py): with a
+        # publisher faster than the control steps most applied messages are 'repeat's of a new action
+        "new_plan_share": (_ratio(sum(int(e["new_plan"]) for e in episodes), steps)
+                           if n and all("new_plan" in e for e in episodes) else None),
         # smoothness (sim/episode.py): mean over episodes of each one's mean squared commanded jerk
         "jerk_sq_mean": (sum(float(e["jerk_sq_mean"]) for e in episodes) / n
                          if n and all("jerk_sq_mean" in e for e in episodes) else None),

@@ -23,6 +23,11 @@ def _num(v: Optional[float], digits: int = 1) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{float(v):.{digits}f}"
 
 
+def _sci(v: Optional[float]) -> str:
+    """Three significant digits at any scale (jerk figures span orders of magnitude across rates)."""
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{float(v):.3g}"
+
+
 def _load(values: Optional[Sequence[float]]) -> str:
     return "n/a" if not values else " / ".join(f"{v:.1f}" for v in values)
 
@@ -53,8 +58,9 @@ def table_row(r: Mapping[str, Any]) -> str:
         latency = misses = refused = kv = "-"
     cells = [r["label"], success, "n/a" if not ci else f"{_pct(ci[0])}-{_pct(ci[1])} %",
              _num((r.get("episode_s") or {}).get("mean")), _num(r.get("steps_mean")),
-             f"{_pct(sh.get('fresh'))} / {_pct(sh.get('repeat'))} / {_pct(hold)}",
-             _num(r.get("jerk_sq_mean"), 0), latency, misses, refused, kv, status]
+             f"{_pct(sh.get('fresh'))} / {_pct(sh.get('repeat'))} / {_pct(hold)}"
+             + ("" if r.get("new_plan_share") is None else f" (new {_pct(r['new_plan_share'])})"),
+             _sci(r.get("jerk_sq_mean")), latency, misses, refused, kv, status]
     return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
@@ -91,7 +97,8 @@ def render_report(doc: Mapping[str, Any]) -> str:
         "Columns: *success* with a 95 % Wilson score interval; *episode s* = mean wall-clock episode time (to success "
         "or horizon); *fresh / repeat / hold* = share of the sim's control steps that applied a fresh action, a "
         "repeat of the last one, or held (hold includes the sim's own holds: no action yet, stale, rejected); "
-        "*jerk²* = mean squared jerk of the commanded end-effector trajectory (sim/episode.py; lower is smoother); "
+        "*(new)* = steps whose action came from a newer camera frame than the step before (a publisher faster than "
+        "the control steps sends most new actions as repeats); *jerk²* = mean squared jerk of the commanded end-effector trajectory (sim/episode.py; lower is smoother); "
         "*chunk p50 / p99*, *deadline misses* (admitted chunks that overran the deadline) and *refused chunks* "
         "(admission refused: the deadline could not be met) are the runtime's own figures (`--stats-out`) over the "
         "whole run; *KV frames* = frames the KV budget keeps after the instruction prefix, *evictions per episode* "

@@ -166,7 +166,8 @@ class SimNode(Node):
 
     # ---- callbacks (one executor thread) -----------------------------------------------------------------
     def _on_action(self, msg: JointState) -> None:
-        reason = self.controller.offer(msg.header.frame_id, msg.position, msg.name)
+        reason = self.controller.offer(msg.header.frame_id, msg.position, msg.name,
+                                       source_ns=conversions.stamp_to_ns(msg.header.stamp))
         if reason is None:
             self._last_cmd7 = tuple(float(x) for x in msg.position)
         else:

@@ -68,6 +68,7 @@ class EpisodeResult:
     received: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})  # accepted messages by kind
     rejected: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REJECT_REASONS})
     reapplied: int = 0  # steps that applied the same message as the step before (publisher slower than control)
+    new_plan: int = 0  # fresh / repeat steps whose action came from a newer camera frame than the step before's
     saturated: int = 0  # applied actions that the mapping clipped
     rotation_ignored: int = 0  # applied actions with a non-zero roll / pitch / yaw (MetaWorld cannot rotate)
     frames: int = 0  # camera frames published during the episode (the node counts them)
@@ -90,6 +91,7 @@ class _Command:
     values: np.ndarray
     received_ns: int
     seq: int
+    source_ns: int = 0  # stamp of the camera frame the action was computed from (0: not given)
 
 
 _REJECTED = object()  # the newest message was rejected: hold until a good one arrives
@@ -132,6 +134,7 @@ class SimController:
         self._seq = 0
         self._newest: Any = None
         self._last_applied_seq = 0
+        self._last_source_ns = 0  # newest source frame stamp applied so far (for new_plan)
         self.episode_index = -1
         self.finished = False
         self.started = not wait_for_action
@@ -160,8 +163,9 @@ class SimController:
 
     # ---- input ---------------------------------------------------------------------------------------
     def offer(self, frame_id: str, values: Sequence[float], names: Sequence[str] = (),
-              now_ns: Optional[int] = None) -> Optional[str]:
-        """One received action. Returns None when accepted, else the rejection reason (counted; next step holds)."""
+              now_ns: Optional[int] = None, source_ns: int = 0) -> Optional[str]:
+        """One received action (``source_ns``: its source frame's stamp, the JointState header's; 0 = unknown).
+        Returns None when accepted, else the rejection reason (counted; next step holds)."""
         now_ns = self.clock_ns() if now_ns is None else int(now_ns)
         with self._lock:
             try:
@@ -174,7 +178,7 @@ class SimController:
                 return exc.reason
             self._seq += 1
             self._cur.received[kind] += 1
-            self._newest = _Command(kind, a, now_ns, self._seq)
+            self._newest = _Command(kind, a, now_ns, self._seq, int(source_ns))
             if not self.started:
                 self.started, self._t0_ns = True, now_ns
             return None
@@ -201,6 +205,10 @@ class SimController:
             if cmd.seq == self._last_applied_seq:
                 cur.reapplied += 1
             self._last_applied_seq = cmd.seq
+            if cmd.kind != "hold" and cmd.source_ns > self._last_source_ns:
+                cur.new_plan += 1  # a publisher faster than the control steps sends 'repeat's of a new action
+            if cmd.source_ns:
+                self._last_source_ns = max(self._last_source_ns, cmd.source_ns)
             setattr(cur, cmd.kind, getattr(cur, cmd.kind) + 1)
             if cmd.kind == "hold":
                 env = mapping.hold_env(self.env_gripper)
