@@ -19,11 +19,7 @@ Per cycle (a fixed CycleClock grid of ``cycle_period_ms``, as InferenceLoop's):
    result for one robot is that robot's error only; run_batch raising is an error for every member. The engine
    is reset when it says its state is bad (``needs_reset``, or a MemoryError); the loop goes on.
 
-Engine contract (``FleetEngine``): ``run_batch({name: BatchRequest}) -> {name: ChunkResult or Exception}`` for
-exactly the names asked, and afterwards ``last_batch_timing = {"prefill_ms": .., "decode_ms": ..}`` of that
-pass (decode: all ``decode_steps`` steps). The scheduler is fed the decode part from the engine and, as prefill,
-the rest of the wall time from encode to results: encode and host work are spent against the deadline too (the
-single loop counts encode as prefill). Timing missing or malformed: counted, the whole wall time is prefill.
+Engine contract: core/fleet_contract.py (``FleetEngine``, ``BatchRequest``).
 
 Events: ``on_event(name, kind, detail)``, name None for fleet-wide ones. ``stats()`` is JSON-able (json.dumps).
 """
@@ -34,13 +30,14 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from vla_edge_ros import params
 from vla_edge_ros.core.admission import CycleClock
 from vla_edge_ros.core.double_buffer import DoubleBuffer
+from vla_edge_ros.core.fleet_contract import BatchRequest, FleetEngine  # noqa: F401  (re-exported)
 from vla_edge_ros.core.fleet_scheduler import BAD_DEADLINE, CAPACITY, DEADLINE, UNKNOWN, BatchPlan, FleetScheduler
 from vla_edge_ros.core.inference_loop import cosine_distance
 from vla_edge_ros.core.loop_settings import check_loop_values
@@ -51,28 +48,6 @@ WARMUP_PREFIX = "__warmup"  # names of warm-up's synthetic robots (reserved)
 COUNTERS = ("frames_taken", "admitted", "frames_run", "actions_delivered", "deadline_misses", "late_discarded",
             "errors", "bad_frames", "retried", "dropped_while_paused", "salient_frames", "callback_errors",
             *(f"refused_{reason}" for reason in (DEADLINE, CAPACITY, BAD_DEADLINE, UNKNOWN)))
-
-
-@dataclass(frozen=True)
-class BatchRequest:
-    vision_tokens: np.ndarray  # engine.encode_frame's output for this robot's frame
-    frame_id: Any
-    salient: bool
-
-
-class FleetEngine(Protocol):
-    """A batched engine: one KV cache per robot name; not thread-safe (the fleet loop's thread owns it)."""
-    decode_steps: int  # S of every chunk (engine/interface.py); must equal the scheduler's decode_steps
-    last_batch_timing: Mapping[str, float]  # {"prefill_ms", "decode_ms"} of the last run_batch pass
-    needs_reset: bool  # set when a failure may have left its state inconsistent (or a method returning it)
-
-    @property
-    def action_names(self) -> tuple[str, ...]: ...  # the action dimensions (for each robot's action topic)
-    def add_robot(self, name: str) -> None: ...  # allocate the robot's KV cache; raises when it cannot
-    def remove_robot(self, name: str) -> None: ...  # free it
-    def encode_frame(self, image: np.ndarray) -> np.ndarray: ...  # ValueError for a malformed image
-    def run_batch(self, requests: Mapping[str, BatchRequest]) -> Mapping[str, Union[Any, Exception]]: ...  # ChunkResult
-    def reset(self) -> None: ...  # drop every robot's retained frames (the robots stay added)
 
 
 @dataclass
