@@ -60,6 +60,8 @@ def test_quick_eval_runs_every_setting_through_real_processes(tmp_path, ros_doma
             e["ee_start"], abs=0.01), e  # held: the hand stayed where it was
     model = rows["model"]
     assert model["runtime"]["chunks"]["admitted"] > 0 and model["runtime"]["latency_ms"]["p50"] > 0
-    assert model["shares"]["fresh"] > 0  # the sim applied actions the runtime computed
+    # the sim applied actions the runtime computed: steps whose action came from a newer frame (with the 30 Hz
+    # publisher and 10 Hz control steps most new actions arrive as 'repeat' messages, so 'fresh' can be 0)
+    assert model["new_plan_share"] > 0, model["shares"]
     assert model["kv_frames"] == 4 and model["runtime"]["kv"]["evictions"] > 0  # 'small': eviction in-episode
     assert rows["expert"]["success_rate"] >= rows["hold"]["success_rate"]
