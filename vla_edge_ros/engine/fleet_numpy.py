@@ -42,7 +42,7 @@ import numpy as np
 from vla_edge_ros.engine.config import ModelConfig
 from vla_edge_ros.engine.geometry import check_decode_tokens, chunk_decode_steps, chunk_scratch_slots, is_parallel
 from vla_edge_ros.engine.interface import ChunkResult, EngineError, check_vision_tokens
-from vla_edge_ros.engine.numpy_backend import NumpyEngine, NumpyWeights, _rmsnorm, _silu_mul
+from vla_edge_ros.engine.numpy_backend import CachePart, NumpyEngine, NumpyWeights, _rmsnorm, forward_parts
 from vla_edge_ros.engine.numpy_decode import parallel_pass
 
 
@@ -279,32 +279,10 @@ class FleetNumpyEngine:
             m.gen[1:] = np.argmax(m.logits[1:], axis=1) + self.cfg.action_token_offset
 
     def _forward(self, members: list[_Member], x: np.ndarray, last_only: bool) -> np.ndarray:
-        """NumpyEngine._forward_tokens over the stacked rows of every member: the dense parts once, the cache
-        parts (K/V writes, RoPE, attention) per member on its rows. ``last_only``: the last layer keeps each
-        member's last row only (the others feed nothing). Returns the final hidden rows."""
-        eps, inter = self.cfg.rms_norm_eps, self.cfg.intermediate_size
-        n_layers = len(self.weights.layers)
-        for li, L in enumerate(self.weights.layers):
-            last = last_only and li == n_layers - 1
-            xn = _rmsnorm(x, L.ln1, eps)
-            qkv = xn @ L.wqkv_t
-            qkv += L.bqkv
-            outs = []
-            for m in members:
-                r0, r1 = m.rows
-                trim = last and r1 - r0 > 1
-                q = m.eng._store_kv(li, qkv[r0:r1], m.place, trim)
-                segs = [(a, b, c, None if v is None else v[-1:]) for a, b, c, v in m.segments] if trim \
-                    else m.segments
-                outs.append(m.eng._attend(li, q, segs))
-            if last:
-                x = x[[m.rows[1] - 1 for m in members]]
-            x += (outs[0] if len(outs) == 1 else np.concatenate(outs)) @ L.wo_t
-            xn = _rmsnorm(x, L.ln2, eps)
-            x += _silu_mul(xn @ L.wgu_t, inter) @ L.wd_t
-        for m in members:
-            m.eng.rot_pos[m.place[0]] = m.place[3]
-        return x
+        """NumpyEngine's decoder over the stacked rows of every member (numpy_backend.forward_parts: the dense
+        parts once, the cache parts per member on its rows). Returns the final hidden rows."""
+        parts = [CachePart(m.eng, m.rows, m.place, m.segments) for m in members]
+        return forward_parts(self.weights.layers, self.cfg, x, parts, last_only)
 
     def _lm_head(self, h: np.ndarray) -> np.ndarray:
         return _rmsnorm(h, self.weights.final_norm, self.cfg.rms_norm_eps) @ self.weights.head_t

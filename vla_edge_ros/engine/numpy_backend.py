@@ -43,7 +43,7 @@ codes: ``memory()["current_bytes"]`` is what it holds, ``memory()["device_weight
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
@@ -115,6 +115,46 @@ class _Layer:
 
     def nbytes(self) -> int:
         return sum(getattr(self, n).nbytes for n in self.__slots__)
+
+
+class CachePart(NamedTuple):
+    """One KV cache's share of a forward pass: its engine, its rows [r0, r1) of the stacked activations, their
+    placement (NumpyEngine._placement) and the attention segments of those rows."""
+    eng: "NumpyEngine"
+    rows: tuple[int, int]
+    place: Any
+    segments: list
+
+
+def forward_parts(layers, cfg: ModelConfig, x: np.ndarray, parts, last_only: bool) -> np.ndarray:
+    """The decoder over stacked rows ``x`` (modified in place) from one or more KV caches: the dense parts
+    (norms, q/k/v, o_proj, MLP) once on all rows, the cache parts (K/V writes, RoPE, attention) per part on its
+    rows. One engine's pass is one part; a fleet's batch (engine/fleet_numpy.py) is a part per robot.
+    ``last_only``: the last layer keeps each part's last row only (the others feed nothing; their K/V of that
+    layer come from its input). Returns the final hidden rows."""
+    eps, inter = cfg.rms_norm_eps, cfg.intermediate_size
+    n_layers = len(layers)
+    for li, L in enumerate(layers):
+        last = last_only and li == n_layers - 1
+        xn = _rmsnorm(x, L.ln1, eps)
+        qkv = xn @ L.wqkv_t
+        qkv += L.bqkv
+        outs = []
+        for p in parts:
+            r0, r1 = p.rows
+            trim = last and r1 - r0 > 1
+            q = p.eng._store_kv(li, qkv[r0:r1], p.place, trim)
+            segs = [(a, b, c, None if v is None else v[-1:]) for a, b, c, v in p.segments] if trim \
+                else p.segments
+            outs.append(p.eng._attend(li, q, segs))
+        if last:
+            x = x[[p.rows[1] - 1 for p in parts]]
+        x += (outs[0] if len(outs) == 1 else np.concatenate(outs)) @ L.wo_t
+        xn = _rmsnorm(x, L.ln2, eps)
+        x += _silu_mul(xn @ L.wgu_t, inter) @ L.wd_t
+    for p in parts:
+        p.eng.rot_pos[p.place[0]] = p.place[3]
+    return x
 
 
 class NumpyWeights:
@@ -386,26 +426,8 @@ class NumpyEngine(Engine):
         attention / MLP for that row only, since the other rows' outputs feed nothing — their K/V of that
         layer come from its input).
         """
-        n = len(slots)
-        place = self._placement(slots, positions)
-        x = x.copy()
-        n_layers = len(self.layers)
-        for li, L in enumerate(self.layers):
-            last = last_only and li == n_layers - 1 and n > 1
-            xn = _rmsnorm(x, L.ln1, self.eps)
-            qkv = xn @ L.wqkv_t
-            qkv += L.bqkv
-            q = self._store_kv(li, qkv, place, last)
-            if last:
-                segs = [(a, b, c, None if v is None else v[-1:]) for a, b, c, v in segments]
-                x = x[n - 1:]
-            else:
-                segs = segments
-            x += self._attend(li, q, segs) @ L.wo_t
-            xn = _rmsnorm(x, L.ln2, self.eps)
-            x += _silu_mul(xn @ L.wgu_t, self.cfg.intermediate_size) @ L.wd_t
-        self.rot_pos[slots] = place[3]
-        return x
+        part = CachePart(self, (0, len(slots)), self._placement(slots, positions), segments)
+        return forward_parts(self.layers, self.cfg, x.copy(), [part], last_only)
 
     def _placement(self, slots: np.ndarray, positions: np.ndarray):
         """Where n new tokens go in this cache: (slots or a slice of them, cos, sin, rotation positions)."""
