@@ -87,6 +87,40 @@ def test_device_gather_is_the_numpy_batch(bag):
     np.testing.assert_array_equal(want.frames[want.frame_counts[0] - 1], padded)
 
 
+def test_photometric_augmentation(bag):
+    """Brightness: one offset per sample for all its frames, the same in the numpy batch and the device gather;
+    pixel noise (the device gather's) has the asked std, is seeded, and neither touches evaluation rows."""
+    episodes, _ = read_episodes(bag)
+    plain = DemoDataset(episodes, (16, 32), 512, 256, ContextSpec(max_past_frames=2, shift_px=3), 0.2, seed=0)
+    ctx = ContextSpec(max_past_frames=2, shift_px=3, brightness=20.0)
+    ds = DemoDataset(episodes, (16, 32), 512, 256, ctx, 0.2, seed=0)
+    rows = ds.sample_rows(np.random.default_rng(5), 64)
+    off = rows.brightness
+    assert off.shape == (64,) and np.abs(off).max() <= 20.0 and off.std() > 5.0
+    base = plain.to_batch(type(rows)(rows.episodes, rows.frames, rows.shifts))
+    want = ds.to_batch(rows)
+    first = np.repeat(off, want.frame_counts)
+    expect = np.clip(base.frames + first[:, None, None, None], 0, 255)
+    np.testing.assert_allclose(want.frames, expect)
+    got = DeviceData(ds, torch.device("cpu"), tokens_per_frame=8).batch(rows)
+    np.testing.assert_allclose(got.frames.numpy(), want.frames, atol=1e-4)  # pixel_noise 0: nothing else
+    noisy = DemoDataset(episodes, (16, 32), 512, 256, ContextSpec(2, shift_px=3, pixel_noise=4.0), 0.2, seed=0)
+    nrows = noisy.sample_rows(np.random.default_rng(5), 64)
+    assert nrows.brightness is None and nrows.augmented
+    ref = noisy.to_batch(nrows).frames
+    g1 = DeviceData(noisy, torch.device("cpu"), 8, seed=1).batch(nrows).frames.numpy()
+    g2 = DeviceData(noisy, torch.device("cpu"), 8, seed=1).batch(nrows).frames.numpy()
+    np.testing.assert_array_equal(g1, g2)  # seeded
+    inner = (ref > 20) & (ref < 235)  # away from the clip
+    assert 3.5 < (g1 - ref)[inner].std() < 4.5
+    ev = noisy.eval_rows(16, max_samples=16)[0]
+    assert not ev.augmented and ev.brightness is None
+    np.testing.assert_array_equal(DeviceData(noisy, torch.device("cpu"), 8).batch(ev).frames.numpy(),
+                                  noisy.to_batch(ev).frames)
+    with pytest.raises(ValueError, match="brightness"):
+        ContextSpec(brightness=-1.0)
+
+
 def test_split_quantiles_and_targets(bag):
     episodes, _ = read_episodes(bag)
     ds = DemoDataset(episodes, (16, 32), 512, 256, ContextSpec(), holdout_frac=0.34, seed=3)

@@ -77,6 +77,8 @@ def main():
                    help="vla.chunk_decode (trainer chunk_decode)")
     p.add_argument("--frame-stride", type=int, default=1,
                    help="control steps between retained past frames (synchronous chunks retain one per chunk)")
+    p.add_argument("--brightness", type=float, default=0.0, help="ContextSpec.brightness (pixel levels)")
+    p.add_argument("--pixel-noise", type=float, default=0.0, help="ContextSpec.pixel_noise (pixel levels)")
     p.add_argument("--geometry", default="h200", choices=("h200", "tiny"), help="tiny: the smoke run's model")
     a = p.parse_args()
 
@@ -112,7 +114,7 @@ def main():
     T.DemoDataset, T.VLAPolicy = CapDS, CapPolicy
 
     ctx = ContextSpec(max_past_frames=a.past, frame_stride=a.frame_stride, past_sampling="recent", subset_window=0,
-                      shift_px=4)
+                      shift_px=4, brightness=a.brightness, pixel_noise=a.pixel_noise)
     tc = T.TrainConfig(bags=a.bags, out=a.out, hidden=256, layers=6, heads=4, kv_heads=2, steps=10, batch_size=256,
                        lr=a.lr, warmup_steps=100, weight_decay=0.01, context=ctx, holdout_frac=0.1, eval_every=250,
                        eval_samples=1024, seed=0, device=a.device, weights_dtype="bfloat16", progress=False,

@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--past-sampling", choices=PAST_SAMPLING, default="recent")
     d.add_argument("--subset-window", type=int, default=0)
     d.add_argument("--shift-px", type=int, default=4, help="random image shift (augmentation)")
+    d.add_argument("--brightness", type=float, default=0.0,
+                   help="random brightness offset per sample, in pixel levels (augmentation)")
+    d.add_argument("--pixel-noise", type=float, default=0.0,
+                   help="std of Gaussian pixel noise, in pixel levels (augmentation)")
     d.add_argument("--holdout-frac", type=float, default=0.1)
     d.add_argument("--eval-every", type=int, default=100)
     d.add_argument("--eval-samples", type=int, default=1024)
@@ -77,7 +81,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from vla_edge_ros.train.trainer import TrainConfig, train
 
     try:
-        ctx = ContextSpec(a.max_past_frames, a.frame_stride, a.past_sampling, a.subset_window, a.shift_px)
+        ctx = ContextSpec(a.max_past_frames, a.frame_stride, a.past_sampling, a.subset_window, a.shift_px,
+                          a.brightness, a.pixel_noise)
         tc = TrainConfig(bags=a.bags, out=a.out, hidden=a.hidden, layers=a.layers, heads=a.heads,
                          kv_heads=a.kv_heads, intermediate=a.intermediate, patch_grid=tuple(a.patch_grid),
                          patch_size=a.patch_size, tie_embeddings=not a.untied, steps=a.steps,

@@ -42,7 +42,8 @@ so the policy never sees positions it was not trained at.
 
 Images are resized to the checkpoint's patch_grid * patch_size with engine/vision.py's own resize (exact, no
 copy when the bag is recorded at that size) and shifted by up to ``shift_px`` pixels (edge padding; the same
-shift for all frames of a sample) as augmentation. Episodes are split into train / held-out by a seeded
+shift for all frames of a sample) as augmentation, optionally with a brightness offset per sample and Gaussian
+pixel noise (ContextSpec.brightness / pixel_noise: renderers and cameras differ by a few levels). Episodes are split into train / held-out by a seeded
 permutation, and q01/q99 come from the training episodes only.
 
 Batches are drawn as indices (Rows: episode, frame steps, shift per sample; vectorised, no per-sample loop), so
@@ -85,11 +86,18 @@ class ContextSpec:
     past_sampling: str = "recent"
     subset_window: int = 0  # candidates for "subset"; 0 = 2 * max_past_frames
     shift_px: int = 4
+    # Photometric augmentation, in pixel levels (0..255). The same scene rendered by Mesa (the CPU machine) is
+    # ~1.5 levels brighter than by NVIDIA EGL (the training machine), per-pixel |d| std ~3, edges up to ~100
+    # (tools/train_policy/render_probe.py): a policy trained on one renderer meets the other at deployment, as a
+    # real camera meets exposure changes and sensor noise.
+    brightness: float = 0.0  # per sample, one offset uniform in [-brightness, brightness] for all its frames
+    pixel_noise: float = 0.0  # std of Gaussian noise per pixel and channel (drawn by the trainer's device gather)
 
     def __post_init__(self) -> None:
-        if self.max_past_frames < 0 or self.frame_stride < 1 or self.shift_px < 0 or self.subset_window < 0:
-            raise ValueError(f"context: max_past_frames >= 0, frame_stride >= 1, shift_px >= 0 and subset_window "
-                             f">= 0 are required, got {self}")
+        if (self.max_past_frames < 0 or self.frame_stride < 1 or self.shift_px < 0 or self.subset_window < 0
+                or not (0.0 <= self.brightness <= 128.0) or not (0.0 <= self.pixel_noise <= 64.0)):
+            raise ValueError(f"context: max_past_frames >= 0, frame_stride >= 1, shift_px >= 0, subset_window >= 0, "
+                             f"brightness in [0, 128] and pixel_noise in [0, 64] are required, got {self}")
         if self.past_sampling not in PAST_SAMPLING:
             raise ValueError(f"past_sampling must be one of {', '.join(PAST_SAMPLING)}, got {self.past_sampling!r}")
 
@@ -121,6 +129,8 @@ class Rows:
     episodes: np.ndarray  # (B,) int64
     frames: np.ndarray  # (B, K + 1) int64 steps, -1 = none
     shifts: np.ndarray  # (B, 2) int64 (dy, dx): one image shift per sample, zeros without augmentation
+    brightness: np.ndarray | None = None  # (B,) float32 offsets in pixel levels per sample; None = zeros
+    augmented: bool = False  # training rows: the device gather adds ContextSpec.pixel_noise
 
     def __len__(self) -> int:
         return int(self.episodes.shape[0])
@@ -134,7 +144,8 @@ class Rows:
         return (self.frames >= 0).sum(axis=1)
 
     def take(self, sl: slice) -> "Rows":
-        return Rows(self.episodes[sl], self.frames[sl], self.shifts[sl])
+        return Rows(self.episodes[sl], self.frames[sl], self.shifts[sl],
+                    None if self.brightness is None else self.brightness[sl], self.augmented)
 
 
 @dataclass
@@ -287,7 +298,12 @@ class DemoDataset:
         s = self.context.shift_px
         shifts = (rng.integers(-s, s + 1, size=(len(steps), 2)) if augment and s and rng is not None
                   else np.zeros((len(steps), 2), np.int64))
-        return Rows(steps[:, 0].copy(), np.concatenate([past, steps[:, 1:]], axis=1), shifts.astype(np.int64))
+        return Rows(steps[:, 0].copy(), np.concatenate([past, steps[:, 1:]], axis=1), shifts.astype(np.int64),
+                    self._brightness(len(steps), rng if augment else None), bool(augment and rng is not None))
+
+    def _brightness(self, n: int, rng: np.random.Generator | None) -> np.ndarray | None:
+        b = self.context.brightness
+        return rng.uniform(-b, b, size=n).astype(np.float32) if b and rng is not None else None
 
     def sample_rows(self, rng: np.random.Generator, batch_size: int, split: str = "train") -> Rows:
         """A training batch as indices: steps uniform over the split, one k for the batch (module docstring)."""
@@ -302,11 +318,14 @@ class DemoDataset:
         """Rows -> numpy Batch: the reference of the trainer's device gather (the same index arithmetic)."""
         counts = rows.frame_counts
         frames = []
-        for e, steps, (dy, dx) in zip(rows.episodes, rows.frames, rows.shifts):
+        for i, (e, steps, (dy, dx)) in enumerate(zip(rows.episodes, rows.frames, rows.shifts)):
             px = self.episodes[int(e)].pixels[steps[steps >= 0]]
             ys = shift_index(px.shape[1], [dy])[0]
             xs = shift_index(px.shape[2], [dx])[0]
-            frames.append(px[:, ys][:, :, xs].astype(np.float32))
+            px = px[:, ys][:, :, xs].astype(np.float32)
+            if rows.brightness is not None:  # pixel_noise is the device gather's alone (trainer.DeviceData)
+                px = np.clip(px + rows.brightness[i], 0.0, 255.0)
+            frames.append(px)
         targets, mask = self.chunk_targets(rows.episodes, rows.current)
         return Batch([self.episodes[int(e)].prefix_ids for e in rows.episodes], np.concatenate(frames),
                      counts.astype(np.int64), targets, mask)
@@ -320,7 +339,8 @@ class DemoDataset:
         s = self.context.shift_px
         shifts = (rng.integers(-s, s + 1, size=(len(rows), 2)) if s and rng is not None
                   else np.zeros((len(rows), 2), np.int64))
-        return self.to_batch(Rows(np.array([e for e, _, _ in rows], np.int64), frames, shifts))
+        return self.to_batch(Rows(np.array([e for e, _, _ in rows], np.int64), frames, shifts,
+                                  self._brightness(len(rows), rng), rng is not None))
 
     def sample(self, rng: np.random.Generator, batch_size: int, split: str = "train") -> Batch:
         """A training batch (numpy; the trainer gathers sample_rows on its device instead)."""

@@ -149,8 +149,11 @@ class DeviceData:
     targets and their padding mask dataset.chunk_targets' arithmetic -- so the CPU only draws a few hundred
     integers per step and the GPU does the rest."""
 
-    def __init__(self, ds: DemoDataset, device: torch.device, tokens_per_frame: int):
+    def __init__(self, ds: DemoDataset, device: torch.device, tokens_per_frame: int, seed: int = 0):
         self.ds, self.device, self.tpf = ds, device, int(tokens_per_frame)
+        # pixel noise is drawn here, on the device (a numpy draw of B x F x H x W x 3 normals would cost more
+        # than the step), from its own seeded generator, so a run stays deterministic for a seed
+        self.noise_gen = torch.Generator(device=device).manual_seed(int(seed))
         eps = ds.episodes
         self.offsets, self.lengths = ds.offsets, ds.lengths
         self.pixels = torch.from_numpy(np.concatenate([ep.pixels for ep in eps])).to(device)
@@ -178,6 +181,7 @@ class DeviceData:
         ys = (torch.arange(H, device=self.device)[None, :] + dy[:, None]).clamp(0, H - 1)  # shift_index
         xs = (torch.arange(W, device=self.device)[None, :] + dx[:, None]).clamp(0, W - 1)
         px = self.pixels[f[:, None, None], ys[:, :, None], xs[:, None, :]].float()  # (n, H, W, 3)
+        px = self._photometric(px, rows, counts)
         # dataset.chunk_targets: step t + j clipped at the episode's last step, valid while j < left
         valid = self.chunk_steps < lf[:, None]  # (b, H)
         src = cur[:, None] + torch.minimum(self.chunk_steps, lf[:, None] - 1)
@@ -186,6 +190,19 @@ class DeviceData:
         dims = self.bins.shape[1]
         mask = torch.cat([col.bool(), valid.repeat_interleave(dims, dim=1), valid[:, -1:]], 1)
         return DeviceBatch(self.prefix[ep], ln, px, cnt, targets, mask, int((lens + counts * self.tpf).max()))
+
+    def _photometric(self, px: torch.Tensor, rows: Rows, counts: np.ndarray) -> torch.Tensor:
+        """dataset.to_batch's brightness offset (one per sample, all its frames), then the device's pixel noise;
+        clipped to the pixel range a camera delivers. Evaluation rows carry neither."""
+        noise = self.ds.context.pixel_noise if rows.augmented else 0.0
+        if rows.brightness is None and not noise:
+            return px
+        if rows.brightness is not None:
+            off = torch.from_numpy(np.repeat(rows.brightness, counts)).to(self.device)
+            px = px + off[:, None, None, None]
+        if noise:
+            px = px + noise * torch.randn(px.shape, generator=self.noise_gen, device=self.device)
+        return px.clamp_(0.0, 255.0)
 
 
 def _lr_lambda(tc: TrainConfig) -> Callable[[int], float]:
@@ -310,7 +327,7 @@ def train(tc: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]
     opt = _optimizer(policy, tc)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(tc))
     rng = np.random.default_rng(tc.seed)
-    data = DeviceData(ds, device, mcfg.n_patches)
+    data = DeviceData(ds, device, mcfg.n_patches, tc.seed)
     heldout = ds.eval_rows(tc.batch_size, "heldout", tc.eval_samples, tc.seed)
     try:
         from tqdm import tqdm
