@@ -30,10 +30,12 @@ demo: venv
 	$(PY) -m vla_edge_ros.bench.demo --duration $(DURATION) --policy $(POLICY) --out results/demo.json
 
 # closed loop: the simulated arm (MetaWorld, the `sim` extra) driven by CHECKPOINT through the runtime; per-episode
-# lines, a summary, results/demo.json's closed_loop section and results/demo_episode.gif
-TASK ?= drawer-close
+# lines, a summary, results/demo.json's closed_loop section and results/demo_episode.gif. CHECKPOINT: a directory or
+# a shipped policy (vla_edge_ros/policies/: metaworld_mt3, trained for push, button-press-topdown, drawer-close);
+# CHECKPOINT= (empty) runs the embedded random weights
+TASK ?= push
 EPISODES ?= 3
-CHECKPOINT ?=
+CHECKPOINT ?= metaworld_mt3
 demo-sim: venv
 	$(PY) -m vla_edge_ros.bench.demo --sim --task $(TASK) --episodes $(EPISODES) \
 		$(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) --out results/demo.json

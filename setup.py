@@ -29,7 +29,8 @@ setup(
         ("share/" + package_name + "/config", glob("config/*.yaml") + glob("config/*.xml")),
         ("share/" + package_name + "/cuda", glob("cuda/*.cu") + glob("cuda/*.cuh")),
     ],
-    package_data={package_name: []},
+    # the shipped trained policies (engine/shipped.py): config.json, model.safetensors, record, manifest
+    package_data={package_name: ["policies/*/*.json", "policies/*/*.safetensors", "policies/*/*.md"]},
     # engine/checkpoint.py parses .safetensors itself; the safetensors package only writes them (tests, tools)
     install_requires=["setuptools", "numpy>=1.24", "PyYAML"],
     extras_require={

@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 
 from vla_edge_ros import params as registry
 from vla_edge_ros.bench.eval_grid import Setting
+from vla_edge_ros.engine import shipped
 from vla_edge_ros.sim.tasks import TASK_KEYS
 
 # The CPU-safe closed-loop settings: a 10 Hz camera, control and action rate leave the 2-core CPU room for a chunk
@@ -41,7 +42,8 @@ from vla_edge_ros.sim.tasks import TASK_KEYS
 # was trained for (results/policy_h200_v2: 64x128, sliding_window of 2 frames).
 CPU_SAFE: dict[str, Any] = {"camera_hz": 10.0, "control_hz": 10.0, "action_rate_hz": 10.0, "image_width": 128,
                             "image_height": 64, "eviction_policy": "sliding_window", "window_frames": 2,
-                            "deadline_ms": 100.0, "camera_deadline_ms": 300.0, "stale_after_ms": 500.0}
+                            "deadline_ms": 100.0, "camera_deadline_ms": 300.0, "stale_after_ms": 500.0,
+                            "camera_after_control": False}
 RECORD = "training_record.json"
 DEMO_DOMAIN_ID = 149  # not the operator's 0, below the eval's 150 + i
 DEFAULT_VIDEO = "results/demo_episode.gif"
@@ -70,6 +72,13 @@ def deploy_settings(checkpoint: str, flags: Optional[dict[str, Any]] = None) -> 
             raise ValueError(f"{checkpoint}/{RECORD}: deploy.image_hw must be [H, W], got {deploy['image_hw']!r}")
     for name, value in found.items():
         values[name], sources[name] = value, f"checkpoint ({RECORD} deploy)"
+    # a shipped policy's manifest says how it was evaluated on a 2-core CPU (engine/shipped.py)
+    manifest = Path(checkpoint) / shipped.MANIFEST if checkpoint else None
+    if manifest is not None and manifest.is_file():
+        for name, value in (json.loads(manifest.read_text(encoding="utf-8")).get("deploy_cpu") or {}).items():
+            if name not in CPU_SAFE:
+                raise ValueError(f"{manifest}: deploy_cpu.{name} is not a demo setting ({', '.join(CPU_SAFE)})")
+            values[name], sources[name] = value, f"shipped policy ({shipped.MANIFEST} deploy_cpu)"
     for name, value in (flags or {}).items():
         if value is not None:
             values[name], sources[name] = value, "flag"
@@ -209,7 +218,8 @@ def merge_into(path: Path, section: dict[str, Any]) -> None:
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="vla_demo --sim", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default="", help="trained checkpoint directory (empty: embedded random weights)")
+    ap.add_argument("--checkpoint", default="", help="trained checkpoint directory or shipped policy name "
+                    "(metaworld_mt3; empty: embedded random weights)")
     ap.add_argument("--task", default="drawer-close", choices=TASK_KEYS)
     ap.add_argument("--episodes", type=int, default=5)
     ap.add_argument("--horizon", type=int, default=registry.BY_NAME["horizon"].default)
@@ -241,7 +251,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.episodes < 1 or args.horizon < 1:
             raise ValueError("--episodes and --horizon must be >= 1")
         if args.checkpoint and not Path(args.checkpoint).is_dir():
-            raise ValueError(f"--checkpoint {args.checkpoint} is not a directory")
+            named = shipped.shipped_policy(args.checkpoint)  # ShippedPolicyError is a ValueError
+            if named is None:
+                raise ValueError(f"--checkpoint {args.checkpoint} is neither a directory nor a shipped policy "
+                                 f"({', '.join(shipped.shipped_names()) or 'none'})")
+            args.checkpoint = str(named)
         values, sources = deploy_settings(args.checkpoint, flags)
         setting = Setting("model", args.task, args.backend, values["eviction_policy"], 0,
                           values["deadline_ms"], 0.0, args.checkpoint)
@@ -256,7 +270,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         image_width=values["image_width"], image_height=values["image_height"], seed_start=args.seed_start,
         checkpoint=args.checkpoint, startup_timeout_s=args.startup_timeout, domain_id=args.domain_id,
         camera_deadline_ms=values["camera_deadline_ms"], stale_after_ms=values["stale_after_ms"],
-        runtime_params=tuple(runtime_params))
+        runtime_params=tuple(runtime_params), camera_after_control=bool(values["camera_after_control"]))
     video_path = Path(args.video).resolve() if args.video else None
     sim_extra = {"video_path": str(video_path), "video_episode": 0} if video_path else None
     if video_path is not None:

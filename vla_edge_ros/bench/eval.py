@@ -295,6 +295,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                     "e.g. 0,20,50,100)")
     ap.add_argument("--backends", help=f"numpy, cuda (default {FULL['backends']})")
     ap.add_argument("--baselines", default=",".join(BASELINES), help="expert, random, hold (or 'none')")
+    ap.add_argument("--baselines-only", action="store_true",
+                    help="run the baselines' settings alone (e.g. more expert episodes than model ones)")
     ap.add_argument("--horizon", type=int, help=f"control steps per episode (default {FULL['horizon']})")
     ap.add_argument("--camera-hz", dest="camera_hz", type=float, help=f"default {FULL['camera_hz']:g}")
     ap.add_argument("--control-hz", dest="control_hz", type=float, default=registry.BY_NAME["control_hz"].default)
@@ -332,10 +334,18 @@ def build(args: argparse.Namespace) -> tuple[list[Setting], RunConfig]:
             raise ValueError(f"--runtime-param: unknown parameter {p.split(':=', 1)[0]!r}")
     baselines = [] if args.baselines.strip() == "none" else _csv(args.baselines)
     if args.checkpoint and not Path(args.checkpoint).is_dir():
-        raise ValueError(f"--checkpoint {args.checkpoint} is not a directory")
+        from vla_edge_ros.engine import shipped
+        named = shipped.shipped_policy(args.checkpoint)  # a shipped policy's name (ShippedPolicyError: ValueError)
+        if named is None:
+            raise ValueError(f"--checkpoint {args.checkpoint} is neither a directory nor a shipped policy")
+        args.checkpoint = str(named)
     settings = expand_grid(_csv(args.tasks), _csv(args.policies), _csv(args.kv_budgets),
                            [float(x) for x in _csv(args.deadlines)], [float(x) for x in _csv(args.latencies)],
                            _csv(args.backends), baselines, args.checkpoint)
+    if args.baselines_only:
+        settings = [st for st in settings if st.baseline]
+        if not settings:
+            raise ValueError("--baselines-only with --baselines none leaves nothing to run")
     period_ms = 1000.0 / args.camera_hz
     cfg = RunConfig(episodes=args.episodes, horizon=args.horizon, camera_hz=args.camera_hz,
                     control_hz=args.control_hz, image_width=args.image_wh[0] if args.image_wh else args.image_size,
