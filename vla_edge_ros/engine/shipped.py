@@ -12,10 +12,11 @@ shipped file changed by hand or truncated by an install must not run on a robot 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Optional
+
+from vla_edge_ros.engine.tiny_default import sha256_of
 
 POLICIES_DIR = Path(__file__).resolve().parent.parent / "policies"
 MANIFEST = "manifest.json"
@@ -29,14 +30,6 @@ def shipped_names() -> list[str]:
     if not POLICIES_DIR.is_dir():
         return []
     return sorted(p.name for p in POLICIES_DIR.iterdir() if (p / MANIFEST).is_file())
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def shipped_policy(name: str, verify: bool = True) -> Optional[Path]:

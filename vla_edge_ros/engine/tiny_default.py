@@ -51,7 +51,7 @@ def tiny_default_tensors() -> dict[str, np.ndarray]:
     return out
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -62,7 +62,7 @@ def _sha256(path: Path) -> str:
 def _is_complete(d: Path) -> bool:
     try:
         manifest = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
-        return (d / "config.json").is_file() and manifest.get("sha256") == _sha256(d / SINGLE_NAME)
+        return (d / "config.json").is_file() and manifest.get("sha256") == sha256_of(d / SINGLE_NAME)
     except (OSError, ValueError):
         return False
 
@@ -80,7 +80,7 @@ def ensure_tiny_default(cache_dir: str | Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}.tmp-", dir=root))
     try:
         write_checkpoint(tmp, tiny_default_dict(), tiny_default_tensors(), dtype="bfloat16", shards=1)
-        manifest = {"name": NAME, "seed": SEED, "sha256": _sha256(tmp / SINGLE_NAME)}
+        manifest = {"name": NAME, "seed": SEED, "sha256": sha256_of(tmp / SINGLE_NAME)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         if final.exists() and not _is_complete(final):
             # damaged earlier copy (ours to manage): move it aside, then remove it
