@@ -250,12 +250,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.episodes < 1 or args.horizon < 1:
             raise ValueError("--episodes and --horizon must be >= 1")
-        if args.checkpoint and not Path(args.checkpoint).is_dir():
-            named = shipped.shipped_policy(args.checkpoint)  # ShippedPolicyError is a ValueError
-            if named is None:
-                raise ValueError(f"--checkpoint {args.checkpoint} is neither a directory nor a shipped policy "
-                                 f"({', '.join(shipped.shipped_names()) or 'none'})")
-            args.checkpoint = str(named)
+        if args.checkpoint:
+            args.checkpoint = str(shipped.resolve(args.checkpoint))  # ShippedPolicyError is a ValueError
+            if not Path(args.checkpoint).is_dir():
+                raise ValueError(f"--checkpoint {args.checkpoint} is not a directory")
         values, sources = deploy_settings(args.checkpoint, flags)
         setting = Setting("model", args.task, args.backend, values["eviction_policy"], 0,
                           values["deadline_ms"], 0.0, args.checkpoint)

@@ -333,12 +333,11 @@ def build(args: argparse.Namespace) -> tuple[list[Setting], RunConfig]:
         if p.split(":=", 1)[0] not in registry.BY_NAME:
             raise ValueError(f"--runtime-param: unknown parameter {p.split(':=', 1)[0]!r}")
     baselines = [] if args.baselines.strip() == "none" else _csv(args.baselines)
-    if args.checkpoint and not Path(args.checkpoint).is_dir():
+    if args.checkpoint:
         from vla_edge_ros.engine import shipped
-        named = shipped.shipped_policy(args.checkpoint)  # a shipped policy's name (ShippedPolicyError: ValueError)
-        if named is None:
-            raise ValueError(f"--checkpoint {args.checkpoint} is neither a directory nor a shipped policy")
-        args.checkpoint = str(named)
+        args.checkpoint = str(shipped.resolve(args.checkpoint))  # a path or a shipped name (a ValueError if neither)
+        if not Path(args.checkpoint).is_dir():
+            raise ValueError(f"--checkpoint {args.checkpoint} is not a directory")
     settings = expand_grid(_csv(args.tasks), _csv(args.policies), _csv(args.kv_budgets),
                            [float(x) for x in _csv(args.deadlines)], [float(x) for x in _csv(args.latencies)],
                            _csv(args.backends), baselines, args.checkpoint)

@@ -51,19 +51,11 @@ def _cuda_probe() -> tuple[Any, str]:
 
 def resolve_checkpoint(checkpoint: str) -> Path:
     if checkpoint:
-        path = Path(checkpoint).expanduser()
-        if not path.exists():
-            from vla_edge_ros.engine import shipped
-            try:
-                named = shipped.shipped_policy(checkpoint)
-            except shipped.ShippedPolicyError as exc:
-                raise EngineError(str(exc)) from exc
-            if named is not None:  # a name of a policy shipped in the package (engine/shipped.py)
-                return named
-            names = shipped.shipped_names()
-            raise EngineError(f"checkpoint {path}: no such directory"
-                              + (f", nor a shipped policy ({', '.join(names)})" if names else ""))
-        return path
+        from vla_edge_ros.engine import shipped
+        try:
+            return shipped.resolve(checkpoint)  # a path, or the name of a policy shipped in the package
+        except shipped.ShippedPolicyError as exc:
+            raise EngineError(str(exc)) from exc
     from vla_edge_ros.engine.tiny_default import ensure_tiny_default
     return ensure_tiny_default()
 

@@ -32,7 +32,7 @@ def shipped_names() -> list[str]:
     return sorted(p.name for p in POLICIES_DIR.iterdir() if (p / MANIFEST).is_file())
 
 
-def shipped_policy(name: str, verify: bool = True) -> Optional[Path]:
+def shipped_policy(name: str) -> Optional[Path]:
     """The directory of shipped policy ``name``, None when there is none of that name; verified against its
     manifest (ShippedPolicyError when a file does not match)."""
     if not name or "/" in name or name.startswith("."):
@@ -40,14 +40,27 @@ def shipped_policy(name: str, verify: bool = True) -> Optional[Path]:
     d = POLICIES_DIR / name
     if not (d / MANIFEST).is_file():
         return None
-    if verify:
-        manifest = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
-        for fname, want in manifest["sha256"].items():
-            f = d / fname
-            if not f.is_file():
-                raise ShippedPolicyError(f"shipped policy {name}: {fname} is missing from {d}")
-            got = sha256_of(f)
-            if got != want:
-                raise ShippedPolicyError(f"shipped policy {name}: {fname} has SHA-256 {got[:12]}..., the manifest "
-                                         f"says {want[:12]}...; reinstall the package")
+    manifest = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
+    for fname, want in manifest["sha256"].items():
+        f = d / fname
+        if not f.is_file():
+            raise ShippedPolicyError(f"shipped policy {name}: {fname} is missing from {d}")
+        got = sha256_of(f)
+        if got != want:
+            raise ShippedPolicyError(f"shipped policy {name}: {fname} has SHA-256 {got[:12]}..., the manifest "
+                                     f"says {want[:12]}...; reinstall the package")
     return d
+
+
+def resolve(checkpoint: str) -> Path:
+    """A checkpoint parameter -> its path: the path itself when anything exists there, else the shipped policy
+    of that name (the one rule for the runtime, the demo and the eval). ShippedPolicyError when it is neither."""
+    path = Path(checkpoint).expanduser()
+    if path.exists():
+        return path
+    named = shipped_policy(checkpoint)
+    if named is not None:
+        return named
+    names = shipped_names()
+    raise ShippedPolicyError(f"checkpoint {path}: no such directory"
+                             + (f", nor a shipped policy ({', '.join(names)})" if names else ""))

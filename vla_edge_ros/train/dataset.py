@@ -43,8 +43,8 @@ so the policy never sees positions it was not trained at.
 Images are resized to the checkpoint's patch_grid * patch_size with engine/vision.py's own resize (exact, no
 copy when the bag is recorded at that size) and shifted by up to ``shift_px`` pixels (edge padding; the same
 shift for all frames of a sample) as augmentation, optionally with a brightness offset per sample and Gaussian
-pixel noise (ContextSpec.brightness / pixel_noise: renderers and cameras differ by a few levels). Episodes are split into train / held-out by a seeded
-permutation, and q01/q99 come from the training episodes only.
+pixel noise (ContextSpec.brightness / pixel_noise: renderers and cameras differ by a few levels). Episodes are
+split into train / held-out by a seeded permutation, and q01/q99 come from the training episodes only.
 
 Batches are drawn as indices (Rows: episode, frame steps, shift per sample; vectorised, no per-sample loop), so
 the trainer can gather them from one frame tensor on its device (train/trainer.py DeviceData); ``to_batch``
