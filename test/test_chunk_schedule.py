@@ -3,7 +3,7 @@ InferenceLoop running chunks of H = 4 on a fake clock; H = 1 is today's single-s
 import numpy as np
 import pytest
 
-from test_inference_loop import ADMITTED, REFUSED, FakeEngine, Harness, frame  # the loop's fake engine / clock
+from test_inference_loop import ADMITTED, REFUSED, FakeEngine, Frame, Harness, frame  # the loop's fake engine / clock
 
 from vla_edge_ros.core.admission import CycleClock
 from vla_edge_ros.core.chunk_schedule import ChunkSchedule, horizon_problem
@@ -90,7 +90,7 @@ def test_loop_delivers_the_chunk_with_its_frame_stamp():
     assert result.chunk.shape == (4, 7) and result.frame_stamp_ns == f.stamp_ns == 3 * 33 * MS
     np.testing.assert_allclose(result.chunk[:, 0], [3.0, 3.1, 3.2, 3.3])
     assert h.loop.stats()["chunk_schedule"] == {"action_horizon": 4, "execution_horizon_steps": 2,
-                                                "execution_steps": 2, "overlap_steps": 2}
+                                                "execution_steps": 2, "overlap_steps": 2, "step_ms": 33.0}
 
 
 def test_a_chunk_slower_than_deadline_ms_is_admitted_when_the_executing_chunk_covers_it():
@@ -122,6 +122,64 @@ def test_loop_thread_skips_the_cycles_before_the_execution_horizon():
     assert h.loop._chunk_due()
 
 
+def chunk_harness_5hz(step_ms=200.0):
+    """H = 4, e = 2 at 30 Hz cycles, the policy's steps 200 ms (a 5 Hz policy, chunk_step_hz), fast chunks."""
+    h = Harness(action_horizon=4, execution_horizon_steps=2, deadline_ms=180.0, step_ms=step_ms)
+    h.engine = ChunkEngine(h.clock, 4, prefill_ms=6.0, decode_ms=8.0)
+    h.loop.engine = h.engine
+    return h
+
+
+def test_a_policy_step_period_apart_from_the_cycles_sets_the_chunk_deadline():
+    h = chunk_harness_5hz()
+    # overlap 2 steps of 200 ms (not of the 33 ms cycle) minus the 2 ms margin
+    assert h.loop.deadline_fit()["budget_ms"] == pytest.approx(398.0)
+    assert h.loop.stats()["chunk_schedule"]["step_ms"] == 200.0
+    h.loop.update(step_ms=100.0)
+    h.loop.apply_pending_updates()
+    assert h.loop.deadline_fit()["budget_ms"] == pytest.approx(198.0)
+    with pytest.raises(ValueError, match="step_ms must be a positive"):
+        h.loop.update(step_ms=0.0)
+
+
+def test_a_camera_slower_than_the_cycles_starts_the_next_chunk_when_its_frame_arrives():
+    """5 Hz frames (stamped every 200 ms, each arriving 30 ms after its stamp), 33 ms cycles, e = 2 steps of 200
+    ms: the next chunk is due at the first cycle after the frame stamped 2 steps after the executing chunk's
+    frame arrives, not at the cycle 2 steps after the executing chunk's cycle (when only a frame one step older
+    than wanted, already ~170 ms old, exists)."""
+
+    h = chunk_harness_5hz()
+    img = np.full((8, 8, 3), 100, np.uint8)
+    t0 = 10_000 * MS
+    frames = [Frame(img, stamp_ns=t0 + k * 200 * MS, received_ns=t0 + k * 200 * MS + 30 * MS, frame_id=k)
+              for k in range(5)]
+    started = []
+    for c in range(int(900 / 33)):  # cycles from t0 + 30 ms
+        now = t0 + 30 * MS + c * 33 * MS
+        h.clock.t = now
+        for f in frames:  # the camera writes every frame received by now
+            if f.received_ns <= now and (h.buffer.peek() is None or h.buffer.peek().frame_id < f.frame_id):
+                h.buffer.write(f)
+        if h.loop._chunk_due():
+            f = h.buffer.read_latest()
+            if f is not None:
+                assert h.loop.step(f) == ADMITTED
+                started.append((f.frame_id, (now - f.stamp_ns) // MS))
+    # frame 0 at once; then frame 2 (400 ms later), then frame 4, each started within a cycle of its arrival
+    assert [fid for fid, _ in started] == [0, 2, 4]
+    assert all(age <= 30 + 33 for _, age in started), started
+    # without stamps the cycle rule applies: due 2 steps after the executing chunk's cycle
+    h2 = chunk_harness_5hz()
+    h2.clock.t = t0
+    assert h2.loop.step(Frame(img, stamp_ns=0, received_ns=t0, frame_id=0)) == ADMITTED
+    h2.buffer.write(Frame(img, stamp_ns=0, received_ns=t0, frame_id=1))
+    cyc0 = h2.loop.clock.cycle_start(t0)
+    h2.clock.t = cyc0 + 300 * MS - 1
+    assert not h2.loop._chunk_due()
+    h2.clock.t = cyc0 + 300 * MS + 33 * MS
+    assert h2.loop._chunk_due()
+
+
 def test_chunk_result_built_with_one_action_is_a_chunk_of_one():
     r = ChunkResult(1, np.zeros(9, np.int64), np.zeros(7, np.int64), np.arange(7, dtype=np.float32), 1.0, 1.0, 2.0)
     assert r.chunk.shape == (1, 7) and r.horizon == 1 and np.array_equal(r.chunk[0], r.action)
@@ -143,11 +201,12 @@ def test_the_loop_thread_starts_a_chunk_every_execution_horizon():
                          wait_timeout_s=0.02, action_horizon=4, execution_horizon_steps=3)
     stop = threading.Event()
 
-    def camera():  # faster than the 20 ms cycle: a fresh frame is always there
+    def camera():  # faster than the 20 ms cycle: a fresh frame is always there, stamped when taken
         i = 0
         while not stop.is_set():
             i += 1
-            buf.write(frame(i))
+            now = time.monotonic_ns()
+            buf.write(Frame(frame(i).image, stamp_ns=now, received_ns=now, frame_id=i))
             time.sleep(0.004)
 
     cam = threading.Thread(target=camera)

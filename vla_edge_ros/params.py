@@ -142,6 +142,8 @@ PARAMS: tuple[ParamSpec, ...] = (
     # ---- action publisher -------------------------------------------------------------------------------
     ParamSpec("action_rate_hz", float, 30.0, "rate of the action publisher timer", ACTION, min=1.0, max=1000.0,
               live=True, applies="next tick (timer re-created)"),
+    ParamSpec("chunk_step_hz", float, 0.0, "rate of a chunk's steps (the policy's); 0: action_rate_hz", ACTION,
+              min=0.0, max=1000.0),
     ParamSpec("stale_after_ms", float, 200.0, "hold (zero motion, gripper unchanged) once the newest frame or "
               "action is older than this", ACTION, min=1.0, max=600000.0, live=True, applies="next tick"),
     ParamSpec("action_topic", str, "/vla/action", "sensor_msgs/JointState published every tick", ACTION),

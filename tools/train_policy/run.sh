@@ -22,11 +22,13 @@ STAGE=${STAGE:-v3}
 # renders trained on, per-pixel |d| std ~3 (render_probe.py); AUG="" reproduces the checkpoints of 2026-12-02
 AUG=${AUG---brightness 4 --pixel-noise 3}
 EXEC=""
+# v4's weights: results/policy_h200_v4 when carried, else the shipped copy of it (vla_edge_ros/policies/metaworld_mt3)
+V4=$PWD/results/policy_h200_v4; [ -f $V4/model.safetensors ] || V4=$PWD/vla_edge_ros/policies/metaworld_mt3
 case $STAGE in
   v3) CONTINUE="" ;;
   v4) CONTINUE="--init $PWD/results/policy_h200_v3 --lr 6e-4" ;;
-  c4) CONTINUE="--init $PWD/results/policy_h200_v4 --lr 6e-4 --action-horizon 4 --frame-stride 2"; EXEC="--exec-steps 2" ;;
-  p4) CONTINUE="--init $PWD/results/policy_h200_v4 --lr 6e-4 --action-horizon 4 --frame-stride 2 --chunk-decode parallel"
+  c4) CONTINUE="--init $V4 --lr 6e-4 --action-horizon 4 --frame-stride 2"; EXEC="--exec-steps 2" ;;
+  p4) CONTINUE="--init $V4 --lr 6e-4 --action-horizon 4 --frame-stride 2 --chunk-decode parallel"
       EXEC="--exec-steps 2" ;;
   *) echo "STAGE must be v3, v4, c4 or p4, got $STAGE"; exit 2 ;;
 esac
@@ -36,9 +38,12 @@ export PYTHONUNBUFFERED=1
 for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig
 export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json MUJOCO_GL=egl
 # a warm machine keeps .cache/dev_site from the previous call, so .whl_sim (57 MB) need not be carried again
-if [ -d .whl_sim ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $PWD/.cache/dev_site .whl_sim/*.whl || exit 1
-fi
+# (or it may come in parts, .whl_sim_*, over calls: the tracked tree + 57 MB is more than one call carries)
+for d in .whl_sim .whl_sim_*; do
+  [ -d $d ] || continue
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $PWD/.cache/dev_site $d/*.whl || exit 1
+done
+[ "$INSTALL_ONLY" = 1 ] && { el "installed only"; exit 0; }
 export PYTHONPATH=$PWD/.cache/dev_site:$PWD
 el "installed"; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader; nproc
 python3 -c "import rosbags, metaworld, mujoco, torch, matplotlib, yaml, PIL; print('imports ok', torch.__version__, mujoco.__version__)" || exit 1

@@ -146,7 +146,8 @@ def runtime_overrides(setting: Setting, cfg: RunConfig) -> dict[str, dict[str, A
                  "kv_budget_tokens": setting.kv_budget_tokens, "deadline_ms": float(setting.deadline_ms),
                  "instruction": setting.instruction, "checkpoint": setting.checkpoint}
     camera = {"camera_deadline_ms": float(cfg.camera_deadline_ms)}
-    action = {"stale_after_ms": float(cfg.stale_after_ms)}
+    # a chunk's steps are the sim's control steps (the period the policy was trained at); the publisher stays faster
+    action = {"stale_after_ms": float(cfg.stale_after_ms), "chunk_step_hz": float(cfg.control_hz)}
     reasons = registry.validate_all({**inference, **camera, **action},
                                     prefix_tokens=len(setting.instruction.encode("utf-8")))
     if reasons:

@@ -72,12 +72,14 @@ class InferenceLoop:
                  decode_tokens: int = 8, saliency_threshold: float = 0.2, late_discard_ms: Optional[float] = None,
                  wait_timeout_s: float = 0.1, time_ns: Callable[[], int] = time.monotonic_ns,
                  thread_name: str = "vla_inference_loop", thread_nice: int = 0, action_horizon: int = 1,
-                 execution_horizon_steps: int = 0, force_committed_steps: bool = False) -> None:
+                 execution_horizon_steps: int = 0, force_committed_steps: bool = False,
+                 step_ms: Optional[float] = None) -> None:
         """``late_discard_ms``: a chunk finishing more than this past its deadline has its action discarded
         (default: one period). ``time_ns``: monotonic clock (injectable for tests). ``thread_nice``: nice
         increment applied to the loop's own thread (see :meth:`_lower_thread_priority`). ``action_horizon``,
         ``execution_horizon_steps``: the chunk schedule (core/chunk_schedule.py). ``force_committed_steps``:
-        force-decode the committed prefix (core/committed_prefix.py)."""
+        force-decode the committed prefix (core/committed_prefix.py). ``step_ms``: the period of a chunk's
+        steps (the policy's control period) when it differs from the cycle period (None: the cycle period)."""
         if decode_tokens < 1:
             raise ValueError(f"decode_tokens must be >= 1, got {decode_tokens}")
         if not 0 <= int(thread_nice) <= 19:
@@ -95,13 +97,16 @@ class InferenceLoop:
         self.thread_name = thread_name
         check_loop_values({"period_ms": period_ms, "saliency_threshold": saliency_threshold,
                            "force_committed_steps": force_committed_steps,
+                           **({} if step_ms is None else {"step_ms": step_ms}),
                            **({} if late_discard_ms is None else {"late_discard_ms": late_discard_ms})})
         self.clock = CycleClock(period_ms, start_ns=time_ns())
         self.schedule = ChunkSchedule(action_horizon, execution_horizon_steps)
         self._executing_start_ns: Optional[int] = None  # cycle start of the last chunk delivered (executing)
+        self._executing_stamp_ns: Optional[int] = None  # and its frame's stamp (None: unstamped)
         self.committed = CommittedPrefix(force_committed_steps, action_horizon)  # that chunk's bins, the counts
         self.saliency_threshold = float(saliency_threshold)
         self.late_discard_ms = None if late_discard_ms is None else float(late_discard_ms)
+        self.step_ms = None if step_ms is None else float(step_ms)
 
         self._lock = threading.Lock()  # guards _pending (update() runs on a parameter-callback thread)
         self._pending: dict[str, Any] = {}
@@ -175,6 +180,8 @@ class InferenceLoop:
             self.late_discard_ms = float(pending["late_discard_ms"])
         if "execution_horizon_steps" in pending:
             self.schedule.set_execution_horizon(pending["execution_horizon_steps"])
+        if "step_ms" in pending:
+            self.step_ms = float(pending["step_ms"])
         if "period_ms" in pending:
             self.clock.set_period_ms(float(pending["period_ms"]), start_ns=self._time_ns())
             self._served_cycle = None
@@ -223,7 +230,7 @@ class InferenceLoop:
         robot repeats / holds, save the periodic probes) until the estimate comes down: a GPU too slow for the
         model, or a deadline too tight for it. None before any estimate exists (the first chunk is admitted)."""
         adm = self.admission
-        budget = self.schedule.deadline_ms(adm.deadline_ms, self.clock.period_ms) - adm.safety_margin_ms
+        budget = self.schedule.deadline_ms(adm.deadline_ms, self._step_ns() / 1e6) - adm.safety_margin_ms
         if not adm.seeded:
             return {"estimate_ms": None, "budget_ms": budget, "fits": None}
         estimate = adm.estimate_ms(self.decode_tokens)
@@ -300,6 +307,7 @@ class InferenceLoop:
             self._emit("chunk_late_discarded", {"frame_id": frame_id, "late_ms": late_ms, "chunk_ms": total_ms})
             return LATE
         self._executing_start_ns = cycle_start
+        self._executing_stamp_ns = stamp_ns or None
         try:
             result.frame_stamp_ns = stamp_ns
         except AttributeError:
@@ -342,12 +350,27 @@ class InferenceLoop:
         return ((self._time_ns() if now_ns is None else now_ns) - since) / 1e6
 
     def _step_ns(self) -> int:
-        return max(1, int(round(self.clock.period_ms * 1e6)))
+        """A chunk step's period: ``step_ms`` when set (a policy trained at another rate than the cycles), else
+        the cycle period."""
+        return max(1, int(round((self.clock.period_ms if self.step_ms is None else self.step_ms) * 1e6)))
 
     def _chunk_due(self) -> bool:
-        """Is a chunk due in this cycle (ChunkSchedule.due)? When not, the cycle is served without one."""
+        """Is a chunk due in this cycle (ChunkSchedule.due)? When not, the cycle is served without one.
+
+        The executing chunk's steps are timed by its frame's stamp, so with stamped frames the next chunk is due
+        once the newest frame is stamped e steps after it: with a camera slower than the cycles (5 Hz against 30)
+        the chunk then starts when that frame arrives, not at a cycle boundary up to a camera period after it
+        (when the frame would already be that much older, and its first steps past before the chunk is in).
+        Unstamped frames, or no frame yet, use the cycle starts."""
         now = self._time_ns()
-        if self.schedule.due(self.clock.cycle_start(now), self._executing_start_ns, self._step_ns()):
+        step = self._step_ns()
+        newest = self.buffer.peek() if self._executing_stamp_ns is not None else None
+        stamp = int(getattr(newest, "stamp_ns", 0) or 0) if newest is not None else 0
+        if stamp:
+            due = self.schedule.due(stamp, self._executing_stamp_ns, step)
+        else:
+            due = self.schedule.due(self.clock.cycle_start(now), self._executing_start_ns, step)
+        if due:
             return True
         self._served_cycle = self.clock.cycle_index(now)
         self.cycles_not_due += 1
@@ -434,7 +457,7 @@ class InferenceLoop:
         self._stop.clear()
         self.clock.set_period_ms(self.clock.period_ms, start_ns=self._time_ns())
         self._served_cycle = None
-        self._executing_start_ns = None
+        self._executing_start_ns = self._executing_stamp_ns = None
         self.committed.forget()
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
@@ -465,7 +488,8 @@ class InferenceLoop:
         """Resume; frames that arrived while paused are discarded (counted) by the loop thread, so the first
         chunk after resuming uses a frame received after it."""
         self._resume_written = self.buffer.written
-        self._executing_start_ns = None  # the action side held while paused: nothing is executing
+        # the action side held while paused: nothing is executing
+        self._executing_start_ns = self._executing_stamp_ns = None
         self.committed.forget()
         self._resumed.set()
         self._emit("resumed", {})
@@ -481,7 +505,7 @@ class InferenceLoop:
             "paused": self.paused,
             "thread_nice": self.thread_nice_applied,
             **{name: getattr(self, name) for name in COUNTERS},
-            "chunk_schedule": self.schedule.stats(),
+            "chunk_schedule": {**self.schedule.stats(), "step_ms": self._step_ns() / 1e6},
             "committed_prefix": self.committed.stats(),
             "last_error": self.last_error,
             "in_flight_ms": self.in_flight_ms(),

@@ -15,7 +15,7 @@ from vla_edge_ros import params
 from vla_edge_ros.core.chunk_schedule import horizon_problem
 
 ADMISSION_KEYS = ("deadline_ms", "safety_margin_ms", "ema_alpha", "cost_quantile")
-LOOP_KEYS = ("saliency_threshold", "period_ms", "late_discard_ms", "execution_horizon_steps")
+LOOP_KEYS = ("saliency_threshold", "period_ms", "step_ms", "late_discard_ms", "execution_horizon_steps")
 KV_KEYS = ("kv_budget_tokens", "eviction_policy", "window_frames")  # applied by engine.apply_kv_changes
 LIVE_KEYS = ADMISSION_KEYS + LOOP_KEYS + KV_KEYS  # everything update() takes
 
@@ -28,7 +28,7 @@ def check_loop_values(values: Mapping[str, Any], horizon: int = 1) -> None:
             r = params.validate(k, v)
             if r:
                 reasons.append(r)
-        elif k in ("period_ms", "late_discard_ms"):
+        elif k in ("period_ms", "step_ms", "late_discard_ms"):
             try:
                 fv = float(v)
             except (TypeError, ValueError):

@@ -6,7 +6,8 @@ due now and publishes, always:
   header.stamp = stamp of the source camera frame, header.frame_id = kind ('fresh' | 'repeat' | 'hold');
 - diagnostic_msgs/DiagnosticStatus on ``action_status_topic``: kind, source stamp, age_ms, seq, reason, step.
 
-A chunk's step k is due at its frame stamp + k * this node's control period (``1 / action_rate_hz``); chunks
+A chunk's step k is due at its frame stamp + k * dt, dt = ``1 / chunk_step_hz`` (the control period the policy was
+trained at) or, when that is 0, this node's control period (``1 / action_rate_hz``); chunks
 that overlap are merged by ``chunk_merge``. With the checkpoint's action_horizon H = 1 (today's models) the
 executor is the former ActionArbiter exactly: fresh, then repeat, then hold after ``stale_after_ms``
 (measured on this machine's receive clock, so clock skew between hosts cannot stall it).
@@ -106,8 +107,10 @@ class ActionNode(Node):
 
     @property
     def step_ns(self) -> int:
-        """The executor's step period: this node's control period."""
-        return int(round(1e9 / float(self.params.get("action_rate_hz"))))
+        """The executor's step period: ``chunk_step_hz`` (the policy's control rate) when set, else this node's
+        control period."""
+        hz = float(self.params.get("chunk_step_hz"))
+        return int(round(1e9 / (hz if hz > 0.0 else float(self.params.get("action_rate_hz")))))
 
     def offer_chunk(self, chunk: Any, frame_stamp_ns: int) -> bool:
         """Offer a chunk ((H, D), or a flat D vector for H = 1) computed from the frame stamped ``frame_stamp_ns``;

@@ -59,7 +59,8 @@ class InferenceNode(LifecycleNode):
 
     def __init__(self, frame_buffer: DoubleBuffer, arbiter: Any = None, publish_fresh: bool = False,
                  on_action_names: Callable[[Sequence[str]], None] | None = None,
-                 action_rate_hz: Callable[[], float] | None = None, **node_kwargs):
+                 action_rate_hz: Callable[[], float] | None = None,
+                 chunk_step_hz: Callable[[], float] | None = None, **node_kwargs):
         super().__init__(self.NODE_NAME, **node_kwargs)
         self.params = ParamBridge(self, registry.INFERENCE, on_change=self._on_params,
                                   prefix_tokens=self._prefix_tokens)
@@ -67,6 +68,7 @@ class InferenceNode(LifecycleNode):
         self.arbiter = arbiter  # role all: fresh actions are offered directly (shared object, no DDS hop)
         self._on_action_names = on_action_names
         self._action_rate_hz = action_rate_hz
+        self._chunk_step_hz = chunk_step_hz
         self.chunk_errors = 0
         self._fresh_pub = None
         if publish_fresh:  # role edge: fresh actions go to the robot process over DDS
@@ -182,7 +184,8 @@ class InferenceNode(LifecycleNode):
                                       thread_nice=values["inference_thread_nice"],
                                       action_horizon=self.action_horizon,
                                       execution_horizon_steps=values["execution_horizon_steps"],
-                                      force_committed_steps=values["force_committed_steps"])
+                                      force_committed_steps=values["force_committed_steps"],
+                                      step_ms=self._set_step_ms())
             self.warmup_stats = self.loop.warmup(values["warmup_chunks"])
             self._note_memory()
         except Exception as exc:
@@ -290,8 +293,8 @@ class InferenceNode(LifecycleNode):
         occ = int(getattr(result, "kv_occupancy_tokens", 0) or 0)
         self.occupancy_tokens = occ
         self.max_occupancy_tokens = max(self.max_occupancy_tokens, occ)
-        if self.arbiter is not None:  # role all: steps of the action node's control period
-            self.arbiter.offer(chunk, stamp_ns, int(round(self.cycle_period_ms() * 1e6)), now_ns)
+        if self.arbiter is not None:  # role all: steps of the action node's chunk step period
+            self.arbiter.offer(chunk, stamp_ns, int(round(self.chunk_step_ms() * 1e6)), now_ns)
         if self._fresh_pub is not None:
             self._fresh_pub.publish(conversions.fresh_chunk_to_msg(chunk, stamp_ns, self.action_names,
                                                                    self.fresh_count))
@@ -316,9 +319,20 @@ class InferenceNode(LifecycleNode):
             registry.BY_NAME["action_rate_hz"].default
         return 1000.0 / float(rate)
 
+    def _set_step_ms(self) -> float | None:
+        """The loop's ``step_ms``: None (the cycle period, which follows action_rate_hz) unless the action node's
+        chunk_step_hz (role all) is set; an edge process has no action node: its steps are its cycles."""
+        hz = float(self._chunk_step_hz()) if self._chunk_step_hz is not None else 0.0
+        return 1000.0 / hz if hz > 0.0 else None
+
+    def chunk_step_ms(self) -> float:
+        """Period of an action chunk's steps (``_set_step_ms``, else the cycle period)."""
+        step = self._set_step_ms()
+        return self.cycle_period_ms() if step is None else step
+
     def set_cycle_rate(self, rate_hz: float) -> None:
         if self.loop is not None:
-            self.loop.update(period_ms=1000.0 / float(rate_hz))
+            self.loop.update(period_ms=1000.0 / float(rate_hz))  # steps follow it unless chunk_step_hz is set
 
     def _on_params(self, changes: dict) -> None:
         loop = self.loop

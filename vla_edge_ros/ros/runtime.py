@@ -168,6 +168,8 @@ class Runtime:
                 on_action_names=self.action.set_action_names if self.action is not None else None,
                 action_rate_hz=(lambda: self.action.params.get("action_rate_hz")) if self.action is not None
                 else None,
+                chunk_step_hz=(lambda: self.action.params.get("chunk_step_hz")) if self.action is not None
+                else None,
                 **node_kw(registry.INFERENCE))
         if self.action is not None and self.inference is not None:
             self.action.on_rate_change = self.inference.set_cycle_rate
