@@ -1,7 +1,7 @@
 """The chunk shape (issue 23 §1, ``vla.action_start``): "token" (the seed shape: the prefill gives an action-start
 token, then decode_tokens steps) and "prefill" (the prefill's last logits give bin 1, then action_dims - 1 steps:
 7 passes for 7 bins). The numpy backend, which decodes with exact speculative drafts, must equal the plain
-reference forward (engine/reference.py) for both; the CUDA backend refuses the new shape by name.
+reference forward (engine/reference.py) for both; the CUDA backend runs both (its GPU test: test_cuda_quant.py).
 """
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from vla_edge_ros.core.kv.manager import KVManager
 from vla_edge_ros.engine import reference as R
 from vla_edge_ros.engine.checkpoint import expected_shapes
 from vla_edge_ros.engine.config import ACTION_STARTS, ModelConfig, ModelConfigError, tiny_default_dict
-from vla_edge_ros.engine.cuda.engine import CudaEngine, unsupported_reason
+from vla_edge_ros.engine.cuda.engine import unsupported_reason
 from vla_edge_ros.engine.factory import make_engine
-from vla_edge_ros.engine.interface import EngineError
 from vla_edge_ros.engine.numpy_backend import NumpyEngine
 from vla_edge_ros.engine.tiny_default import ensure_tiny_default
 
@@ -130,13 +129,10 @@ def test_the_prefill_shape_is_the_seed_chain_without_its_start_and_end_tokens():
 
 # ---- the CUDA backend and the factory -----------------------------------------------------------------------------
 
-def test_the_cuda_backend_refuses_the_new_shape_by_name():
+def test_the_cuda_backend_takes_both_shapes():
+    # the 7-pass shape on the GPU: test/test_cuda_quant.py::test_the_7_pass_shape_matches_the_numpy_engine_in_bf16
     assert unsupported_reason(cfg_for("token")) is None and unsupported_reason(cfg_for()) is None
-    why = unsupported_reason(cfg_for("prefill"))
-    assert why and "vla.action_start='prefill'" in why and "numpy" in why
-    cfg = cfg_for("prefill")
-    with pytest.raises(EngineError, match=r"vla\.action_start='prefill': the CUDA backend decodes the seed"):
-        CudaEngine(cfg, random_weights(cfg), kv_for(cfg), instruction=INSTRUCTION)  # refused before any CUDA
+    assert unsupported_reason(cfg_for("prefill")) is None
 
 
 def test_make_engine_runs_a_checkpoint_of_the_new_shape(tmp_path):

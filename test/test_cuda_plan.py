@@ -372,11 +372,14 @@ def test_kernel_table_matches_the_sources(fname):
 
 
 # ------------------------------------------------------------------------------------------------- forward
-def _fake_buffers(cfg: ModelConfig, slots: int):
+def _fake_buffers(cfg: ModelConfig, slots: int, quantized: bool = False):
+    from vla_edge_ros.engine.cuda.buffers import LayerWeights
     ptr = iter(range(1 << 20, 1 << 44, 1 << 20))
     NS = types.SimpleNamespace
-    w = NS(layers=[NS(**{k: next(ptr) for k in ("wqkv", "bqkv", "wo", "wgu", "wd", "ln1", "ln2")})
-                   for _ in range(cfg.num_hidden_layers)], embed=next(ptr), final_norm=next(ptr), head_rows=next(ptr))
+    w = NS(layers=[LayerWeights(**{k: next(ptr) for k in LayerWeights._fields
+                                   if quantized or k[0] not in "sz"})
+                   for _ in range(cfg.num_hidden_layers)], embed=next(ptr), final_norm=next(ptr), head_rows=next(ptr),
+           quantized=quantized)
     a = NS(**{n: next(ptr) for n in ("x_pre h_bf qkv attn_bf act_bf final_h x_dec q_dec attn_dec act_dec "
                                      "final_h_dec logits tok_buf meta").split()})
     kc, vc = next(ptr), next(ptr)
@@ -386,9 +389,9 @@ def _fake_buffers(cfg: ModelConfig, slots: int):
     return w, a, kv
 
 
-def _record_chunk(cfg: ModelConfig, p, slots: int) -> list[tuple]:
+def _record_chunk(cfg: ModelConfig, p, slots: int, quantized: bool = False) -> list[tuple]:
     """(kernel, grid, serial) of every launch of a chunk, each checked against the table's signature."""
-    w, a, kv = _fake_buffers(cfg, slots)
+    w, a, kv = _fake_buffers(cfg, slots, quantized)
     rec = []
 
     def k(launch, *args, serial=False):
@@ -418,3 +421,15 @@ def test_forward_launches_match_the_table_and_the_layered_sequence(geometry):
     assert len(rec) == 8 * L + 3 + 8 * (6 * L + 3)
     # only the first launch of the prefill and of the decode start without a programmatic edge
     assert [i for i, (_, s) in enumerate(rec) if s] == [0, 8 * L + 3]
+
+
+@pytest.mark.parametrize("weight_dtype", ["int8", "fp8", "int4"])
+def test_a_quantised_chunk_launches_the_quantised_kernels_with_their_scales_and_zero_points(weight_dtype):
+    from vla_edge_ros.engine.cuda.plan import KERNEL_SUFFIX, for_weight_dtype
+    cfg = cfg_of("1.5b")
+    p = for_weight_dtype(plan(cfg, Tuning(), limits(H200, cfg)), weight_dtype)
+    names = [name for name, _, _ in _record_chunk(cfg, p, 4104, quantized=True)]  # signatures checked inside
+    suffix = KERNEL_SUFFIX[weight_dtype]
+    L = cfg.num_hidden_layers
+    assert sum(n.endswith(suffix) for n in names) == 4 * L + 8 * 4 * L  # 4 GEMMs + 8 x 4 GEMVs per layer
+    assert names.count("gemv_logits") == 9 and "gemv_qkv" not in names

@@ -1,5 +1,6 @@
 """weight_dtype through the engines (issue 23): make_engine quantises at load or reads a pre-quantised checkpoint,
-the numpy backend computes with exactly the oracle's arithmetic, the CUDA backend refuses by name, and the memory
+the numpy backend computes with exactly the oracle's arithmetic, the CUDA backend takes every type (its GPU tests:
+test_cuda_quant.py), and the memory
 checks count the quantised sizes with one shared function.
 
 The oracle of a quantised engine is the same computation on engine/quant.py's dequantised weights: a bf16-path
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -155,24 +157,57 @@ def test_a_prequantized_checkpoint_in_another_weight_dtype_is_refused(tiny, tmp_
         NumpyEngine(cfg, Q.quantize_weights(w, "int8"), twin_kv(cfg), instruction=INSTRUCTION, weight_dtype="fp8")
 
 
-def test_the_cuda_backend_refuses_quantised_weights_by_name(tiny, monkeypatch):
+def test_the_cuda_backend_takes_every_weight_type_and_make_engine_hands_it_over(tiny, monkeypatch):
     ckpt, cfg, w = tiny
-    assert unsupported_reason(cfg, "bf16") is None
-    for wd in QUANTIZED:
-        why = unsupported_reason(cfg, wd)
-        assert why and f"weight_dtype={wd!r}" in why and "not written yet" in why
+    for wd in Q.WEIGHT_DTYPES:  # its kernels (cuda/wtype.cuh; GPU tests: test_cuda_quant.py)
+        assert unsupported_reason(cfg, wd) is None
     assert "is not one of" in unsupported_reason(cfg, "int2")
-    # the constructor refuses before it touches CUDA (so this runs without a GPU) ...
-    with pytest.raises(EngineError, match=r"weight_dtype='int4': the CUDA backend's quantised"):
-        CudaEngine(cfg, w, twin_kv(cfg), instruction=INSTRUCTION, weight_dtype="int4")
-    # ... and make_engine hands weight_dtype to it (a stand-in cuda_backend that reports a GPU)
+    # the constructor refuses an unknown type before it touches CUDA (so this runs without a GPU) ...
+    with pytest.raises(EngineError, match=r"weight_dtype='int2' is not one of"):
+        CudaEngine(cfg, w, twin_kv(cfg), instruction=INSTRUCTION, weight_dtype="int2")
+    # ... and make_engine hands weight_dtype to it (a stand-in cuda_backend that reports a GPU and records)
+    seen = []
+
+    class Recorder:
+        def __init__(self, *args, **kw):
+            seen.append(kw.get("weight_dtype"))
+            raise EngineError("recorded")
+
     mod = types.ModuleType("vla_edge_ros.engine.cuda_backend")
-    mod.cuda_available, mod.CudaEngine = (lambda: True), CudaEngine
+    mod.cuda_available, mod.CudaEngine = (lambda: True), Recorder
     monkeypatch.setitem(sys.modules, "vla_edge_ros.engine.cuda_backend", mod)
     import vla_edge_ros.engine as pkg
     monkeypatch.setattr(pkg, "cuda_backend", mod, raising=False)
-    with pytest.raises(EngineError, match=r"weight_dtype='int8': the CUDA backend's quantised"):
-        make_engine({**engine_params(ckpt, weight_dtype="int8"), "backend": "cuda"}, log=quiet)
+    for wd in ("fp8", "int4"):
+        with pytest.raises(EngineError, match="recorded"):
+            make_engine({**engine_params(ckpt, weight_dtype=wd), "backend": "cuda"}, log=quiet)
+    assert seen == ["fp8", "int4"]
+
+
+@pytest.mark.parametrize("weight_dtype", ["int8", "fp8", "int4"])
+def test_the_cuda_engine_reads_a_prequantised_checkpoint_as_the_codes_it_would_make_at_load(tiny, tmp_path,
+                                                                                            weight_dtype):
+    """CudaEngine._load_weights (host side, no GPU): quantising the bf16 checkpoint at load and reading the
+    pre-quantised one give byte-equal codes, scales and zero points, and equal dense tensors."""
+    ckpt, cfg, w = tiny
+    cfg_dict = json.loads((Path(ckpt) / "config.json").read_text())
+    QC.write_quantized_checkpoint(tmp_path, cfg_dict, Q.quantize_weights(w, weight_dtype))
+    me = types.SimpleNamespace(cfg=cfg, weight_dtype=weight_dtype)
+    at_load, read = CudaEngine._load_weights(me, ckpt), CudaEngine._load_weights(me, tmp_path)
+    assert set(at_load) == set(read)
+    quantised = [k for k in at_load if hasattr(at_load[k], "codes")]
+    assert quantised and all(Q.is_quantized_name(k) for k in quantised)
+    for k in at_load:
+        x, y = at_load[k], read[k]
+        if k in quantised:
+            assert x.weight_dtype == y.weight_dtype == weight_dtype
+            for f in ("codes", "scales", "zeros"):
+                u, v = getattr(x, f), getattr(y, f)
+                assert (u is None) == (v is None), (k, f)
+                if u is not None:
+                    assert u.dtype == v.dtype and np.array_equal(u, v), (k, f)
+        else:
+            assert np.array_equal(x, y), k
 
 
 # ---- the memory count ---------------------------------------------------------------------------------------------

@@ -74,32 +74,99 @@ class LayerWeights(NamedTuple):
     wd: int    # bf16 [H][I]
     ln1: int   # bf16 [H]
     ln2: int
+    # quantised weights (issue 23): the four matrices above hold codes in the same row layouts (int8 / fp8: one
+    # byte per weight; int4: two per byte, rows of K / 2 bytes), these their float32 scales (int8 / fp8: per row;
+    # int4: per row and group of 128 columns) and the int4 uint8 zero points, in the same row order ([q; k; v],
+    # interleaved gate/up); 0 for bf16 weights (and for the zero points of int8 / fp8)
+    sqkv: int = 0
+    so: int = 0
+    sgu: int = 0
+    sd: int = 0
+    zqkv: int = 0
+    zo: int = 0
+    zgu: int = 0
+    zd: int = 0
+
+
+class LinearCodes(NamedTuple):
+    """A linear weight as the kernels take it: bf16 bits (scales and zeros None), or a QuantizedLinear's codes
+    (out, in) -- int4: (out, in / 2) bytes -- with its float32 scales and (int4) uint8 zero points."""
+    codes: np.ndarray
+    scales: np.ndarray | None = None
+    zeros: np.ndarray | None = None
+
+    def rows(self, other: "LinearCodes") -> "LinearCodes":
+        """self's rows, then other's (the [q; k; v] concatenation)."""
+        cat = (lambda a, b: None if a is None else np.concatenate([a, b], axis=0))
+        return LinearCodes(cat(self.codes, other.codes), cat(self.scales, other.scales), cat(self.zeros, other.zeros))
+
+    def pad_rows(self, n: int) -> "LinearCodes":
+        """n zero rows more (gate / up at the padded intermediate size): zero codes, scale 0, zero point 0."""
+        pad = (lambda a: None if a is None else np.pad(a, ((0, n),) + ((0, 0),) * (a.ndim - 1)))
+        return LinearCodes(pad(self.codes), pad(self.scales), pad(self.zeros))
+
+    def pad_columns(self, n: int, k: int) -> "LinearCodes":
+        """n input columns more after the k there are (down at the padded intermediate size): zero codes; int4's
+        groups grow to cover them with scale 0 (the activations there are exact zeros anyway)."""
+        per_col = self.codes.shape[1] / k  # code elements per column: 1, or 1/2 for int4 (n is even)
+        codes = np.pad(self.codes, ((0, 0), (0, int(n * per_col))))
+        if self.scales is None or self.scales.ndim == 1:
+            return LinearCodes(codes, self.scales, self.zeros)
+        from vla_edge_ros.engine.quant import GROUP_SIZE
+        extra = -(-(k + n) // GROUP_SIZE) - self.scales.shape[1]
+        grow = (lambda a: np.pad(a, ((0, 0), (0, extra))))
+        return LinearCodes(codes, grow(self.scales), grow(self.zeros))
+
+
+def _linear_codes(w: dict[str, Any], name: str) -> LinearCodes:
+    v = w[name]
+    codes = getattr(v, "codes", None)
+    if codes is None:
+        return LinearCodes(as_bf16_bits(v))
+    if v.weight_dtype == "int4" and v.group_size != 128:
+        raise EngineError(f"{name}: the CUDA int4 kernels take groups of 128 columns, not {v.group_size}")
+    zeros = None if v.zeros is None else np.ascontiguousarray(v.zeros, dtype=np.uint8)
+    return LinearCodes(np.ascontiguousarray(codes), np.ascontiguousarray(v.scales, dtype=np.float32), zeros)
 
 
 class Weights:
-    """The model on the device, bf16, in the kernels' layouts (built on the host once), and the patch embedder."""
+    """The model on the device in the kernels' layouts (built on the host once), and the patch embedder. The
+    linear weights are bf16 bits, or QuantizedLinear codes with their scales (and int4 zero points): int8 / fp8 /
+    int4; the embedding, norms, biases, head and vision stay bf16 (docs/QUANTIZATION.md)."""
 
-    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, w: dict[str, np.ndarray], prefix_ids: np.ndarray):
+    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, w: dict[str, Any], prefix_ids: np.ndarray):
         H, I = cfg.hidden_size, padded_intermediate(cfg)
         pad = I - cfg.intermediate_size  # zero gate / up rows and down columns (plan.padded_intermediate)
         self.layers: list[LayerWeights] = []
+        self.quantized = False
+
+        def put(name: str, a: np.ndarray | None) -> int:
+            return 0 if a is None else mem.alloc(name, a.nbytes, a)
+
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            wqkv = np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], axis=0)
+            q, k, v = (_linear_codes(w, p + f"self_attn.{n}_proj.weight") for n in "qkv")
+            qkv = q.rows(k).rows(v)
             bqkv = np.concatenate([bf16_bits_to_f32(w[p + f"self_attn.{n}_proj.bias"]) for n in "qkv"])
-            gate, up, down = (w[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
-            if pad:
-                gate, up = (np.pad(m, ((0, pad), (0, 0))) for m in (gate, up))
-                down = np.pad(down, ((0, 0), (0, pad)))
-            wgu = interleave_gate_up(gate, up)
+            o = _linear_codes(w, p + "self_attn.o_proj.weight")
+            gate, up, down = (_linear_codes(w, p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+            if pad:  # zero codes with scale 0 are zero weights in every type (gate / up rows, down columns)
+                gate, up = gate.pad_rows(pad), up.pad_rows(pad)
+                down = down.pad_columns(pad, cfg.intermediate_size)
+            il = (lambda a, b: None if a is None else interleave_gate_up(a.reshape(len(a), -1), b.reshape(len(b), -1)))
+            gu = LinearCodes(il(gate.codes, up.codes), il(gate.scales, up.scales), il(gate.zeros, up.zeros))
+            if gu.scales is not None and gate.scales.ndim == 1:
+                gu = gu._replace(scales=gu.scales.ravel())
+            self.quantized = qkv.scales is not None
             self.layers.append(LayerWeights(
-                wqkv=mem.alloc(f"L{i}.wqkv", wqkv.nbytes, wqkv),
+                wqkv=put(f"L{i}.wqkv", qkv.codes),
                 bqkv=mem.alloc(f"L{i}.bqkv", bqkv.nbytes, bqkv.astype(np.float32)),
-                wo=mem.alloc(f"L{i}.wo", 2 * H * H, w[p + "self_attn.o_proj.weight"]),
-                wgu=mem.alloc(f"L{i}.wgu", wgu.nbytes, wgu),
-                wd=mem.alloc(f"L{i}.wd", 2 * H * I, down),
+                wo=put(f"L{i}.wo", o.codes), wgu=put(f"L{i}.wgu", gu.codes), wd=put(f"L{i}.wd", down.codes),
                 ln1=mem.alloc(f"L{i}.ln1", 2 * H, w[p + "input_layernorm.weight"]),
-                ln2=mem.alloc(f"L{i}.ln2", 2 * H, w[p + "post_attention_layernorm.weight"])))
+                ln2=mem.alloc(f"L{i}.ln2", 2 * H, w[p + "post_attention_layernorm.weight"]),
+                sqkv=put(f"L{i}.sqkv", qkv.scales), so=put(f"L{i}.so", o.scales), sgu=put(f"L{i}.sgu", gu.scales),
+                sd=put(f"L{i}.sd", down.scales), zqkv=put(f"L{i}.zqkv", qkv.zeros), zo=put(f"L{i}.zo", o.zeros),
+                zgu=put(f"L{i}.zgu", gu.zeros), zd=put(f"L{i}.zd", down.zeros)))
         emb = w["model.embed_tokens.weight"]
         self.embed = mem.alloc("embed", emb.nbytes, emb)
         self.final_norm = mem.alloc("final_norm", 2 * H, w["model.norm.weight"])

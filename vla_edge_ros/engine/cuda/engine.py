@@ -31,10 +31,10 @@ from vla_edge_ros.engine.config import ModelConfig
 from vla_edge_ros.engine.cuda import forward
 from vla_edge_ros.engine.cuda.arch import plan_arch
 from vla_edge_ros.engine.cuda.buffers import (Activations, DeviceMemory, KVCache, Weights, as_bf16_bits,
-                                              f32_to_bf16_bits)
+                                              bf16_bits_to_f32, f32_to_bf16_bits)
 from vla_edge_ros.engine.cuda.kernels import CompiledKernels, Launcher
-from vla_edge_ros.engine.cuda.plan import (BLOCK, T_CHUNK, DeviceLimits, Launch, LaunchPlan, Tuning, check_geometry,
-                                           memory_plan, padded_intermediate, plan)
+from vla_edge_ros.engine.cuda.plan import (BLOCK, KERNEL_SUFFIX, T_CHUNK, DeviceLimits, Launch, LaunchPlan, Tuning,
+                                           check_geometry, for_weight_dtype, memory_plan, padded_intermediate, plan)
 from vla_edge_ros.engine.cuda.probe import cuda_status
 from vla_edge_ros.engine.cuda.vram import check_budget, quantized_model_bytes
 from vla_edge_ros.engine.geometry import chunk_actions, chunk_bins, chunk_decode_steps, check_chunk_geometry
@@ -44,17 +44,14 @@ from vla_edge_ros.engine.quant import WEIGHT_DTYPES
 
 def unsupported_reason(cfg: ModelConfig, weight_dtype: str = "bf16") -> str | None:
     """Why the CUDA backend refuses this model / weight type at configure (None: it does not). Pure, so the
-    refusal is tested without a GPU. The numpy backend implements both (issue 23); the kernels do not yet."""
+    refusal is tested without a GPU. The kernels take every weight type of engine/quant.py (plan.KERNEL_SUFFIX);
+    both chunk shapes (vla.action_start token / prefill) run: the graphs are sized by S =
+    geometry.chunk_decode_steps and the bins read by geometry.chunk_bins."""
     if weight_dtype not in WEIGHT_DTYPES:
         return f"weight_dtype={weight_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}"
-    if weight_dtype != "bf16":
-        return (f"weight_dtype={weight_dtype!r}: the CUDA backend's quantised GEMV / skinny-GEMM kernels are not "
-                "written yet (issue 23); use weight_dtype bf16 on the GPU, or backend numpy for the quantised "
-                "arithmetic on the CPU")
-    if cfg.action_start != "token":
-        return (f"vla.action_start={cfg.action_start!r}: the CUDA backend decodes the seed chunk shape only "
-                "(action_start \"token\": 1 prefill + decode_tokens steps); the 7-pass shape is not in its "
-                "graphs yet (issue 23); use backend numpy for it")
+    if weight_dtype not in KERNEL_SUFFIX:  # a type engine/quant.py gained and cuda/wtype.cuh has not
+        return (f"weight_dtype={weight_dtype!r}: the CUDA backend's GEMV / skinny-GEMM kernels take "
+                f"{', '.join(KERNEL_SUFFIX)} weights; use backend numpy for {weight_dtype}")
     return None
 
 
@@ -69,7 +66,8 @@ class CudaEngine(Engine):
                  weight_dtype: str = "bf16"):
         """tuning: plan.Tuning (or a mapping of its fields); defines: compile-time macros for benchmark builds
         (e.g. VLA_TIMELINE), added to $VLA_CUDA_DEFINES. $VLA_CUDA_ARCH=compute_80 builds the pre-Hopper path.
-        weight_dtype: only bf16 runs here for now (``unsupported_reason``)."""
+        weight_dtype: bf16 / int8 / fp8 / int4 (``unsupported_reason``): a bf16 checkpoint is quantised at load,
+        a pre-quantised one (engine/quant_checkpoint.py) is read as it is."""
         problem = unsupported_reason(cfg, weight_dtype)
         if problem:
             raise EngineError(f"CUDA backend refuses the model: {problem}")
@@ -159,18 +157,31 @@ class CudaEngine(Engine):
         """memory_plan's model part with the linear weights at their size in ``weight_dtype`` (vram.py)."""
         return quantized_model_bytes(sizes["model"], self.cfg, self.weight_dtype, padded_intermediate(self.cfg))
 
-    def _load_weights(self, checkpoint) -> dict[str, np.ndarray]:
+    def _load_weights(self, checkpoint) -> dict[str, Any]:
+        """Tensors by name: bf16 bits, the linear weights as QuantizedLinear codes when weight_dtype is not bf16
+        (quantised here from the bf16 values exactly as the numpy engine quantises them, or read pre-quantised)."""
+        from vla_edge_ros.engine import quant
+        from vla_edge_ros.engine.quant_checkpoint import is_quantized_checkpoint, read_quantized_checkpoint
+        if not isinstance(checkpoint, Mapping) and is_quantized_checkpoint(Path(checkpoint)):
+            model = read_quantized_checkpoint(checkpoint, self.weight_dtype)[1]
+            return {**{k: as_bf16_bits(v) for k, v in model.dense.items()}, **model.linear}
         if isinstance(checkpoint, Mapping):
             from vla_edge_ros.engine.checkpoint import check_weights
             check_weights(self.cfg, checkpoint)
-            return {k: as_bf16_bits(v) for k, v in checkpoint.items()}
-        from vla_edge_ros.engine.checkpoint import load_checkpoint
-        return load_checkpoint(checkpoint, self.cfg, dtype="bfloat16")
+            w = {k: as_bf16_bits(v) for k, v in checkpoint.items()}
+        else:
+            from vla_edge_ros.engine.checkpoint import load_checkpoint
+            w = load_checkpoint(checkpoint, self.cfg, dtype="bfloat16")
+        if self.weight_dtype != "bf16":
+            for name in [n for n in w if quant.is_quantized_name(n)]:
+                w[name] = quant.quantize_linear(bf16_bits_to_f32(w[name]), self.weight_dtype)
+        return w
 
     def _plan(self) -> None:
         """Plan the launches for the current tuning and apply what the kernels need from it (shared-memory limits,
         the late-trigger mask in every module)."""
-        self.plan: LaunchPlan = plan(self.cfg, self.tuning, self.limits)
+        self.plan: LaunchPlan = for_weight_dtype(plan(self.cfg, self.tuning, self.limits), self.weight_dtype,
+                                                  self.limits.constants)
         for note in self.plan.notes:
             self.log(f"cuda engine: {note}")
         for name, nbytes in self.plan.raise_smem.items():

@@ -3,7 +3,8 @@
 The same functions run eagerly (the instruction prefix, graphs off) and under graph capture; ``k`` is the launcher
 (kernels.Launcher, or the profiling tools' recording one), ``p`` the LaunchPlan, ``w`` / ``a`` / ``kv`` the
 buffers. Per layer of the prefill: RMSNorm -> QKV GEMM -> attention -> split merge -> o_proj GEMM (+residual) ->
-RMSNorm -> gate/up GEMM (SiLU * up) -> down GEMM (+residual). Per layer of a decode step: RMSNorm + QKV GEMV (+ K/V
+RMSNorm -> gate/up GEMM (SiLU * up) -> down GEMM (+residual); with quantised weights the same launches go to the
+*_i8 / *_f8 / *_i4 kernels (plan.for_weight_dtype), which take the scales and zero points last. Per layer of a decode step: RMSNorm + QKV GEMV (+ K/V
 store) -> attention -> split merge -> o_proj GEMV (+residual) -> RMSNorm + gate/up GEMV -> down GEMV (+residual).
 ``meta`` on the device = [L keys seen by the prefill, p0 position of its row 0, T rows, n_ctx].
 """
@@ -20,11 +21,16 @@ def _qscale(cfg: ModelConfig) -> float:
     return math.log2(math.e) / math.sqrt(cfg.head_dim)  # softmax in the log2 domain
 
 
+def _s(w: Weights, scales: int, zeros: int) -> tuple:
+    """The arguments the quantised kernels take last (scales, zero points: cuda/wtype.cuh); nothing for bf16."""
+    return (scales, zeros) if w.quantized else ()
+
+
 def _gemm(k, launch: Launch, A: int, lda: int, W: int, N: int, K: int, C: int, ldc: int,
-          serial: bool = False) -> None:
+          serial: bool = False, scales: tuple = ()) -> None:
     """C[32][ldc] += A W^T: gemm32v4_atomic, or the split-K gemm32_atomic (which takes its split length)."""
     split = (launch.ks,) if launch.ks else ()
-    k(launch, A, lda, W, N, K, *split, C, ldc, serial=serial)
+    k(launch, A, lda, W, N, K, *split, C, ldc, *scales, serial=serial)
 
 
 def prefill(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache) -> None:
@@ -39,15 +45,15 @@ def prefill(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: 
         # serial at layer 0: the attention stages cache rows of older keys before its PDL wait, so whatever ran
         # before the prefill (the last chunk, K/V moves) must be complete (a graph boundary does that too)
         k(p.norm_rows, a.x_pre, L.ln1, a.h_bf, H, eps, L.bqkv, a.qkv, nqkv, serial=i == 0)
-        _gemm(k, p.gemm_qkv, a.h_bf, H, L.wqkv, nqkv, H, a.qkv, nqkv)
+        _gemm(k, p.gemm_qkv, a.h_bf, H, L.wqkv, nqkv, H, a.qkv, nqkv, scales=_s(w, L.sqkv, L.zqkv))
         k(attn, a.qkv, nqkv, kc, vc, kv.key_slots, a.meta, kv.rope, G, n_kvh, _qscale(cfg), kv.part_o_pf,
           kv.part_ml_pf)  # also stores this chunk's K/V in the cache
         k(p.merge_prefill, kv.part_o_pf, kv.part_ml_pf, cfg.num_attention_heads * T, HD, T,
           cfg.num_attention_heads, a.meta, 0, 0, p.keys_per_split, 0, a.attn_bf)
-        _gemm(k, p.gemm_o, a.attn_bf, nq, L.wo, H, nq, a.x_pre, H)
+        _gemm(k, p.gemm_o, a.attn_bf, nq, L.wo, H, nq, a.x_pre, H, scales=_s(w, L.so, L.zo))
         k(p.norm_rows, a.x_pre, L.ln2, a.h_bf, H, eps, 0, 0, 0)
-        k(p.gemm_gateup, a.h_bf, H, L.wgu, 2 * I, H, a.act_bf)
-        _gemm(k, p.gemm_down, a.act_bf, I, L.wd, H, I, a.x_pre, H)
+        k(p.gemm_gateup, a.h_bf, H, L.wgu, 2 * I, H, a.act_bf, *_s(w, L.sgu, L.zgu))
+        _gemm(k, p.gemm_down, a.act_bf, I, L.wd, H, I, a.x_pre, H, scales=_s(w, L.sd, L.zd))
     k(p.final_norm, a.x_pre, w.final_norm, a.final_h, H, eps)
     # the last valid row (meta[2] - 1): already normed, so no norm weights here
     k(p.logits, a.final_h, a.meta, 2, 0, eps, w.head_rows, cfg.n_action_bins, H, a.logits, 0)
@@ -67,14 +73,14 @@ def decode(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: K
         for i, L in enumerate(w.layers):
             kc, vc = kv.layer(i)
             k(p.gemv_qkv, a.x_dec, L.ln1, eps, L.wqkv, L.bqkv, H, nq, nkv, a.q_dec, kc, vc, kv.key_slots, a.meta,
-              s)  # also stores the token's K/V at its slot
+              s, *_s(w, L.sqkv, L.zqkv))  # also stores the token's K/V at its slot
             k(attn, a.q_dec, kc, vc, kv.key_slots, a.meta, s, kv.rope, G, n_kvh, _qscale(cfg), kv.part_o_dec,
               kv.part_ml_dec)
             k(p.merge_decode, kv.part_o_dec, kv.part_ml_dec, Hq, HD, 1, Hq, a.meta, 3, s, p.keys_per_split,
               a.attn_dec, 0)
-            k(p.gemv_o, a.attn_dec, L.wo, H, nq, p.gemv_o.ks, a.x_dec)
-            k(p.gemv_gateup, a.x_dec, L.ln2, eps, L.wgu, I, H, a.act_dec)
-            k(p.gemv_down, a.act_dec, L.wd, H, I, p.gemv_down.ks, a.x_dec)
+            k(p.gemv_o, a.attn_dec, L.wo, H, nq, p.gemv_o.ks, a.x_dec, *_s(w, L.so, L.zo))
+            k(p.gemv_gateup, a.x_dec, L.ln2, eps, L.wgu, I, H, a.act_dec, *_s(w, L.sgu, L.zgu))
+            k(p.gemv_down, a.act_dec, L.wd, H, I, p.gemv_down.ks, a.x_dec, *_s(w, L.sd, L.zd))
         logits = a.logits + 4 * s * n_bins
         k(p.logits, a.x_dec, a.meta, -1, w.final_norm, eps, w.head_rows, n_bins, H, logits,
           a.final_h_dec + 4 * (s - 1) * H)

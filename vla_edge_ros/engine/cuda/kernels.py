@@ -53,6 +53,16 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("attn_combine_v4", "rope_attention.cu", "PPiiiiPiiiPP", "attn_combine"),
     Kernel("argmax_tokens", "lm_head_action.cu", "PiiPi", "argmax"),
 )
+
+# The quantised twins of the decoder's linear-layer kernels (issue 23; cuda/wtype.cuh), in files of their own: the same
+# arguments with the weights as codes, then the scales and the int4 zero points (two pointers more; zeros null for
+# int8 / fp8).
+QUANTISED_KERNELS = ("gemm32_atomic", "gemm32_silu", "gemm32v4_atomic", "gemm32v4_silu", "gemv_qkv", "gemv_resid",
+                     "gemv_gateup")
+QUANTISED_SUFFIXES = ("_i8", "_f8", "_i4")
+QUANTISED_FILES = {"gemm_skinny.cu": "gemm_quant.cu", "gemv.cu": "gemv_quant.cu"}  # the bf16 files stay as measured
+KERNELS += tuple(Kernel(k.name + suffix, QUANTISED_FILES[k.file], k.sig + "PP", k.family)
+                 for suffix in QUANTISED_SUFFIXES for k in KERNELS if k.name in QUANTISED_KERNELS)
 BENCH_KERNELS: tuple[Kernel, ...] = (  # vla_edge_ros/bench/pdl_hop_bench.py only; not loaded by the engine
     Kernel("hop_copy", "bench_hop.cu", "PPi", "hop"),
     Kernel("hop_vector", "bench_hop.cu", "PPi", "hop"),
@@ -65,6 +75,7 @@ FAMILIES = tuple(dict.fromkeys(k.family for k in KERNELS))
 LAUNCH_CONSTANTS = {
     "gemm_skinny.cu": ("GEMM_WARPS", "G4_NW", "G4_U", "G4_SMEM"),
     "gemv.cu": ("GEMV_WARPS",),
+    "gemv_quant.cu": ("GEMV_RPW_I8", "GEMV_RPW_F8", "GEMV_RPW_I4"),
     "rope_attention.cu": ("ATT_KC", "DEC_WARPS", "DEC_MAXG", "CMB_GROUPS", "PF_MAXG_128", "PF_MAXG_64", "PFG_MAXG_128",
                           "PFG_MAXG_64"),
 }

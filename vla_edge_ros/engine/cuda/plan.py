@@ -38,6 +38,9 @@ class LaunchConstants:
     G4_U: int = 6            # gemm32v4_*: k32 steps per warp (a split's K range <= 32 G4_NW G4_U)
     G4_SMEM: int = 147456    # gemm32v4_*: dynamic shared memory per block
     GEMV_WARPS: int = 8      # decode GEMVs: warps per block
+    GEMV_RPW_I8: int = 4     # ... rows per warp of the int8 / fp8 / int4 GEMVs (bf16: 2; cuda/wtype.cuh)
+    GEMV_RPW_F8: int = 4
+    GEMV_RPW_I4: int = 4
     ATT_KC: int = 64         # keys per staged chunk = keys per split of both attention kernels
     DEC_WARPS: int = 4       # decode attention: warps per block
     DEC_MAXG: int = 8        # query heads one decode-attention block takes (more: head groups, attn_decode_*_hg)
@@ -360,6 +363,43 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
         late_trigger_mask=late_trigger_mask(t.late_trigger),
         keys_per_split=c.ATT_KC,
         notes=tuple(notes))
+
+
+WEIGHT_LAUNCHES = ("gemm_qkv", "gemm_o", "gemm_gateup", "gemm_down", "gemv_qkv", "gemv_o", "gemv_gateup", "gemv_down")
+KERNEL_SUFFIX = {"bf16": "", "int8": "_i8", "fp8": "_f8", "int4": "_i4"}  # the kernels' weight types (cuda/wtype.cuh)
+
+
+GEMV_LAUNCHES = ("gemv_qkv", "gemv_o", "gemv_gateup", "gemv_down")
+BF16_GEMV_RPW = 2  # rows per warp of the bf16 GEMVs (gate/up: one output = a gate and an up row)
+
+
+def gemv_rows_per_warp(weight_dtype: str, c: LaunchConstants = LaunchConstants()) -> int:
+    return {"bf16": BF16_GEMV_RPW, "int8": c.GEMV_RPW_I8, "fp8": c.GEMV_RPW_F8, "int4": c.GEMV_RPW_I4}[weight_dtype]
+
+
+def for_weight_dtype(p: LaunchPlan, weight_dtype: str, c: LaunchConstants = LaunchConstants()) -> LaunchPlan:
+    """The plan with the decoder's linear layers on the kernels of ``weight_dtype``. The GEMMs keep their grids; a
+    GEMV warp takes more rows (a lane load is 16 bytes: 8 bf16, 16 int8 / fp8, 32 int4 weights, and a warp keeps
+    bf16's bytes in flight), so its grid shrinks by the factor; block and shared memory stay (the input vector).
+    The GEMV split-K length is a multiple of 256, so an int4 split starts on a group of 128. The vision
+    projection and the LM head stay bf16."""
+    if weight_dtype not in KERNEL_SUFFIX:
+        raise EngineError(f"weight_dtype={weight_dtype!r}: the CUDA kernels take {', '.join(KERNEL_SUFFIX)}")
+    suffix = KERNEL_SUFFIX[weight_dtype]
+    if not suffix:
+        return p
+    f = gemv_rows_per_warp(weight_dtype, c) // BF16_GEMV_RPW
+    moved = {}
+    for name in WEIGHT_LAUNCHES:
+        launch = getattr(p, name)
+        grid = launch.grid
+        if name in GEMV_LAUNCHES:
+            grid = (math.ceil(grid[0] / f),) + tuple(grid[1:])
+        moved[name] = launch._replace(kernel=launch.kernel + suffix, grid=grid)
+    smem = dict(p.raise_smem)
+    smem.update({name + suffix: n for name, n in p.raise_smem.items()
+                 if any(m.kernel == name + suffix for m in moved.values())})
+    return replace(p, raise_smem=smem, **moved)
 
 
 def _vision_grid(cfg: ModelConfig, rows: int, block) -> tuple:
