@@ -1,0 +1,63 @@
+"""bench/chunk_compare.py (issue 22's comparison of execution schemes) without running it: each scheme's vla_eval
+command carries its runtime parameters and the checkpoint of the right horizon, a wrong checkpoint is refused by
+name, and the table reads every (scheme, latency) row of the schemes' results, a missing scheme shown as such."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vla_edge_ros.bench import chunk_compare as C
+
+
+@pytest.fixture
+def checkpoints(tmp_path):
+    paths = {}
+    for name, h in (("single", 1), ("chunk", 4)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"vla": {"action_horizon": h}}))
+        paths[name] = str(d)
+    return paths
+
+
+def test_each_scheme_runs_vla_eval_with_its_checkpoint_and_parameters(checkpoints, tmp_path):
+    args = C.parse_args(["--single-checkpoint", checkpoints["single"], "--chunk-checkpoint", checkpoints["chunk"],
+                         "--latencies", "0,100", "--episodes", "3"])
+    cmds = {s: C.eval_command(s, args, tmp_path, 100 + i) for i, s in enumerate(C.SCHEMES)}
+    assert cmds["single_step"][cmds["single_step"].index("--checkpoint") + 1] == checkpoints["single"]
+    for s in ("sync_chunks", "async_latest", "async_temporal_ensemble", "async_blend"):
+        assert cmds[s][cmds[s].index("--checkpoint") + 1] == checkpoints["chunk"]
+    params = {s: [c[i + 1] for i, x in enumerate(c) if x == "--runtime-param"] for s, c in cmds.items()}
+    assert "execution_horizon_steps:=4" in params["sync_chunks"]  # H of the chunk checkpoint: play it to its end
+    assert {"execution_horizon_steps:=0", "chunk_merge:=blend", "force_committed_steps:=true"} <= set(
+        params["async_blend"])
+    assert "chunk_merge:=temporal_ensemble" in params["async_temporal_ensemble"]
+    assert all("window_frames:=2" in p for p in params.values())
+    assert all(c[c.index("--latencies") + 1] == "0,100" for c in cmds.values())
+    assert len({c[c.index("--domain-id") + 1] for c in cmds.values()}) == len(C.SCHEMES)  # one domain each
+
+
+def test_a_checkpoint_of_the_wrong_horizon_is_refused_by_name(checkpoints, tmp_path):
+    args = C.parse_args(["--single-checkpoint", checkpoints["chunk"], "--chunk-checkpoint", checkpoints["single"]])
+    with pytest.raises(ValueError, match=r"single_step needs a single-step \(H = 1\) checkpoint"):
+        C.eval_command("single_step", args, tmp_path, 100)
+    with pytest.raises(ValueError, match=r"async_latest needs a chunk \(H > 1\) checkpoint"):
+        C.eval_command("async_latest", args, tmp_path, 100)
+
+
+def test_the_table_has_a_row_per_scheme_and_latency_and_shows_a_missing_scheme(tmp_path):
+    def row(inject, successes):
+        return {"setting": {"inject_ms": inject}, "status": "ok", "episodes": 10, "successes": successes,
+                "success_rate": successes / 10, "success_ci95": [0.1, 0.9], "jerk_sq_mean": 0.25,
+                "shares": {"fresh": 0.5, "repeat": 0.5, "hold": 0.0}, "success_steps_mean": 90.0,
+                "runtime": {"latency_ms": {"p50": 40.0, "p99": 60.0},
+                            "chunks": {"admitted": 100, "refused": 2, "deadline_misses": 1}}}
+    (tmp_path / "single_step").mkdir()
+    (tmp_path / "single_step" / "results.json").write_text(json.dumps({"rows": [row(0, 8), row(200, 6)]}))
+    rows = C.collect(tmp_path, ["single_step", "async_blend"])
+    assert [(r["scheme"], r["inject_ms"], r["status"]) for r in rows] == [
+        ("single_step", 0, "ok"), ("single_step", 200, "ok"), ("async_blend", None, "missing")]
+    md = C.table(rows)
+    assert "| single_step | 0 | 8/10 = 80 % | 10-90 % |" in md and "| single_step | 200 | 6/10 = 60 %" in md
+    assert "| async_blend | None | MISSING:" in md and "| 100 / 2 / 1 |" in md

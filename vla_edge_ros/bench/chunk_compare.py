@@ -1,0 +1,188 @@
+"""Issue 22's comparison of execution schemes in closed loop: success and smoothness vs injected chunk latency.
+
+Why a script of its own: `vla_eval` (bench/eval.py) takes one checkpoint and one set of runtime parameters per
+run, while the comparison is five schemes, two checkpoints (a single-step policy and an H-step chunk policy of
+the same recipe) and several latencies, reported side by side in ONE table and ONE plot. Each scheme is one
+`vla_eval` run (real ROS 2 processes, wall-clock time, the same seeds in every setting), so every figure below
+is the runtime's, not a model of it:
+
+| scheme | checkpoint | runtime parameters |
+| --- | --- | --- |
+| single_step | the H = 1 policy | (one action per chunk: fresh, repeat, hold) |
+| sync_chunks | the H-step policy | execution_horizon_steps = H (a chunk is played to its end, then the next) |
+| async_latest | the H-step policy | execution_horizon_steps 0 (= ceil(H / 2)), chunk_merge latest |
+| async_temporal_ensemble | the H-step policy | the same, chunk_merge temporal_ensemble (ACT) |
+| async_blend | the H-step policy | the same, chunk_merge blend + force_committed_steps (RTC-like) |
+
+Latency is injected through the runtime's fault hook (`VLA_FAULT_INJECT=hang:<ms>@1+`: every chunk sleeps that
+long, then runs). The deadline is one value for every scheme (``--deadline``, default 400 ms: two 5 Hz steps),
+so that a single-step policy slowed by the injection is admitted and acts late rather than being refused
+outright; chunk schemes with overlap get the executing chunk's run-out as their deadline (core/chunk_schedule.py).
+
+Outputs under ``--out``: one `vla_eval` directory per scheme, ``compare.json``, ``compare.md`` (the table) and
+``compare.png`` (success and mean squared jerk vs injected latency, one line per scheme).
+``--report-only`` rebuilds the table and plot from the scheme directories already there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+SCHEMES: dict[str, dict[str, Any]] = {
+    "single_step": {"chunk": False, "params": []},
+    "sync_chunks": {"chunk": True, "params": ["execution_horizon_steps:={H}", "chunk_merge:=latest"]},
+    "async_latest": {"chunk": True, "params": ["execution_horizon_steps:=0", "chunk_merge:=latest"]},
+    "async_temporal_ensemble": {"chunk": True, "params": ["execution_horizon_steps:=0",
+                                                          "chunk_merge:=temporal_ensemble"]},
+    "async_blend": {"chunk": True, "params": ["execution_horizon_steps:=0", "chunk_merge:=blend",
+                                              "force_committed_steps:=true"]},
+}
+
+
+def horizon_of(checkpoint: str) -> int:
+    from vla_edge_ros.engine import shipped
+
+    cfg = json.loads((Path(shipped.resolve(checkpoint)) / "config.json").read_text())
+    return int(cfg.get("vla", {}).get("action_horizon", 1))
+
+
+def eval_command(scheme: str, args: argparse.Namespace, out: Path, domain_id: int) -> list[str]:
+    spec = SCHEMES[scheme]
+    ckpt = args.chunk_checkpoint if spec["chunk"] else args.single_checkpoint
+    h = horizon_of(ckpt)
+    if spec["chunk"] != (h > 1):
+        raise ValueError(f"{scheme} needs a {'chunk (H > 1)' if spec['chunk'] else 'single-step (H = 1)'} "
+                         f"checkpoint; {ckpt} has action_horizon {h}")
+    cmd = [sys.executable, "-m", "vla_edge_ros.bench.eval", "--checkpoint", ckpt, "--tasks", args.task,
+           "--episodes", str(args.episodes), "--policies", "sliding_window", "--kv-budgets", "0",
+           "--deadlines", f"{args.deadline:g}", "--latencies", args.latencies, "--camera-hz", f"{args.hz:g}",
+           "--control-hz", f"{args.hz:g}", "--image-wh", "128", "64", "--seed-start", str(args.seed_start),
+           "--camera-after-control", "--runtime-param", "window_frames:=2", "--baselines", "none",
+           "--domain-id", str(domain_id), "--out", str(out / scheme)]
+    for p in spec["params"]:
+        cmd += ["--runtime-param", p.format(H=h)]
+    if not args.progress:
+        cmd.append("--no-progress")
+    return cmd
+
+
+def collect(out: Path, schemes: Sequence[str]) -> list[dict[str, Any]]:
+    """One record per (scheme, latency) from the schemes' results.json; a missing or failed one is kept as such."""
+    rows = []
+    for scheme in schemes:
+        path = out / scheme / "results.json"
+        if not path.exists():
+            rows.append({"scheme": scheme, "inject_ms": None, "status": "missing", "error": f"no {path}"})
+            continue
+        for r in json.loads(path.read_text())["rows"]:
+            rt = r.get("runtime") or {}
+            rows.append({"scheme": scheme, "inject_ms": r["setting"]["inject_ms"], "status": r["status"],
+                         "error": r.get("error"), "episodes": r.get("episodes", 0), "successes": r.get("successes", 0),
+                         "success_rate": r.get("success_rate"), "ci95": r.get("success_ci95"),
+                         "jerk_sq_mean": r.get("jerk_sq_mean"), "shares": r.get("shares"),
+                         "success_steps_mean": r.get("success_steps_mean"),
+                         "chunk_ms": rt.get("latency_ms"), "chunks": rt.get("chunks")})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| scheme | injected ms | success | 95 % CI | jerk² (m/s³)² | steps to success | fresh / repeat / hold % "
+             "| chunk p50 / p99 ms | admitted / refused / late |", "|" + "---|" * 9]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['scheme']} | {r['inject_ms']} | {r['status'].upper()}: {r['error']} |" + " |" * 6)
+            continue
+        sh, ch, ck = r["shares"] or {}, r["chunk_ms"] or {}, r["chunks"] or {}
+        lo, hi = r["ci95"] or (0.0, 0.0)
+        lines.append(
+            f"| {r['scheme']} | {r['inject_ms']:g} | {r['successes']}/{r['episodes']} = {100 * r['success_rate']:.0f} % "
+            f"| {100 * lo:.0f}-{100 * hi:.0f} % | {r['jerk_sq_mean']:.3g} | {r['success_steps_mean'] or 0:.0f} "
+            f"| {100 * sh.get('fresh', 0):.0f} / {100 * sh.get('repeat', 0):.0f} / {100 * sh.get('hold', 0):.0f} "
+            f"| {ch.get('p50', 0):.0f} / {ch.get('p99', 0):.0f} "
+            f"| {ck.get('admitted', 0)} / {ck.get('refused', 0)} / {ck.get('deadline_misses', 0)} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Optional[Path]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for scheme in dict.fromkeys(r["scheme"] for r in rows):
+        pts = sorted((r["inject_ms"], r) for r in rows if r["scheme"] == scheme and r["status"] == "ok")
+        if not pts:
+            continue
+        xs = [x for x, _ in pts]
+        a1.errorbar(xs, [100 * r["success_rate"] for _, r in pts], marker="o", capsize=3, label=scheme,
+                    yerr=[[100 * (r["success_rate"] - r["ci95"][0]) for _, r in pts],
+                          [100 * (r["ci95"][1] - r["success_rate"]) for _, r in pts]])
+        a2.plot(xs, [r["jerk_sq_mean"] for _, r in pts], marker="o", label=scheme)
+    a1.set(xlabel="injected chunk latency (ms)", ylabel="success (%)", ylim=(-5, 105), title="task success (95 % CI)")
+    a2.set(xlabel="injected chunk latency (ms)", ylabel="mean squared jerk (m/s³)²", title="commanded jerk")
+    a2.set_yscale("log")
+    a1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--single-checkpoint", default="metaworld_mt3", help="the H = 1 policy (a path or shipped name)")
+    ap.add_argument("--chunk-checkpoint", required=True, help="the H-step policy of the same recipe")
+    ap.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma list of {', '.join(SCHEMES)}")
+    ap.add_argument("--task", default="push")
+    ap.add_argument("--episodes", type=int, default=8)
+    ap.add_argument("--latencies", default="0,200", help="injected chunk latency, ms, comma list")
+    ap.add_argument("--deadline", type=float, default=400.0)
+    ap.add_argument("--hz", type=float, default=5.0, help="camera = control rate (the CPU deploy rate)")
+    ap.add_argument("--seed-start", type=int, default=0)
+    ap.add_argument("--domain-id", type=int, default=120, help="first ROS_DOMAIN_ID; each scheme adds 10")
+    ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--no-progress", dest="progress", action="store_false")
+    ap.add_argument("--out", default="results/chunk_compare")
+    return ap.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    unknown = [s for s in schemes if s not in SCHEMES]
+    if unknown:
+        print(f"chunk_compare: unknown scheme(s) {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    if not args.report_only:
+        for i, scheme in enumerate(schemes):
+            cmd = eval_command(scheme, args, out, args.domain_id + 10 * i)
+            print(f"[chunk_compare {i + 1}/{len(schemes)} t={time.monotonic() - t0:.0f}s] {scheme}: "
+                  f"{' '.join(cmd[2:])}", flush=True)
+            rc = subprocess.call(cmd)
+            if rc != 0:
+                print(f"chunk_compare: {scheme}: vla_eval exited {rc} (its row says why)", flush=True)
+    rows = collect(out, schemes)
+    md = table(rows)
+    (out / "compare.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    reproduce = " ".join(["python -m vla_edge_ros.bench.chunk_compare", *(argv if argv is not None else sys.argv[1:])])
+    (out / "compare.md").write_text(f"# Execution schemes, closed loop ({args.task}, {args.hz:g} Hz, deadline "
+                                    f"{args.deadline:g} ms)\n\n{md}\n\nReproduce: `{reproduce}`\n")
+    png = plot(rows, out / "compare.png")
+    print(md)
+    print(f"chunk_compare: wrote {out / 'compare.md'}, {out / 'compare.json'}"
+          f"{', ' + str(png) if png else ''} in {time.monotonic() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
