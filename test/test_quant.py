@@ -367,3 +367,13 @@ def test_the_report_prints_every_dtype_side_by_side_with_its_verdict(quality, ca
     for wd, r in quality.items():
         verdict = "meets" if min(r["hidden_cos"] + r["logits_cos"]) >= r["threshold"] else "MISSES"
         assert f"{wd}: worst hidden/logits cosine" in out and f"{verdict} the {r['threshold']} bar" in out
+
+
+def test_the_deadline_advice_names_the_weight_type_and_the_smaller_ones():
+    """The start-up deadline_fit warning's weight-type advice (inference_node): the smaller types by their bytes."""
+    a = Q.fit_advice("bf16")
+    assert "smaller than bf16" in a and "int8: 0.50x" in a and "fp8: 0.50x" in a and "int4: 0.27x" in a
+    assert Q.fit_advice("int8") == "weights smaller than int8 (weight_dtype int4: 0.54x the bytes)"
+    assert "fp8" not in Q.fit_advice("int8") and Q.fit_advice("int4") == "weight_dtype int4 is already the smallest type"
+    with pytest.raises(ValueError, match="weight_dtype must be one of"):
+        Q.fit_advice("int2")

@@ -122,7 +122,7 @@ PARAMS: tuple[ParamSpec, ...] = (
               INFERENCE, min=0, max=19),
     ParamSpec("max_vram_gb", float, 8.0, "refuse to start when model + KV budget + scratch exceed this",
               INFERENCE, min=0.01, max=1024.0),
-    ParamSpec("weight_dtype", str, "bf16", "linear-layer weights; cuda: bf16 only",
+    ParamSpec("weight_dtype", str, "bf16", "linear-layer weights (numpy and cuda)",
               INFERENCE, choices=WEIGHT_DTYPES),
     ParamSpec("saliency_threshold", float, 0.2, "cosine distance of a frame's pooled embedding from the previous "
               "one above which it is salient (scene change)", INFERENCE, min=0.0, max=2.0, live=True,

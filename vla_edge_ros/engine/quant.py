@@ -163,6 +163,20 @@ def quantized_nbytes(shape: tuple[int, int], weight_dtype: str, group_size: int 
     raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
 
 
+def fit_advice(weight_dtype: str, shape: tuple[int, int] = (1536, 1536)) -> str:
+    """The weight-type part of the advice when a chunk cannot fit its deadline (the runtime's start-up deadline_fit
+    warning): batch-1 decoding reads every linear weight once per pass, so a smaller type reads fewer bytes. Names
+    the smaller types with their bytes relative to ``weight_dtype`` (for a ``shape`` weight: the scales included)."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    mine = quantized_nbytes(shape, weight_dtype)
+    smaller = [(wd, quantized_nbytes(shape, wd) / mine) for wd in WEIGHT_DTYPES if quantized_nbytes(shape, wd) < mine]
+    if not smaller:
+        return f"weight_dtype {weight_dtype} is already the smallest type"
+    return (f"weights smaller than {weight_dtype} (weight_dtype " + ", ".join(f"{wd}: {r:.2f}x the bytes"
+                                                                           for wd, r in smaller) + ")")
+
+
 def weights_nbytes(shapes: Mapping[str, tuple[int, ...]], weight_dtype: str, group_size: int = GROUP_SIZE,
                    dense_bytes_per_element: int = 2) -> int:
     """Bytes a device holds for tensors ``shapes`` (name -> shape): the quantised linear layers

@@ -45,6 +45,7 @@ from vla_edge_ros import params as registry
 from vla_edge_ros.core.admission import AdmissionController
 from vla_edge_ros.core.double_buffer import DoubleBuffer
 from vla_edge_ros.core.metrics import LatencyStats, RateCounter, current_rss_mb
+from vla_edge_ros.engine.quant import fit_advice
 from vla_edge_ros.ros import conversions, qos
 from vla_edge_ros.ros.param_bridge import ParamBridge
 
@@ -202,8 +203,8 @@ class InferenceNode(LifecycleNode):
             self.get_logger().warning(
                 f"warm-up chunk estimate {w['estimate_ms']:.1f} ms > {w['budget_ms']:.1f} ms (deadline_ms "
                 f"{values['deadline_ms']:g} - safety_margin_ms {values['safety_margin_ms']:g}): chunks will be "
-                "refused and the robot will repeat / hold; use a faster GPU or a smaller model, fewer "
-                "decode_tokens, or a longer deadline_ms")
+                "refused and the robot will repeat / hold; use a faster GPU or a smaller model, "
+                f"{fit_advice(values['weight_dtype'])}, fewer decode_tokens, or a longer deadline_ms")
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
