@@ -54,7 +54,9 @@ def rows(measured: Optional[dict], budget: int = 4096, deadline_ms: float = 33.0
          safety_margin_ms: float = 2.0) -> list[dict[str, Any]]:
     from vla_edge_ros.bench.gpu_quant_bench import chunk_bytes
     eff = efficiencies(measured)
-    n_ctx = budget - 14  # the full cache the benchmark measures at (4082 of 4096: whole frames)
+    # the context the measured run read (its full cache: whole frames after the pinned prefix, 4082 of 4096), or
+    # the same margin below a budget without a measured run
+    n_ctx = next((int(r["n_ctx"]) for r in (measured or {}).get("rows", []) if "n_ctx" in r), budget - 14)
     out = []
     for geometry, make in GEOMETRIES.items():
         cfg = ModelConfig.from_json(make())

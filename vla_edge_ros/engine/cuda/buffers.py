@@ -153,10 +153,10 @@ class Weights:
             if pad:  # zero codes with scale 0 are zero weights in every type (gate / up rows, down columns)
                 gate, up = gate.pad_rows(pad), up.pad_rows(pad)
                 down = down.pad_columns(pad, cfg.intermediate_size)
-            il = (lambda a, b: None if a is None else interleave_gate_up(a.reshape(len(a), -1), b.reshape(len(b), -1)))
+            # codes, scales and zero points interleaved alike (per-row scales are 1-D: they stay 1-D)
+            il = (lambda a, b: None if a is None else interleave_gate_up(
+                a.reshape(len(a), -1), b.reshape(len(b), -1)).reshape((2 * len(a),) + a.shape[1:]))
             gu = LinearCodes(il(gate.codes, up.codes), il(gate.scales, up.scales), il(gate.zeros, up.zeros))
-            if gu.scales is not None and gate.scales.ndim == 1:
-                gu = gu._replace(scales=gu.scales.ravel())
             self.quantized = qkv.scales is not None
             self.layers.append(LayerWeights(
                 wqkv=put(f"L{i}.wqkv", qkv.codes),

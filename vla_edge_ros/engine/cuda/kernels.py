@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from vla_edge_ros.engine.cuda.plan import LaunchConstants
+from vla_edge_ros.engine.cuda.plan import KERNEL_SUFFIX, LaunchConstants
 from vla_edge_ros.engine.cuda.probe import CUDA_DIR
 from vla_edge_ros.engine.interface import EngineError
 
@@ -59,7 +59,7 @@ KERNELS: tuple[Kernel, ...] = (
 # int8 / fp8).
 QUANTISED_KERNELS = ("gemm32_atomic", "gemm32_silu", "gemm32v4_atomic", "gemm32v4_silu", "gemv_qkv", "gemv_resid",
                      "gemv_gateup")
-QUANTISED_SUFFIXES = ("_i8", "_f8", "_i4")
+QUANTISED_SUFFIXES = tuple(s for s in KERNEL_SUFFIX.values() if s)  # plan.KERNEL_SUFFIX: one table of types
 QUANTISED_FILES = {"gemm_skinny.cu": "gemm_quant.cu", "gemv.cu": "gemv_quant.cu"}  # the bf16 files stay as measured
 KERNELS += tuple(Kernel(k.name + suffix, QUANTISED_FILES[k.file], k.sig + "PP", k.family)
                  for suffix in QUANTISED_SUFFIXES for k in KERNELS if k.name in QUANTISED_KERNELS)

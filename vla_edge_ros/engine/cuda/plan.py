@@ -367,9 +367,7 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
 
 WEIGHT_LAUNCHES = ("gemm_qkv", "gemm_o", "gemm_gateup", "gemm_down", "gemv_qkv", "gemv_o", "gemv_gateup", "gemv_down")
 KERNEL_SUFFIX = {"bf16": "", "int8": "_i8", "fp8": "_f8", "int4": "_i4"}  # the kernels' weight types (cuda/wtype.cuh)
-
-
-GEMV_LAUNCHES = ("gemv_qkv", "gemv_o", "gemv_gateup", "gemv_down")
+GEMV_LAUNCHES = tuple(n for n in WEIGHT_LAUNCHES if n.startswith("gemv"))
 BF16_GEMV_RPW = 2  # rows per warp of the bf16 GEMVs (gate/up: one output = a gate and an up row)
 
 
