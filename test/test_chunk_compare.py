@@ -61,3 +61,43 @@ def test_the_table_has_a_row_per_scheme_and_latency_and_shows_a_missing_scheme(t
     md = C.table(rows)
     assert "| single_step | 0 | 8/10 = 80 % | 10-90 % |" in md and "| single_step | 200 | 6/10 = 60 %" in md
     assert "| async_blend | None | MISSING:" in md and "| 100 / 2 / 1 |" in md
+
+
+def test_jobs_split_every_scheme_and_latency_into_its_own_run_and_domain(checkpoints, tmp_path):
+    base = ["--single-checkpoint", checkpoints["single"], "--chunk-checkpoint", checkpoints["chunk"],
+            "--latencies", "0,100,200", "--backend", "cuda", "--domain-id", "20"]
+    sequential = C.cells(C.parse_args(base), list(C.SCHEMES), tmp_path)
+    assert len(sequential) == len(C.SCHEMES)
+    assert all(c[c.index("--latencies") + 1] == "0,100,200" for c in sequential)
+    cmds = C.cells(C.parse_args(base + ["--jobs", "15"]), list(C.SCHEMES), tmp_path)
+    assert len(cmds) == 3 * len(C.SCHEMES)
+    outs = [c[c.index("--out") + 1] for c in cmds]
+    assert str(tmp_path / "async_blend" / "inj100") in outs and len(set(outs)) == len(outs)
+    assert len({c[c.index("--domain-id") + 1] for c in cmds}) == len(cmds)
+    assert all(c[c.index("--backends") + 1] == "cuda" for c in cmds)
+    assert {c[c.index("--latencies") + 1] for c in cmds} == {"0", "100", "200"}
+
+
+def test_cells_are_read_back_in_latency_order(tmp_path):
+    for inj, successes in ((200, 1), (0, 9), (100, 5)):
+        d = tmp_path / "async_latest" / f"inj{inj}"
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps({"rows": [
+            {"setting": {"inject_ms": inj}, "status": "ok", "episodes": 10, "successes": successes}]}))
+    rows = C.collect(tmp_path, ["async_latest"])
+    assert [(r["inject_ms"], r["successes"]) for r in rows] == [(0, 9), (100, 5), (200, 1)]
+
+
+def test_run_cells_runs_every_command_at_most_jobs_at_a_time(tmp_path, capsys):
+    import sys
+    import time
+
+    # each command records its start and end time in its --out file; one fails and is reported, the rest still run
+    prog = ("import sys, time; t0 = time.time(); time.sleep(0.6); "
+            "open(sys.argv[2], 'w').write(f'{t0} {time.time()}'); sys.exit(int(sys.argv[3]))")
+    cmds = [[sys.executable, "-c", prog, "--out", str(tmp_path / f"c{i}"), str(int(i == 1))] for i in range(3)]
+    C.run_cells(cmds, 2, time.monotonic())
+    spans = sorted(tuple(map(float, (tmp_path / f"c{i}").read_text().split())) for i in range(3))
+    assert spans[2][0] >= min(spans[0][1], spans[1][1]) - 0.05  # the third started only after one had finished
+    out = capsys.readouterr().out
+    assert out.count(" done ") == 3 and "(exit 1): its row says why" in out

@@ -90,6 +90,20 @@ def test_params_file_is_validated(tmp_path):
         sweep.write_params(tmp_path / "q.yaml", "fifo", {"kv_budget_tokens": 1000}, "numpy", "", None)
 
 
+def test_weight_dtype_reaches_the_params_file(tmp_path):
+    """--weight-dtype (issue 23's replay per weight type) is one more inference parameter, validated as the rest."""
+    doc = sweep.write_params(tmp_path / "p.yaml", "semantic", {**sweep.SETTINGS["nominal"], "weight_dtype": "int4"},
+                             "cuda", "/ckpt", None)
+    import yaml
+
+    assert yaml.safe_load((tmp_path / "p.yaml").read_text())["vla_inference"]["ros__parameters"]["weight_dtype"] == "int4"
+    assert doc["backend"] == "cuda"
+    with pytest.raises(ValueError, match="weight_dtype"):
+        sweep.write_params(tmp_path / "q.yaml", "fifo", {"weight_dtype": "int3"}, "numpy", "", None)
+    with pytest.raises(SystemExit):  # argparse refuses a weight type the registry does not know
+        sweep.main(["--weight-dtype", "int3"])
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_default_bag_is_a_readable_clip(tmp_path, monkeypatch, shared):
     if not shared:  # as on a machine without ../shared: the synthetic clip

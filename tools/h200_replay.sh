@@ -18,12 +18,11 @@
 #   for p in $(pip freeze | grep -i '^ros-'); do pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_28_x86_64 -d .whl/ros "$p"; done   (+ rosbags, ruamel.yaml, lz4, backports.zstd,
 #   apsw, pyyaml, psutil, typing_extensions the same way); the device allows 64 MiB of carried files (~57 MiB).
-# Env overrides: PY, OUT, DURATION (s of replay), PREFIX (install prefix), DOMAIN_ID, BAG, CKPT.
+# Env overrides: PY, OUT, DURATION (s of replay), PREFIX (install prefix), DOMAIN_ID, BAG, CKPT, WEIGHT_DTYPE
+# (bf16 | int8 | fp8 | int4: the runtime quantises the bf16 checkpoint at load; issue 23).
 #
-# Why `pip install --prefix` and not `--target`: the ros_* wheels put their C libraries (librcl.so, the message
-# typesupport libraries...) in the wheel's data/lib, which `--target` silently drops. With --prefix they land
-# in $PREFIX/lib; LD_LIBRARY_PATH then gets that folder and the wheels' bundled ros_*.libs folders -- what
-# ros_wheels_bootstrapper.pth does in a venv (a .pth file is not processed from PYTHONPATH).
+# Installation and environment: tools/device_ros_env.sh. INSTALL_ONLY=1: install, check, write the checkpoint,
+# then stop (a warm machine keeps all three for the next call).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 MODE=device
@@ -39,32 +38,9 @@ mkdir -p "$OUT"
 log() { echo "[h200_replay $(date +%T)] $*"; }
 log "mode $MODE, python $($PY -c 'import sys; print(sys.version.split()[0])'), duration $DURATION s, out $OUT"
 
-# ---- install (once per prefix) --------------------------------------------------------------------------
-if [ ! -f "$PREFIX/.installed" ]; then
-    log "pip install --prefix $PREFIX"
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-warn-script-location \
-        --prefix "$PREFIX" .whl/*.whl .whl/ros/*.whl || { log "pip install failed"; exit 1; }
-    if ! $PY -c "import PIL" 2>/dev/null; then
-        log "PIL missing: installing .whl/extra/pillow"
-        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --prefix "$PREFIX" \
-            .whl/extra/pillow-*.whl || { log "pillow install failed"; exit 1; }
-    fi
-    touch "$PREFIX/.installed"
-fi
-RCLPY_DIR=$(find "$PREFIX" -maxdepth 6 -type d -name rclpy -path '*-packages/rclpy' | head -1)
-LIBRCL=$(find "$PREFIX" -maxdepth 4 -name librcl.so | head -1)
-[ -n "$RCLPY_DIR" ] && [ -n "$LIBRCL" ] || { log "rclpy / librcl.so not found under $PREFIX"; exit 1; }
-SITE=$(dirname "$RCLPY_DIR")
-RLIBS=$(ls -d "$SITE"/ros_*.libs | paste -sd: -)
-export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export LD_LIBRARY_PATH="$(dirname "$LIBRCL"):$RLIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export AMENT_PREFIX_PATH="$PREFIX" _ROS_WHEELS_BOOTSTRAP_COMPLETE=1
-export RMW_IMPLEMENTATION=rmw_fastrtps_cpp FASTRTPS_DEFAULT_PROFILES_FILE="$PWD/config/fastdds_profile.xml"
-export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST ROS_DOMAIN_ID=$DOMAIN_ID OPENBLAS_NUM_THREADS=1 PYTHONUNBUFFERED=1
-ROS_HOME=$(mktemp -d /tmp/vla_ros_home.XXXXXX)
-export ROS_HOME ROS_LOG_DIR="$ROS_HOME/log"
-unset ROS_LOCALHOST_ONLY
-[ -d /usr/local/cuda/bin ] && export PATH="$PATH:/usr/local/cuda/bin"
+# ---- install (once per machine) and environment: tools/device_ros_env.sh -----------------------------------
+# shellcheck source=tools/device_ros_env.sh
+source tools/device_ros_env.sh || exit 1
 
 # ---- checks ---------------------------------------------------------------------------------------------
 log "import check"
@@ -115,12 +91,15 @@ else
     BACKEND_ARGS=(--backend numpy)
 fi
 
+[ "${INSTALL_ONLY:-0}" = 1 ] && { log "installed (and the checkpoint written) only"; exit 0; }
+
 # ---- the replay ---------------------------------------------------------------------------------------------
 SMI_PID=""
 if [ "$MODE" = device ]; then
     nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$OUT/smi_timeline.csv" 2>&1 &
     SMI_PID=$!
 fi
+[ -n "${WEIGHT_DTYPE:-}" ] && BACKEND_ARGS+=(--weight-dtype "$WEIGHT_DTYPE")
 log "sweep: ${BACKEND_ARGS[*]} ${BAG_ARGS[*]} --duration $DURATION"
 timeout --signal=INT --kill-after=30 $((DURATION + 240)) $PY - --duration "$DURATION" "${BAG_ARGS[@]}" \
     "${BACKEND_ARGS[@]}" --policies semantic --settings nominal --domain-id "$DOMAIN_ID" \
@@ -148,7 +127,7 @@ except OSError:
     st = {}
 c, lat, t, f, m = r["chunks"], r["latency_ms"], r["ticks"], r["frames"], r["memory"]
 pct = lambda x: "n/a" if x is None else f"{100 * x:.3f} %"
-print(f"backend {r['backend']}, active {r['duration_s']} s, runtime exit {r['runtime_exit_code']}, error {r['error']}")
+print(f"weight_dtype {r['params'].get('weight_dtype', 'bf16')}, backend {r['backend']}, active {r['duration_s']} s, runtime exit {r['runtime_exit_code']}, error {r['error']}")
 print(f"chunks admitted / refused / deadline misses: {c['admitted']} / {c['refused']} / {c['deadline_misses']}"
       f"  (miss {pct(r['deadline_miss_rate'])}, refused {pct(r['refusal_rate'])})")
 print(f"chunk latency p50 / p95 / p99 / max ms: {lat['p50']} / {lat['p95']} / {lat['p99']} / {lat['max']}")

@@ -19,6 +19,10 @@ long, then runs). The deadline is one value for every scheme (``--deadline``, de
 so that a single-step policy slowed by the injection is admitted and acts late rather than being refused
 outright; chunk schemes with overlap get the executing chunk's run-out as their deadline (core/chunk_schedule.py).
 
+``--jobs N`` (a many-core machine, e.g. the GPU machine with ``--backend cuda``): every (scheme, latency) cell is its
+own `vla_eval` run into ``<out>/<scheme>/inj<ms>/``, at most N at a time, each in its own ROS domain; the table
+reads the cells back in latency order. Default 1: one `vla_eval` per scheme, one after another.
+
 Outputs under ``--out``: one `vla_eval` directory per scheme, ``compare.json``, ``compare.md`` (the table) and
 ``compare.png`` (success and mean squared jerk vs injected latency, one line per scheme).
 ``--report-only`` rebuilds the table and plot from the scheme directories already there.
@@ -51,7 +55,9 @@ def horizon_of(checkpoint: str) -> int:
     return int(cfg.get("vla", {}).get("action_horizon", 1))
 
 
-def eval_command(scheme: str, args: argparse.Namespace, out: Path, domain_id: int) -> list[str]:
+def eval_command(scheme: str, args: argparse.Namespace, out: Path, domain_id: int,
+                 latencies: Optional[str] = None) -> list[str]:
+    """The `vla_eval` command of one scheme, over ``latencies`` (default: all of --latencies) into ``out``."""
     spec = SCHEMES[scheme]
     ckpt = args.chunk_checkpoint if spec["chunk"] else args.single_checkpoint
     h = horizon_of(ckpt)
@@ -60,10 +66,11 @@ def eval_command(scheme: str, args: argparse.Namespace, out: Path, domain_id: in
                          f"checkpoint; {ckpt} has action_horizon {h}")
     cmd = [sys.executable, "-m", "vla_edge_ros.bench.eval", "--checkpoint", ckpt, "--tasks", args.task,
            "--episodes", str(args.episodes), "--policies", "sliding_window", "--kv-budgets", "0",
-           "--deadlines", f"{args.deadline:g}", "--latencies", args.latencies, "--camera-hz", f"{args.hz:g}",
+           "--deadlines", f"{args.deadline:g}", "--latencies", latencies or args.latencies,
+           "--backends", args.backend, "--camera-hz", f"{args.hz:g}",
            "--control-hz", f"{args.hz:g}", "--image-wh", "128", "64", "--seed-start", str(args.seed_start),
            "--camera-after-control", "--runtime-param", "window_frames:=2", "--baselines", "none",
-           "--domain-id", str(domain_id), "--out", str(out / scheme)]
+           "--domain-id", str(domain_id), "--out", str(out)]
     for p in spec["params"]:
         cmd += ["--runtime-param", p.format(H=h)]
     if not args.progress:
@@ -71,15 +78,53 @@ def eval_command(scheme: str, args: argparse.Namespace, out: Path, domain_id: in
     return cmd
 
 
+def cells(args: argparse.Namespace, schemes: Sequence[str], out: Path) -> list[list[str]]:
+    """The `vla_eval` commands to run: one per scheme (jobs 1), or one per (scheme, latency) cell, each in its own
+    folder and ROS domain (domain ids: --domain-id + 10 x scheme index + latency index, so at most 10 latencies)."""
+    lats = [x.strip() for x in args.latencies.split(",") if x.strip()]
+    if args.jobs <= 1:
+        return [eval_command(s, args, out / s, args.domain_id + 10 * i) for i, s in enumerate(schemes)]
+    if len(lats) > 10:
+        raise ValueError(f"--jobs > 1 takes at most 10 latencies, got {len(lats)}")
+    return [eval_command(s, args, out / s / f"inj{float(lat):g}", args.domain_id + 10 * i + j, latencies=lat)
+            for i, s in enumerate(schemes) for j, lat in enumerate(lats)]
+
+
+def run_cells(cmds: list[list[str]], jobs: int, t0: float) -> None:
+    """Run the commands, at most ``jobs`` at a time; a failed one is reported (its results.json row says why)."""
+    running: list[tuple[subprocess.Popen, list[str]]] = []
+    pending = list(cmds)
+    while pending or running:
+        while pending and len(running) < max(1, jobs):
+            cmd = pending.pop(0)
+            print(f"[chunk_compare t={time.monotonic() - t0:.0f}s] start {cmd[cmd.index('--out') + 1]}", flush=True)
+            running.append((subprocess.Popen(cmd), cmd))
+        time.sleep(0.5)
+        for proc, cmd in list(running):
+            if proc.poll() is not None:
+                running.remove((proc, cmd))
+                tag = cmd[cmd.index("--out") + 1]
+                print(f"[chunk_compare t={time.monotonic() - t0:.0f}s] done {tag} (exit {proc.returncode})"
+                      f"{'' if proc.returncode == 0 else ': its row says why'}", flush=True)
+
+
+def _result_files(out: Path, scheme: str) -> list[Path]:
+    """A scheme's results.json: one for the scheme, or one per latency cell (--jobs > 1)."""
+    whole = out / scheme / "results.json"
+    return [whole] if whole.exists() else sorted((out / scheme).glob("inj*/results.json"))
+
+
 def collect(out: Path, schemes: Sequence[str]) -> list[dict[str, Any]]:
     """One record per (scheme, latency) from the schemes' results.json; a missing or failed one is kept as such."""
     rows = []
     for scheme in schemes:
-        path = out / scheme / "results.json"
-        if not path.exists():
-            rows.append({"scheme": scheme, "inject_ms": None, "status": "missing", "error": f"no {path}"})
+        paths = _result_files(out, scheme)
+        if not paths:
+            rows.append({"scheme": scheme, "inject_ms": None, "status": "missing",
+                         "error": f"no {out / scheme / 'results.json'}"})
             continue
-        for r in json.loads(path.read_text())["rows"]:
+        found = [r for path in paths for r in json.loads(path.read_text())["rows"]]
+        for r in sorted(found, key=lambda r: r["setting"]["inject_ms"]):
             rt = r.get("runtime") or {}
             rows.append({"scheme": scheme, "inject_ms": r["setting"]["inject_ms"], "status": r["status"],
                          "error": r.get("error"), "episodes": r.get("episodes", 0), "successes": r.get("successes", 0),
@@ -147,6 +192,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--hz", type=float, default=5.0, help="camera = control rate (the CPU deploy rate)")
     ap.add_argument("--seed-start", type=int, default=0)
     ap.add_argument("--domain-id", type=int, default=120, help="first ROS_DOMAIN_ID; each scheme adds 10")
+    ap.add_argument("--backend", default="numpy", choices=["numpy", "cuda"], help="engine of every scheme")
+    ap.add_argument("--jobs", type=int, default=1, help="cells run side by side (module docstring)")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     ap.add_argument("--out", default="results/chunk_compare")
@@ -164,19 +211,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if not args.report_only:
-        for i, scheme in enumerate(schemes):
-            cmd = eval_command(scheme, args, out, args.domain_id + 10 * i)
-            print(f"[chunk_compare {i + 1}/{len(schemes)} t={time.monotonic() - t0:.0f}s] {scheme}: "
-                  f"{' '.join(cmd[2:])}", flush=True)
-            rc = subprocess.call(cmd)
-            if rc != 0:
-                print(f"chunk_compare: {scheme}: vla_eval exited {rc} (its row says why)", flush=True)
+        cmds = cells(args, schemes, out)
+        for cmd in cmds:
+            print(f"[chunk_compare] {' '.join(cmd[2:])}", flush=True)
+        run_cells(cmds, args.jobs, t0)
     rows = collect(out, schemes)
     md = table(rows)
     (out / "compare.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     reproduce = " ".join(["python -m vla_edge_ros.bench.chunk_compare", *(argv if argv is not None else sys.argv[1:])])
     (out / "compare.md").write_text(f"# Execution schemes, closed loop ({args.task}, {args.hz:g} Hz, deadline "
-                                    f"{args.deadline:g} ms)\n\n{md}\n\nReproduce: `{reproduce}`\n")
+                                    f"{args.deadline:g} ms, backend {args.backend})\n\n{md}\n\n"
+                                    f"Reproduce: `{reproduce}`\n")
     png = plot(rows, out / "compare.png")
     print(md)
     print(f"chunk_compare: wrote {out / 'compare.md'}, {out / 'compare.json'}"

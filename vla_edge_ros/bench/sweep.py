@@ -202,12 +202,13 @@ def _find_key(d: Any, key: str):
 
 def run_once(bag: Path, policy: str, setting: str, duration: float, out_dir: Path, env: dict[str, str],
              backend: str, checkpoint: str, instruction: Optional[str], listener: Optional[ActionListener],
-             camera_hz: float, startup_timeout: float) -> dict[str, Any]:
+             camera_hz: float, startup_timeout: float, extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     tag = f"{setting}_{policy}"
     logs = out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     params_path = logs / f"{tag}.params.yaml"
-    inference_params = write_params(params_path, policy, SETTINGS[setting], backend, checkpoint, instruction)
+    inference_params = write_params(params_path, policy, {**SETTINGS[setting], **(extra or {})}, backend, checkpoint,
+                                    instruction)
     stats_path = logs / f"{tag}.stats.json"
     replay_stats = logs / f"{tag}.replay.json"
     for p in (stats_path, replay_stats):
@@ -341,6 +342,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--backend", default="auto", choices=registry.BACKENDS)
     ap.add_argument("--checkpoint", default="", help="checkpoint directory (default: the tiny built-in model)")
+    ap.add_argument("--weight-dtype", default=None, choices=registry.BY_NAME["weight_dtype"].choices,
+                    help="weight_dtype of every run (default: the parameter's default)")
     ap.add_argument("--camera-hz", type=float, default=60.0)
     ap.add_argument("--domain-id", type=int, default=DEFAULT_DOMAIN_ID)
     ap.add_argument("--startup-timeout", type=float, default=60.0, help="wait this long for the runtime's camera "
@@ -367,6 +370,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     else:
         bag, desc = default_bag(work)
     instruction = first_instruction(bag)
+    extra = {"weight_dtype": args.weight_dtype} if args.weight_dtype else {}
     env = ros_child_env(args.domain_id, work / "ros_home")
     for k in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "RMW_IMPLEMENTATION", "FASTRTPS_DEFAULT_PROFILES_FILE", "ROS_HOME"):
         os.environ[k] = env[k]  # the in-process listener's middleware
@@ -382,7 +386,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
             for policy in policies:
                 print(f"vla_sweep: {setting} / {policy}: {args.duration:g} s ...", flush=True)
                 r = run_once(bag, policy, setting, args.duration, out, env, args.backend, args.checkpoint,
-                             instruction, listener, args.camera_hz, args.startup_timeout)
+                             instruction, listener, args.camera_hz, args.startup_timeout, extra)
                 results.setdefault(setting, {})[policy] = r
                 if r["error"]:
                     print(f"  FAILED: {r['error']}", file=sys.stderr, flush=True)
@@ -399,6 +403,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
                                                                                else "") + f" --out {args.out}"
     if args.backend != "auto":
         cmd += f" --backend {args.backend}"
+    if args.weight_dtype:
+        cmd += f" --weight-dtype {args.weight_dtype}"
     meta = {"bag": str(bag) if args.bag else "", "bag_description": desc,
             "camera_hz": args.camera_hz, "duration": args.duration, "backend_used": ", ".join(backends),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}",
