@@ -47,7 +47,7 @@ def run_engine(cfg_dict: dict, weights_np: dict, weight_dtype: str, args, frames
     kv = KVManager(args.budget, cfg.n_patches, len(INSTRUCTION.encode()), policy="fifo", embed_dim=cfg.hidden_size)
     t0 = time.perf_counter()
     eng = CudaEngine(cfg, weights_np, kv, instruction=INSTRUCTION, decode_tokens=8, max_vram_gb=args.max_vram_gb,
-                     log=log, weight_dtype=weight_dtype)
+                     log=log, weight_dtype=weight_dtype, tuning=args.tuning)
     setup_s = time.perf_counter() - t0
     try:
         fid = 0
@@ -82,6 +82,17 @@ def run_engine(cfg_dict: dict, weights_np: dict, weight_dtype: str, args, frames
         eng.close()
 
 
+def tuning_arg(text: str) -> dict:
+    """'a=1,b=2' -> {'a': 1, 'b': 2} (integers where they parse; plan.Tuning validates names and values)."""
+    out = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"--tuning wants KEY=VALUE pairs, got {part!r}")
+        out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return out
+
+
 def cosine(a, b) -> float:
     a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
@@ -98,6 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="time each kernel family alone (bench/gpu_profile.py)")
     ap.add_argument("--max-vram-gb", type=float, default=8.0)
     ap.add_argument("--json", default="")
+    ap.add_argument("--tuning", type=tuning_arg, default={},
+                    help="plan.Tuning fields for a measured alternative, e.g. gemv_target_blocks=528,gemv_min_ks=256")
     args = ap.parse_args(argv)
     from vla_edge_ros.bench.gpu_session import run_on_gpu
 
