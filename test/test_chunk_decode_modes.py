@@ -180,7 +180,7 @@ def loop_for(engine, clock, period_ms, force=True, horizon=H, seed=(10.0, 2.0)):
 
 @pytest.mark.parametrize("period_ms, offset_steps, seed", [  # estimate about 12 ms (+ margin 3) after chunk 1
     (20.0, 1.0, (10.0, 2.0)),  # d = 1
-    (10.0, 1.5, (10.0, 2.0)),  # d = 2, a frame between two steps: the step in effect
+    (10.0, 1.5, (10.0, 2.0)),  # d = 2, a frame between two steps: the step in effect mid-window
     (5.0, 0.0, (10.0, 2.0)),  # d = 3
     (5.0, 2.0, (10.0, 2.0)),  # d = 3, but the executing chunk runs out after 2
     (2.0, 1.0, (30.0, 5.0)),  # d clipped to H
@@ -213,14 +213,16 @@ def test_the_loop_forces_the_prefix_the_executor_commits(period_ms, offset_steps
 
 
 def test_expected_prefixes_written_out():
-    """The executor's rule by hand: period 10 ms, frame 1.5 steps later, d = 2: steps 1 and 2 of the old chunk."""
+    """The executor's rule by hand: period 10 ms, frame 1.5 steps later, d = 2: the old chunk's steps in effect
+    in the middle of the new steps' windows (15-25 ms, 25-35 ms: at 20 and 30 ms), steps 2 and 3 (issue 22: read
+    at the windows' start, a frame stamped a hair early would name steps the robot has already executed)."""
     clock = _Clock()
     eng = _ChunkEngine(clock)
     loop = loop_for(eng, clock, 10.0)
     loop.step(_Frame(1, 10**12))
     clock.t += 10 * MS
     loop.step(_Frame(2, 10**12 + 15 * MS))
-    np.testing.assert_array_equal(eng.calls[-1]["forced_bins"][:, 0], [11, 12])
+    np.testing.assert_array_equal(eng.calls[-1]["forced_bins"][:, 0], [12, 13])
 
 
 @pytest.mark.parametrize("force, horizon", [(False, H), (True, 1)])

@@ -8,11 +8,20 @@ steps forced (teacher forcing, engine/interface.py "Forced prefix"), so that its
 continuation of what is actually executed. The loop cannot know the latency before the chunk has run, so it
 predicts it from what admission assumes the chunk will take:
 
-    d = ceil((admission estimate ms + safety_margin_ms) / step ms), clipped to [0, H]
+    d = ceil((frame age at receipt + admission estimate ms + safety_margin_ms) / step ms), clipped to [0, H]
 
-and forces, for the new chunk's steps j < d (step j due at new frame stamp + j * step), the executing chunk's step
-in effect at that time, k = floor((new stamp + j * step - executing stamp) / step): the executor's rule for the
-step due at a time (``ChunkExecutor.committed_prefix``, ``_Chunk.step_at``; a unit test holds the two equal).
+(the executor counts the latency from the frame's stamp; the frame's age at receipt, receive time - stamp on
+one clock, was missing until issue 22's review: in the 100 ms run of chunk_compare the loop forced 1455 steps
+where the executor kept 1819, its estimate ~195 ms + 2 against a step of 200 ms while frames were ~40 ms old
+when the chunk started; the wait in the buffer after receipt, up to a cycle, is on another clock and still not
+counted)
+
+and forces, for the new chunk's steps j < d (step j due over [new frame stamp + j * step, + step)), the executing
+chunk's step in effect in the middle of that window, k = floor((new stamp + (j + 1/2) * step - executing stamp)
+/ step): the executor's rule (``ChunkExecutor.committed_prefix``, blend's merge, ``executor.window_mid_ns``; unit
+tests hold them equal). Read at the window's start instead, a frame stamped a hair before the whole number of
+steps after the executing one (a camera synchronised with the control, jitter either way: half the chunks) would
+force the step before, one the robot already executed (issue 22; test/test_committed_alignment.py).
 A step k >= H is past the executing chunk's end: it commits nothing from there on (its repeated last step is a
 fallback, not a plan), so the prefix can be shorter than d. Nothing is forced when the new frame is stamped before
 the executing chunk's (a reordered or restarted source: the executor rejects or resets) or either is unstamped.
@@ -27,6 +36,8 @@ import math
 from typing import Any, Optional
 
 import numpy as np
+
+from vla_edge_ros.core.executor import window_mid_ns
 
 
 def forced_step_count(estimate_ms: float, safety_margin_ms: float, step_ms: float, horizon: int) -> int:
@@ -47,7 +58,7 @@ def committed_bins(prev_bins: np.ndarray, prev_stamp_ns: int, new_stamp_ns: int,
     rows: list[np.ndarray] = []
     if prev_stamp > 0 and new_stamp >= prev_stamp:
         for j in range(max(0, int(d))):
-            k = (new_stamp + j * step - prev_stamp) // step
+            k = (window_mid_ns(new_stamp, j, step) - prev_stamp) // step
             if k >= len(prev):
                 break  # the executing chunk has nothing planned from here on
             rows.append(prev[k])
@@ -70,13 +81,16 @@ class CommittedPrefix:
         return self.enabled and self.horizon > 1
 
     def forced_bins(self, new_stamp_ns: int, estimate_ms: float, safety_margin_ms: float,
-                    step_ns: int) -> Optional[np.ndarray]:
+                    step_ns: int, frame_age_ms: float = 0.0) -> Optional[np.ndarray]:
         """The bins to pass as ``run_chunk(forced_bins=...)`` for a frame stamped ``new_stamp_ns``; None when
-        inactive, when nothing was delivered, or when the executing chunk commits nothing."""
+        inactive, when nothing was delivered, or when the executing chunk commits nothing. ``frame_age_ms``: how
+        old the frame already was when it was received (its receive time - its stamp, one clock): the executor
+        counts the latency from the stamp, the estimate from the chunk's start."""
         if not self.active or self._delivered is None:
             return None
         bins, stamp = self._delivered
-        d = forced_step_count(estimate_ms, safety_margin_ms, int(step_ns) / 1e6, self.horizon)
+        d = forced_step_count(float(estimate_ms) + max(0.0, float(frame_age_ms)), safety_margin_ms,
+                              int(step_ns) / 1e6, self.horizon)
         rows = committed_bins(bins, stamp, new_stamp_ns, step_ns, d)
         return rows if len(rows) else None
 

@@ -27,8 +27,11 @@ the next inference runs; the executor decides, at each tick, which step of which
   predictions weigh more, which smooths).
   ``blend`` (Real-Time-Chunking-like) — on arrival, the first ``d = ceil(latency / dt)`` steps of the new chunk
   are replaced by what the executing chunk commits for those times (they are being executed while the new one
-  was computed), then ``blend_steps`` steps blend linearly into the new chunk. Only times the executing chunk
-  has a step for are replaced: a chunk that ran out commits nothing (its repeated last step is a fallback).
+  was computed), then ``blend_steps`` steps blend linearly into the new chunk. The executing chunk's step for
+  the new chunk's step j is the one in effect at the middle of j's window (``window_mid_ns``), not at its start:
+  with stamps a whole number of steps apart plus jitter, the start falls a step back half the time. Only times
+  the executing chunk has a step for are replaced: a chunk that ran out commits nothing (its repeated last step
+  is a fallback).
   ``committed_prefix`` gives the same steps ahead of time, for token models that force-decode them.
 * Admission: ``runs_out_ns()`` is when the executing plan's last step is due. The inference loop models the same
   time on its own clock (core/chunk_schedule.py: the next chunk starts once the executing one has played
@@ -69,6 +72,16 @@ class ChunkTick:
     reason: str  # 'new_chunk', 'next_step', 'same_step', 'ran_out', or the hold reason
     step: int  # index of the step in that chunk (-1 for a hold)
     merged: int  # how many chunks contributed (temporal ensemble; 1 otherwise, 0 for a hold)
+
+
+def window_mid_ns(stamp_ns: int, j: int, dt_ns: int) -> int:
+    """The middle of step ``j``'s window [stamp + j * dt, stamp + (j + 1) * dt) of a chunk stamped ``stamp_ns``:
+    where another chunk's step for the same control instant is read (blend's committed steps and ramp,
+    ``committed_prefix``, core/committed_prefix.py). Frames of a camera synchronised with the control are stamped
+    a whole number of steps apart give or take a little jitter; read at the window's start, a frame stamped a
+    hair early (half of them) names the step before, one the robot has already executed (issue 22). The middle
+    takes the step covering most of the window: the same instant whatever the jitter below half a step."""
+    return int(stamp_ns) + int(j) * int(dt_ns) + int(dt_ns) // 2
 
 
 class _Chunk:
@@ -214,7 +227,7 @@ class ChunkExecutor(StaleInputs):
         if self.merge == BLEND:
             d = max(0, -(-(now - new.stamp_ns) // new.dt_ns))  # ceil(latency / dt)
             for j in range(min(self.horizon, d + self.blend_steps)):
-                k_old = old.step_at(new.stamp_ns + j * new.dt_ns)
+                k_old = old.step_at(window_mid_ns(new.stamp_ns, j, new.dt_ns))  # the same control instant
                 if k_old is None:
                     break  # the executing chunk has nothing planned from here on: nothing committed
                 if j < d:
@@ -256,9 +269,10 @@ class ChunkExecutor(StaleInputs):
         return c.values[k], c, k, False, 1
 
     def committed_prefix(self, now_ns: int, d: int) -> np.ndarray:
-        """The steps the executing plan commands at ``now_ns + j * dt`` for j < d (pass the stamp of the frame
-        the next chunk is computed from): (n, action_dims) with n <= d, fewer where the plan runs out, (0, D)
-        while nothing is executing. Token models force-decode these as the new chunk's first steps."""
+        """The steps the executing plan commands for the windows [now_ns + j * dt, now_ns + (j + 1) * dt), j < d
+        (pass the stamp of the frame the next chunk is computed from), each read at the window's middle
+        (``window_mid_ns``): (n, action_dims) with n <= d, fewer where the plan runs out, (0, D) while nothing is
+        executing. Token models force-decode these as the new chunk's first steps."""
         if d < 0:
             raise ValueError(f"d must be >= 0, got {d}")
         rows = []
@@ -266,7 +280,7 @@ class ChunkExecutor(StaleInputs):
             if self._chunks:
                 dt = self._chunks[-1].dt_ns
                 for j in range(int(d)):
-                    plan = self._plan_at_locked(int(now_ns) + j * dt)
+                    plan = self._plan_at_locked(window_mid_ns(int(now_ns), j, dt))
                     if plan[3]:
                         break
                     rows.append(np.array(plan[0], dtype=np.float64))

@@ -268,8 +268,10 @@ class InferenceLoop:
         self.probes += decision.probe
         frame_id = getattr(frame, "frame_id", None)
         stamp_ns = int(getattr(frame, "stamp_ns", 0) or 0)
+        received_ns = int(getattr(frame, "received_ns", 0) or 0)  # the camera node's clock, as the stamp
+        age_ms = (received_ns - stamp_ns) / 1e6 if stamp_ns and received_ns else 0.0
         forced = self.committed.forced_bins(stamp_ns, decision.estimate_ms, self.admission.safety_margin_ms,
-                                            self._step_ns())
+                                            self._step_ns(), frame_age_ms=age_ms)
         self._in_flight_since = now
         try:
             tokens = self.engine.encode_frame(frame.image)
