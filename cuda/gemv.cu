@@ -151,7 +151,8 @@ extern "C" __global__ void __launch_bounds__(256) gemv_gateup(const float* __res
 // logits[n] = W[n] . rmsnorm(x_row) for the action rows (W = embedding rows vocab-256 .. vocab-1).
 // x_row = x + row*K with row = (row_meta >= 0 ? meta[row_meta] - 1 : 0) (prefill: the last valid token).
 // normw may be null (x already normalised). norm_out: the final hidden state (written by block 0).
-// One row per warp: grid.x = ceil(N / 8).
+// One row per warp: grid.x = ceil(N / 8). grid.y: that many consecutive x rows, row + y -> logits[y * N ..] (the
+// parallel pass's heads; 1 everywhere else, where blockIdx.y = 0 leaves the kernel as it was).
 extern "C" __global__ void __launch_bounds__(256) gemv_logits(const float* __restrict__ x, const int* __restrict__ meta,
         int row_meta, const bf16_t* __restrict__ normw, float eps, const bf16_t* __restrict__ W, int N, int K,
         float* __restrict__ logits, float* __restrict__ norm_out) {
@@ -161,12 +162,14 @@ extern "C" __global__ void __launch_bounds__(256) gemv_logits(const float* __res
     const bool valid = n < N;
     GemvRows<1> R;
     R.p[0] = W + (size_t)min(n, N - 1) * K;
-    const int row = row_meta >= 0 ? meta[row_meta] - 1 : 0;  // meta is host-written: readable before the wait
+    // meta is host-written: readable before the wait. grid.y > 1: rows row .. row + gridDim.y - 1, one per blockIdx.y
+    // (the parallel pass's A action slots in one launch; norm_out then null)
+    const int row = (row_meta >= 0 ? meta[row_meta] - 1 : 0) + blockIdx.y;
     gemv_start<2, -1>(sx, R, K, valid, x + (size_t)row * K, normw, eps, norm_out);
     if (!valid) return;
     float acc[1];
     gemv_finish(sx, R, K, acc);
-    if (lane == 0) logits[n] = acc[0];
+    if (lane == 0) logits[(size_t)blockIdx.y * N + n] = acc[0];
 }
 
 // What the host reads from the compiled module (engine/cuda/kernels.py LAUNCH_CONSTANTS), in this order.

@@ -3,10 +3,16 @@
 // the next decode step's embedding gather reads it inside the same graph, without a host round trip.
 #include "common.cuh"
 
-// tok_buf[out_index] = offset + argmax(logits[0..n)); ties -> lowest index (numpy.argmax). One block.
+// tok_buf[out_index] = offset + argmax(logits[0..n)); ties -> lowest index (numpy.argmax); or forced[out_index]
+// where that is >= 0 (a forced prefix, engine/geometry.forced_gen: the logits stay the computed ones, and the next
+// decode step's embedding gather reads the forced id, i.e. teacher forcing on the device). One block per row:
+// block b takes logits[b * n ..] -> tok_buf[out_index + b] (grid.x > 1: the parallel pass's A slots at once).
 extern "C" __global__ void argmax_tokens(const float* __restrict__ logits, int n, int offset,
-                                         int* __restrict__ tok_buf, int out_index) {
+                                         int* __restrict__ tok_buf, int out_index, const int* __restrict__ forced) {
     pdl_trigger();
+    out_index += blockIdx.x;
+    logits += (size_t)blockIdx.x * n;
+    const int fixed = forced[out_index];  // host-written before the replay: read before the wait
     pdl_wait();
     __shared__ float sv[32];
     __shared__ int si[32];
@@ -35,6 +41,6 @@ extern "C" __global__ void argmax_tokens(const float* __restrict__ logits, int n
             const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
             if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
         }
-        if (lane == 0) tok_buf[out_index] = offset + (bi == 0x7fffffff ? 0 : bi);
+        if (lane == 0) tok_buf[out_index] = fixed >= 0 ? fixed : offset + (bi == 0x7fffffff ? 0 : bi);
     }
 }

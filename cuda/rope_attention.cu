@@ -3,7 +3,9 @@
 //
 // Cache of one layer: kc/vc [slots][nkv] bf16 with nkv = kv_heads * HD (HF layout of k_proj/v_proj rows).
 // meta (device ints, written by the host before a graph replay): meta[0] = L keys seen by the prefill chunk,
-// meta[1] = p0 (position of prefill token 0), meta[2] = T valid prefill tokens, meta[3] = n_ctx (decode base).
+// meta[1] = p0 (position of prefill token 0), meta[2] = T valid prefill tokens, meta[3] = n_ctx (decode base),
+// meta[4] = 1: the prefill pass is bidirectional (vla.chunk_decode "parallel": the A action slots see each other and
+// the whole context), 0: causal. One record per pass (engine/cuda/plan.py META_INTS, chunk_inputs).
 // Decode step s (1-based) sees L = meta[3] + s keys and sits at position meta[3] + s - 1.
 // rope_cs: float2 (cos, sin) [positions][HD/2], HF rotate_half convention.
 // Softmax runs in the log2 domain: queries are pre-scaled by log2(e)/sqrt(HD).
@@ -46,7 +48,8 @@ __device__ __forceinline__ void stage_kv_fresh(bf16_t* sK, bf16_t* sVt, const in
 }
 
 // Prefill: 32 query rows per head (tokens; rows >= T are padding and ignored downstream) x G heads of one KV
-// head, against keys [split*ATT_KC, min(L, +ATT_KC)), causal by position (key j visible to token t iff j <= p0 + t).
+// head, against keys [split*ATT_KC, min(L, +ATT_KC)), causal by position (key j visible to token t iff j <= p0 + t),
+// or, with meta[4] set (the parallel pass), every key j < L visible to every token.
 // 2G warps; warp w = m16 tile: head w/2, tokens (w&1)*16 .. +15. Tensor cores for QK^T and PV.
 // Partials: part_o [split][Hq*32][HD] (unnormalised), part_ml [split][Hq*32] (max, sum), row = qh*32 + token.
 // HG: heads group blockIdx.z * ceil(G / gridDim.z) + w/2 (2 ceil(G / gridDim.z) warps); warps past the last head of
@@ -62,6 +65,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     constexpr int VSTR = ATT_KC + 8;  // bf16 row stride of transposed values (staged keys: HD + 8, qk_tiles)
 
     const int L = meta[0], p0 = meta[1];
+    const bool bidirectional = meta[4] != 0;  // host-written, like L and p0: one int more, read before the wait
     const int kvh = blockIdx.y;
     const int kbeg = blockIdx.x * ATT_KC;
     pdl_trigger(FAM_ATTN_PF);
@@ -103,6 +107,9 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
     const int qh = kvh * G + h;
     const int tok0 = (warp & 1) * 16 + g, tok1 = tok0 + 8;
     const int pos0 = p0 + tok0, pos1 = p0 + tok1;
+    // the last key each row sees: its own position (causal), or every key (bidirectional: j >= kend masks the rest);
+    // the mask below compares against these exactly as it compared against pos0 / pos1, so the causal loop is as it was
+    const int last0 = bidirectional ? 0x7fffffff : pos0, last1 = bidirectional ? 0x7fffffff : pos1;
 
     // ---- query fragments: RoPE at the token's position, scaled, bf16 (A operand, row-major 16x16 per k step)
     uint32_t qa[KS][4];
@@ -125,15 +132,15 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ qkv,
         // ---- S = Q K^T (16 rows x 64 keys per warp)
         float s[ATT_KC / 8][4];
         qk_tiles<HD, ATT_KC / 8>(sK, 0, qa, s);
-        // ---- mask (range and causality), online softmax (log2 domain)
+        // ---- mask (range and causality unless bidirectional), online softmax (log2 domain)
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < ATT_KC / 8; ++nt)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int j = kc0 + nt * 8 + 2 * t + (c & 1);
-                const int pos = c < 2 ? pos0 : pos1;
-                if (j >= kend || j > pos) s[nt][c] = -INFINITY;
+                const int last = c < 2 ? last0 : last1;
+                if (j >= kend || j > last) s[nt][c] = -INFINITY;
                 if (c < 2) mx0 = fmaxf(mx0, s[nt][c]); else mx1 = fmaxf(mx1, s[nt][c]);
             }
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));

@@ -6,7 +6,8 @@ accepted) must equal the reference for every d in 0..H in both chunk shapes; bad
 reason; the inference loop forces what ChunkExecutor.committed_prefix says the robot has committed.
 Parallel (``vla.chunk_decode: parallel``): one pass over the A action slots, bidirectional among them; the numpy
 engine and its fleet equal the reference over streams with evictions; a causal mask would fail the attention test.
-The CUDA backend refuses both by name. Numbers that pin the layout are written out, not computed with geometry.
+The CUDA backend does both too (test/test_cuda_chunk_modes.py, against the numpy engine). Numbers that pin the
+layout are written out, not computed with geometry.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from vla_edge_ros.core.inference_loop import InferenceLoop
 from vla_edge_ros.engine import geometry
 from vla_edge_ros.engine import reference as R
 from vla_edge_ros.engine.checkpoint import write_checkpoint
-from vla_edge_ros.engine.cuda.engine import CudaEngine
 from vla_edge_ros.engine.factory import make_engine
 from vla_edge_ros.engine.fault_injection import FaultInjectingEngine
 from vla_edge_ros.engine.interface import ChunkResult, EngineError
@@ -336,28 +336,3 @@ def test_parallel_needs_the_token_start_and_is_refused_with_prefill_by_name(tmp_
     ckpt = write_checkpoint(tmp_path / "p", cfg_dict(H, "prefill", chunk_decode="parallel"), random_weights(cfg))
     with pytest.raises(EngineError, match=why):
         make_engine({"backend": "numpy", "checkpoint": str(ckpt), "instruction": INSTRUCTION}, log=lambda *_: None)
-
-
-# ---- the CUDA backend refuses both, by name (no GPU needed) -----------------------------------------------------
-
-class _CudaConfigOnly(CudaEngine):
-    def __init__(self, cfg):  # only what the refusals read
-        self.cfg = cfg
-
-
-class _NumpyConfigOnly(NumpyEngine):
-    def __init__(self, cfg):
-        self.cfg = cfg
-
-
-def test_cuda_refuses_parallel_and_forced_bins_by_name_and_numpy_accepts_both():
-    par = cfg_for(H, "token", chunk_decode="parallel")
-    problem = _CudaConfigOnly(par).chunk_support_problem()
-    assert problem and "vla.chunk_decode='parallel'" in problem and "cuda" in problem
-    assert _CudaConfigOnly(cfg_for(H, "token")).chunk_support_problem() is None
-    assert _NumpyConfigOnly(par).chunk_support_problem() is None
-    eng = _CudaConfigOnly(cfg_for(H, "token"))
-    with pytest.raises(EngineError, match="forced_bins: the cuda backend cannot force-decode"):
-        eng.run_chunk(np.zeros((32, 64), np.float32), 0, forced_bins=np.zeros((1, DIMS), np.int64))
-    with pytest.raises(AttributeError):  # an empty prefix is no forcing: it goes on to the (absent) device state
-        eng.run_chunk(np.zeros((32, 64), np.float32), 0, forced_bins=np.zeros((0, DIMS), np.int64))

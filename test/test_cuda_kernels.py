@@ -12,7 +12,7 @@ import pytest
 
 from vla_edge_ros.engine.cuda.buffers import interleave_gate_up
 from vla_edge_ros.engine.cuda.kernels import KERNEL_FILES
-from vla_edge_ros.engine.cuda.plan import LaunchConstants, gemm4_grid
+from vla_edge_ros.engine.cuda.plan import LaunchConstants, gemm4_grid, meta_record
 from vla_edge_ros.engine.cuda.probe import CUDA_DIR, cuda_status
 
 pytestmark = pytest.mark.gpu
@@ -245,6 +245,7 @@ def test_gemv_gateup(dev, rng):
 
 @pytest.mark.parametrize("use_norm", [True, False])
 def test_gemv_logits(dev, rng, use_norm):
+    """One row (meta[2] - 1), normed or not."""
     K, N, T = 1536, 256, 32
     x = rng.standard_normal((T, K)).astype(np.float32)
     nw_b, nw = rand_bf16(rng, K)
@@ -260,6 +261,20 @@ def test_gemv_logits(dev, rng, use_norm):
     assert rel_err(dev.down(logits, N, np.float32), w @ h) < 1e-5
     if use_norm:
         assert rel_err(dev.down(norm_out, K, np.float32), h) < 1e-6
+
+
+def test_gemv_logits_rows_of_grid_y(dev, rng):
+    """grid.y = 28 rows from row 0 (row_meta -1: the parallel pass's heads): row y -> logits[y * N ..]; the
+    rows after them stay unwritten (poisoned)."""
+    K, N, T, A = 1536, 256, 32, 28
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    w_b, w = rand_bf16(rng, (N, K), 0.05)
+    logits = dev.poisoned(4 * N * (A + 1))
+    dev.fn("gemv_logits")(dev.up(x), dev.up(np.zeros(8, np.int32)), I32(-1), np.intp(0), F32(1e-6), dev.up(w_b),
+                          I32(N), I32(K), logits, np.intp(0), block=(256, 1, 1), grid=(N // 8, A), shared=4 * K)
+    got = dev.down(logits, (A + 1, N), np.float32)
+    assert rel_err(got[:A], x[:A].astype(np.float64) @ w.T) < 1e-5
+    assert np.all(np.isnan(got[A]))
 
 
 @pytest.mark.parametrize("H", [1536, 896, 2500])  # 2500 > 8 x 256: the kernel's loop path instead of registers
@@ -293,16 +308,33 @@ def test_embed_gather(dev, rng):
 
 def test_argmax_tokens(dev, rng):
     n = 256
+    free = dev.up(np.full(4, -1, np.int32))
     for trial in range(3):
         logits = rng.standard_normal(n).astype(np.float32)
         if trial == 2:  # a tie: the lowest index wins, like numpy.argmax
             i, j = sorted(rng.choice(n, 2, replace=False))
             logits[i] = logits[j] = logits.max() + 1.0
         tok = dev.up(np.full(4, -1, np.int32))
-        dev.fn("argmax_tokens")(dev.up(logits), I32(n), I32(151680), tok, I32(2), block=(256, 1, 1), grid=(1, 1))
+        dev.fn("argmax_tokens")(dev.up(logits), I32(n), I32(151680), tok, I32(2), free, block=(256, 1, 1),
+                                grid=(1, 1))
         got = dev.down(tok, 4, np.int32)
         assert got[2] == 151680 + int(np.argmax(logits))
         assert got[0] == got[1] == got[3] == -1
+
+
+def test_argmax_tokens_rows_and_forced_ids(dev, rng):
+    """grid.x = 5 rows from out_index 1 (the parallel pass's): block b argmaxes logits[b * n ..] into tok_buf[1 + b],
+    or writes forced[1 + b] where that is >= 0 (a forced prefix); nothing outside those entries is written."""
+    n, rows, off = 256, 5, 151680
+    logits = rng.standard_normal((rows, n)).astype(np.float32)
+    forced = np.array([-1, off + 7, -1, off + 255, -1, -1, -1], np.int32)
+    tok = dev.up(np.full(7, -2, np.int32))
+    dev.fn("argmax_tokens")(dev.up(logits), I32(n), I32(off), tok, I32(1), dev.up(forced), block=(256, 1, 1),
+                            grid=(rows, 1))
+    want = np.full(7, -2, np.int32)
+    want[1:1 + rows] = np.argmax(logits, axis=1) + off
+    want[[1, 3]] = forced[[1, 3]]
+    np.testing.assert_array_equal(dev.down(tok, 7, np.int32), want)
 
 
 def test_kv_move(dev, rng):
@@ -325,8 +357,9 @@ def test_kv_move(dev, rng):
     np.testing.assert_array_equal(Vn, expV)
 
 
-def attention_ref(q, kc, vc, key_slots, n_keys, qpos, theta, G):
-    """q (T, Hq, hd) pre-RoPE at positions qpos (T,); keys j < n_keys at slot key_slots[j], position j."""
+def attention_ref(q, kc, vc, key_slots, n_keys, qpos, theta, G, causal=True):
+    """q (T, Hq, hd) pre-RoPE at positions qpos (T,); keys j < n_keys at slot key_slots[j], position j; causal:
+    key j visible to row t iff j <= qpos[t], else every key (the parallel pass)."""
     T, Hq, hd = q.shape
     n_kvh = Hq // G
     keys = kc[key_slots[:n_keys]].reshape(n_keys, n_kvh, hd).transpose(1, 0, 2)
@@ -336,7 +369,8 @@ def attention_ref(q, kc, vc, key_slots, n_keys, qpos, theta, G):
     out = np.empty((T, Hq, hd))
     for h in range(Hq):
         s = qr[h] @ kr[h // G].T / math.sqrt(hd)
-        s[np.arange(n_keys)[None, :] > qpos[:, None]] = -np.inf
+        if causal:
+            s[np.arange(n_keys)[None, :] > qpos[:, None]] = -np.inf
         p = np.exp(s - s.max(axis=1, keepdims=True))
         p /= p.sum(axis=1, keepdims=True)
         out[:, h] = p @ vals[h // G]
@@ -350,13 +384,17 @@ MERGES = (("attn_combine", 1), ("attn_combine_v2", 2), ("attn_combine_v4", 4))  
 # p0 = L - 32 at a split boundary (4064 = 63 x 64), inside a split (146), and a cache with no older keys (L = 32).
 # groups > 0: the head-group kernel attn_prefill_hd*_hg with that many groups of ceil(G / groups) heads: Qwen2.5-3B
 # (8 heads per KV head, 2 x 4), 7B (7: 4 + 3, a group with an idle warp pair), 16 heads on one KV head at 64.
-@pytest.mark.parametrize("hd,G,n_kvh,L,groups", [
-    (128, 6, 2, 4096, 0), (128, 6, 2, 178, 0), (64, 7, 2, 1000, 0), (64, 2, 2, 32, 0),
-    (128, 8, 2, 4096, 2), (128, 7, 4, 178, 2), (64, 16, 1, 300, 2), (128, 6, 1, 100, 3)])
-def test_attention_prefill(dev, rng, hd, G, n_kvh, L, groups):
+# bidir: meta[4] set, the parallel pass (28 valid rows = H 4 x 7 slots, at a split boundary and inside a split; a
+# row must see the slots after it, which a causal mask would hide).
+@pytest.mark.parametrize("hd,G,n_kvh,L,groups,valid,bidir", [
+    (128, 6, 2, 4096, 0, 32, False), (128, 6, 2, 178, 0, 32, False), (64, 7, 2, 1000, 0, 32, False),
+    (64, 2, 2, 32, 0, 32, False), (128, 8, 2, 4096, 2, 32, False), (128, 7, 4, 178, 2, 32, False),
+    (64, 16, 1, 300, 2, 32, False), (128, 6, 1, 100, 3, 32, False),
+    (128, 6, 2, 4092, 0, 28, True), (64, 7, 2, 178, 0, 28, True), (128, 8, 2, 1000, 2, 28, True)])
+def test_attention_prefill(dev, rng, hd, G, n_kvh, L, groups, valid, bidir):
     """Keys j < p0 from the cache (staged before the PDL wait), this chunk's keys j >= p0 from the QKV output, which
     the kernel also stores in the cache (bf16, pre-RoPE); every other cache row stays as it was. Every merge whose
-    dims per thread divide the head."""
+    dims per thread divide the head. ``valid`` rows of the 32 carry keys (L = p0 + valid)."""
     T, theta = 32, 1e6
     Hq = G * n_kvh
     nq, nkv = Hq * hd, n_kvh * hd
@@ -366,11 +404,12 @@ def test_attention_prefill(dev, rng, hd, G, n_kvh, L, groups):
     kc_b, _ = rand_bf16(rng, (S, nkv))
     vc_b, _ = rand_bf16(rng, (S, nkv))
     qkv = rng.standard_normal((T, ld)).astype(np.float32)
-    p0 = L - T
+    p0 = L - valid
     kc_exp, vc_exp = kc_b.copy(), vc_b.copy()
     fresh = key_slots[p0:L]
-    kc_exp[fresh], vc_exp[fresh] = bf16_bits(qkv[:, nq:nq + nkv]), bf16_bits(qkv[:, nq + nkv:])
-    meta = np.array([L, p0, T, 0], np.int32)
+    kc_exp[fresh] = bf16_bits(qkv[:valid, nq:nq + nkv])
+    vc_exp[fresh] = bf16_bits(qkv[:valid, nq + nkv:])
+    meta = np.array(meta_record(L, p0, valid, p0, bidirectional=bidir), np.int32)
     cs = rope_table(S + 64, hd, theta)
     nsplit = math.ceil(L / KPS)
     rows = Hq * T
@@ -384,7 +423,7 @@ def test_attention_prefill(dev, rng, hd, G, n_kvh, L, groups):
     np.testing.assert_array_equal(dev.down(kc_d, (S, nkv), np.uint16), kc_exp)
     np.testing.assert_array_equal(dev.down(vc_d, (S, nkv), np.uint16), vc_exp)
     ref = attention_ref(qkv[:, :nq].astype(np.float64).reshape(T, Hq, hd), bits_f32(kc_exp), bits_f32(vc_exp),
-                        key_slots, L, p0 + np.arange(T), theta, G)
+                        key_slots, L, p0 + np.arange(T), theta, G, causal=not bidir)
     for combine, vec in MERGES:
         if hd % (32 * vec):
             continue

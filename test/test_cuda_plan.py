@@ -1,6 +1,7 @@
 """engine/cuda/plan.py, kernels.py and forward.py without a GPU: the launch plan for each geometry and device class
 (every Qwen2.5 size, 0.5B to 72B, on the H200, Jetson Orin and a 99 KB part), the refusals and their reasons, the
-kernel table against the .cu sources, and the forward sequence through a recording launcher."""
+kernel table against the .cu sources, the forward sequence through a recording launcher (a chunk's, and the
+parallel pass's), the layout of the host-written meta buffer and the refusal of a parallel chunk wider than a pass."""
 from __future__ import annotations
 
 import math
@@ -9,14 +10,16 @@ import shutil
 import subprocess
 import types
 
+import numpy as np
 import pytest
 
 from vla_edge_ros.engine.config import ModelConfig, qwen2_5_0_5b_dict, qwen2_5_1_5b_dict, tiny_default_dict
 from vla_edge_ros.engine.cuda import forward
 from vla_edge_ros.engine.cuda.kernels import (BENCH_KERNELS, BY_NAME, KERNEL_FILES, KERNELS, LAUNCH_CONSTANTS)
-from vla_edge_ros.engine.cuda.plan import (LATE_TRIGGER_FAMILIES, DeviceLimits, LaunchConstants, Tuning,
-                                           check_geometry, gemm4_grid, late_trigger_mask, memory_plan,
-                                           padded_intermediate, plan, split_len)
+from vla_edge_ros.engine.cuda.plan import (FORCED_AT, LATE_TRIGGER_FAMILIES, META_INTS, PARALLEL_RECORD, T_CHUNK,
+                                           DeviceLimits, LaunchConstants, Tuning, check_geometry, chunk_meta,
+                                           gemm4_grid, late_trigger_mask, memory_plan, meta_record, padded_intermediate,
+                                           parallel_record, parallel_slots_problem, plan, split_len)
 from vla_edge_ros.engine.cuda.probe import CUDA_DIR
 from vla_edge_ros.engine.interface import EngineError
 
@@ -324,6 +327,50 @@ def test_memory_plan_grows_with_the_kv_budget():
     assert big["kv"] == 2 * 28 * (4096 + 8) * 256 * 2 and small["kv"] < big["kv"] and small["scratch"] < big["scratch"]
 
 
+def test_memory_plan_of_a_parallel_chunk_counts_its_slots_and_input_rows():
+    """A parallel H = 4 chunk: 28 scratch slots (geometry.chunk_scratch_slots, not decode_steps = 1) in the KV cache,
+    and its 32 constant input rows (fp32) in the scratch."""
+    vla = {**tiny_default_dict()["vla"], "action_horizon": 4}  # (a Qwen2.5 dict has no vla block: the defaults)
+    ar, par = cfg_of("1.5b", vla=vla), cfg_of("1.5b", vla={**vla, "chunk_decode": "parallel"})
+    a, b = memory_plan(ar, 4096, 28), memory_plan(par, 4096, 28)
+    assert a["kv"] == b["kv"] == 2 * 28 * (4096 + 28) * 256 * 2
+    assert b["scratch"] - a["scratch"] == 4 * T_CHUNK * 1536
+
+
+# ------------------------------------------------------------------------------------------------- meta, refusal
+def test_meta_buffer_layout():
+    """Records of META_INTS ints (the frame prefill's at 0, the parallel pass's at PARALLEL_RECORD), then forced[gen];
+    the kernels read [L, p0, T, n_ctx, bidirectional] (cuda/rope_attention.cu) and forced at FORCED_AT."""
+    assert (META_INTS, PARALLEL_RECORD, FORCED_AT) == (8, 8, 16)
+    assert meta_record(160, 128, 32, 160) == [160, 128, 32, 160, 0, 0, 0, 0]
+    assert parallel_record(160, 28) == [188, 160, 28, 160, 1, 0, 0, 0]  # slots at n_ctx .., see each other
+    m = chunk_meta(30, meta_record(160, 128, 32, 160))
+    assert m.dtype == np.int32 and m.shape == (16 + 30,)
+    assert list(m[:8]) == [160, 128, 32, 160, 0, 0, 0, 0] and not m[8:16].any() and (m[16:] == -1).all()
+    forced = np.full(29, -1, np.int64)
+    forced[1:8] = 300 + np.arange(7)  # geometry.forced_gen's layout: one forced step of 7 bins after the start
+    m = chunk_meta(29, meta_record(160, 128, 32, 160), parallel_record(160, 28), forced)
+    assert list(m[8:16]) == [188, 160, 28, 160, 1, 0, 0, 0]
+    np.testing.assert_array_equal(m[16:], forced)
+    with pytest.raises(EngineError, match="forced has 28 entries, gen 29"):
+        chunk_meta(29, meta_record(1, 0, 1, 0), None, forced[:28])
+
+
+@pytest.mark.parametrize("horizon, decode, problem", [
+    (4, "parallel", False), (1, "parallel", False),  # 28 and 7 slots: one pass
+    (5, "parallel", True), (8, "parallel", True),  # 35 and 56 slots: the GEMMs tile 32 rows
+    (8, "autoregressive", False)])  # the decode steps take any A
+def test_a_parallel_chunk_wider_than_one_pass_is_refused_by_name(horizon, decode, problem):
+    cfg = cfg_of("tiny", vla={**tiny_default_dict()["vla"], "action_horizon": horizon, "chunk_decode": decode})
+    why = parallel_slots_problem(cfg)
+    if not problem:
+        assert why is None
+        return
+    a = 7 * horizon
+    assert f"vla.chunk_decode='parallel' with {a} action slots (vla.action_horizon {horizon} x 7" in why
+    assert "at most 32 slots" in why and "action_horizon of at most 4" in why
+
+
 # ------------------------------------------------------------------------------------------------- kernel table
 def _defines() -> dict[str, int]:
     """Integer values of the #defines of cuda/ (expressions of other defines evaluated)."""
@@ -381,7 +428,7 @@ def _fake_buffers(cfg: ModelConfig, slots: int, quantized: bool = False):
                    for _ in range(cfg.num_hidden_layers)], embed=next(ptr), final_norm=next(ptr), head_rows=next(ptr),
            quantized=quantized)
     a = NS(**{n: next(ptr) for n in ("x_pre h_bf qkv attn_bf act_bf final_h x_dec q_dec attn_dec act_dec "
-                                     "final_h_dec logits tok_buf meta").split()})
+                                     "final_h_dec logits tok_buf meta meta_parallel forced").split()})
     kc, vc = next(ptr), next(ptr)
     kv = NS(nsplit=math.ceil(slots / 64), key_slots=next(ptr), rope=next(ptr), part_o_pf=next(ptr),
             part_ml_pf=next(ptr), part_o_dec=next(ptr), part_ml_dec=next(ptr),
@@ -389,8 +436,10 @@ def _fake_buffers(cfg: ModelConfig, slots: int, quantized: bool = False):
     return w, a, kv
 
 
-def _record_chunk(cfg: ModelConfig, p, slots: int, quantized: bool = False) -> list[tuple]:
-    """(kernel, grid, serial) of every launch of a chunk, each checked against the table's signature."""
+def _record_chunk(cfg: ModelConfig, p, slots: int, quantized: bool = False, parallel_slots: int = 0,
+                  with_args: bool = False) -> list[tuple]:
+    """(kernel, grid, serial[, args]) of every launch of a chunk (parallel_slots > 0: the prefill and the parallel
+    pass over that many slots), each checked against the table's signature."""
     w, a, kv = _fake_buffers(cfg, slots, quantized)
     rec = []
 
@@ -400,8 +449,12 @@ def _record_chunk(cfg: ModelConfig, p, slots: int, quantized: bool = False) -> l
         for c, v in zip(sig, args):
             assert isinstance(v, float) if c == "f" else isinstance(v, int), (launch.kernel, c, v)
         assert all(g >= 1 for g in launch.grid), launch
-        rec.append((launch.kernel, tuple(launch.grid), serial))
-    forward.chunk(k, p, cfg, w, a, kv, 8)
+        rec.append((launch.kernel, tuple(launch.grid), serial) + ((args, a) if with_args else ()))
+    if parallel_slots:
+        forward.prefill(k, p, cfg, w, a, kv)
+        forward.parallel(k, p, cfg, w, a, kv, parallel_slots)
+    else:
+        forward.chunk(k, p, cfg, w, a, kv, 8)
     return rec
 
 
@@ -421,6 +474,35 @@ def test_forward_launches_match_the_table_and_the_layered_sequence(geometry):
     assert len(rec) == 8 * L + 3 + 8 * (6 * L + 3)
     # only the first launch of the prefill and of the decode start without a programmatic edge
     assert [i for i, (_, s) in enumerate(rec) if s] == [0, 8 * L + 3]
+
+
+@pytest.mark.parametrize("geometry", ["1.5b", "tiny"])
+def test_the_parallel_pass_is_the_prefill_layers_on_its_own_record_with_one_head_over_its_slots(geometry):
+    """prefill + parallel(28 slots): the parallel pass's layers are the prefill's launches (same kernels, grids)
+    reading the parallel record (a.meta_parallel: attention and merge), its first launch serial; then ONE logits
+    launch with grid.y = 28 from row 0 into logits[1 ..] and ONE argmax with grid.x = 28 into tok_buf[1 ..], both
+    with the forced ids; every argmax of the chunk gets a.forced."""
+    cfg = cfg_of(geometry)
+    p = plan(cfg, Tuning(), limits(H200, cfg))
+    rec = _record_chunk(cfg, p, 4104, parallel_slots=28, with_args=True)
+    L, n_bins = cfg.num_hidden_layers, cfg.n_action_bins
+    n = 8 * L + 3
+    assert len(rec) == 2 * n
+    pre, par = rec[:n], rec[n:]
+    a = rec[0][4]
+    assert [r[:3] for r in par[:-2]] == [r[:3] for r in pre[:-2]]  # same layers, first launch serial
+    attn = [r for r in par if r[0].startswith("attn_prefill")]
+    merges = [r for r in par if r[0] == p.merge_prefill.kernel]
+    assert len(attn) == len(merges) == L
+    assert all(r[3][5] == a.meta_parallel for r in attn) and all(r[3][6] == a.meta_parallel for r in merges)
+    assert all(r[3][5] == a.meta for r in pre if r[0].startswith("attn_prefill"))
+    (lg, lg_grid, _, lg_args, _), (am, am_grid, _, am_args, _) = par[-2:]
+    assert (lg, am) == ("gemv_logits", "argmax_tokens")
+    assert lg_grid == (p.logits.grid[0], 28) and am_grid == (28, 1)
+    assert lg_args[0] == a.final_h and lg_args[2] == -1 and lg_args[3] == 0 and lg_args[8] == a.logits + 4 * n_bins
+    assert am_args[0] == a.logits + 4 * n_bins and am_args[3:] == (a.tok_buf, 1, a.forced)
+    assert pre[-1][3][3:] == (a.tok_buf, 0, a.forced) and pre[-2][3][2] == 2  # the frame's head: its last row
+    assert [i for i, r in enumerate(rec) if r[2]] == [0, n]
 
 
 @pytest.mark.parametrize("weight_dtype", ["int8", "fp8", "int4"])

@@ -9,8 +9,13 @@ Printed: our median / p99 per chunk (GPU time between events, and host wall time
 figures, the bandwidth floor (weight + KV bytes per chunk over a device-to-device copy bandwidth measured
 here), our fraction of that floor, per-kernel time shares and peak VRAM. Tuning variants are timed too.
 
+``--horizon-compare H`` (issue 22) also times an H-step action chunk (A = 7H action tokens) of the same geometry
+and cache both ways: autoregressive (max(decode_tokens, A + 1) decode steps) and parallel (one pass over the A
+slots, A <= 32); the prediction is parallel decode ~ one prefill pass (docs/KERNEL_NOTES.md, "Action chunks").
+
 Usage (on the GPU machine):
     python -m vla_edge_ros.bench.gpu_chunk_bench [--chunks 200] [--parts ours,eager,compiled] [--json out.json]
+    python -m vla_edge_ros.bench.gpu_chunk_bench --parts ours --no-variants --chunks 50 --horizon-compare 4
 """
 from __future__ import annotations
 
@@ -165,6 +170,44 @@ def run_ours(cfg, weights_np, args, log) -> dict:
     out["peak_vram_bytes"] = eng.memory()["peak_bytes"]
     out["tracked_bytes"] = eng.memory()["current_bytes"]
     eng.close()
+    return out
+
+
+def run_horizon_compare(cfg_dict, weights_np, args, log) -> dict:
+    """GPU medians (prefill, decode, chunk) of an H = args.horizon_compare chunk, autoregressive vs parallel, each on
+    a fresh engine with the cache filled to the budget (same frames, same weights)."""
+    from vla_edge_ros.core.kv.manager import KVManager
+    from vla_edge_ros.engine.cuda import CudaEngine
+    out = {"horizon": args.horizon_compare}
+    for decode in ("autoregressive", "parallel"):
+        cfg = ModelConfig.from_json({**cfg_dict, "vla": {"action_horizon": args.horizon_compare,
+                                                         "chunk_decode": decode}})
+        kv = KVManager(args.budget, cfg.n_patches, len(INSTRUCTION.encode()), policy=args.policy,
+                       embed_dim=cfg.hidden_size)
+        eng = CudaEngine(cfg, weights_np, kv, instruction=INSTRUCTION, decode_tokens=args.decode_tokens,
+                         max_vram_gb=args.max_vram_gb, log=log)
+        try:
+            rng = np.random.default_rng(0)
+            frames = [(0.02 * rng.standard_normal((cfg.n_patches, cfg.hidden_size))).astype(np.float32)
+                      for _ in range(8)]
+            pf, dc, f = [], [], 0
+            while eng.kv.occupancy_tokens + cfg.n_patches <= args.budget:  # fill the cache to the budget
+                eng.run_chunk(frames[f % 8], f)
+                f += 1
+            for i in range(args.chunks):
+                r = eng.run_chunk(frames[(f + i) % 8] + np.float32(1e-3 * i), f + i)
+                pf.append(r.prefill_ms)
+                dc.append(r.decode_ms)
+            out[decode] = {"decode_steps": eng.decode_steps, "scratch_slots": eng.scratch_slots,
+                           "prefill_median_ms": pct(pf, 50), "decode_median_ms": pct(dc, 50),
+                           "gpu_median_ms": pct(np.add(pf, dc), 50), "chunks": args.chunks}
+        finally:
+            eng.close()
+    for decode in ("autoregressive", "parallel"):
+        r = out[decode]
+        print(f"H={args.horizon_compare} {decode:14s}: {r['scratch_slots']} action/decode slots, GPU median "
+              f"{r['gpu_median_ms']:.3f} ms (prefill {r['prefill_median_ms']:.3f} + decode "
+              f"{r['decode_median_ms']:.3f})")
     return out
 
 
@@ -373,6 +416,8 @@ def main(argv=None) -> int:
                          "decode pass's per-kernel critical time")
     ap.add_argument("--tune", default="", help='JSON tuning applied before the main figure, e.g. {"pdl": false}')
     ap.add_argument("--json", default="")
+    ap.add_argument("--horizon-compare", type=int, default=0, metavar="H",
+                    help="also time an H-step action chunk autoregressive vs parallel (A = 7H <= 32; issue 22)")
     ap.add_argument("--loop-seconds", type=float, default=0.0,
                     help="also run core.inference_loop.InferenceLoop this long with a 60 Hz synthetic camera")
     args = ap.parse_args(argv)
@@ -410,6 +455,12 @@ def _main(args, parts, torch, cuda) -> int:
                 res["loop"] = run_loop(cfg, weights_np, args, logs.append)
             except Exception as exc:
                 res["loop"] = {"error": f"{type(exc).__name__}: {exc}"}
+        if args.horizon_compare:
+            try:
+                res["horizon_compare"] = run_horizon_compare(cfg_dict, weights_np, args, logs.append)
+            except Exception as exc:
+                res["horizon_compare"] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"horizon compare failed: {res['horizon_compare']['error']}")
         del weights_np
     res["n_ctx"] = n_ctx
     res["bytes"] = bytes_per_chunk(cfg, n_ctx, args.decode_tokens)

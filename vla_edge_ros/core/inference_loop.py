@@ -202,7 +202,7 @@ class InferenceLoop:
         for i in range(n):
             t0 = self._time_ns()
             tokens = self.engine.encode_frame(image)
-            # forcing on: warm-up forces a step too, so a backend refusing it (cuda) fails configure, by name
+            # forcing on: warm-up forces a step too, so a backend refusing it fails configure, by name
             kw = {"forced_bins": np.asarray(result.chunk_bins)[:1]} if i and self.committed.active else {}
             result = self.engine.run_chunk(tokens, -(i + 1), False, **kw)
             total_ms = (self._time_ns() - t0) / 1e6

@@ -33,14 +33,14 @@ the first d chunk steps take the given bins instead of the decode's argmax. Auto
 forced: fed as the next steps' inputs, so the rest of the chunk is the greedy decode conditioned on them. In a
 parallel pass no slot reads another's choice, so they simply replace the first d steps' choices. The logits stay
 the model's own. ``ChunkResult.chunk_bins[:d]`` is ``forced_bins`` and ``forced_steps`` d. Bad ``forced_bins``
-are a ValueError with the reason (``geometry.check_forced_bins``). Per call, so not a ``chunk_support_problem``:
-the CUDA backend refuses a non-empty one with an EngineError naming it (its decode graph argmaxes on the device).
+are a ValueError with the reason (``geometry.check_forced_bins``). Per call, so not a ``chunk_support_problem``;
+both backends force (the CUDA one writes the forced ids from its device argmax: engine/cuda/engine.py).
 
 Results: ``ChunkResult.chunk`` is the (H, action_dims) float32 array of actions, ``chunk_bins`` its (H,
 action_dims) bins, ``action`` / ``action_bins`` their first row (what a single-step caller reads; a result built
 with ``action`` alone gets ``chunk = action[None]``), ``token_ids`` all of gen. Both backends decode H >= 1
-autoregressively; the numpy backend also decodes parallel, the CUDA backend refuses it at configure by name
-(``Engine.chunk_support_problem``: its prefill attention kernel has no slot mask yet). The inference loop sets
+autoregressively and in parallel; the CUDA backend's parallel pass takes at most 32 slots (one prefill pass) and
+refuses a wider chunk at configure by name (``Engine.chunk_support_problem``). The inference loop sets
 ``frame_stamp_ns``: the executor times the chunk's steps from it.
 """
 from __future__ import annotations
@@ -139,7 +139,7 @@ class Engine(abc.ABC):
         """Why this backend cannot decode the chunks its checkpoint asks for (None: it can). The inference node
         refuses to configure with this reason. The rule here is the numpy backend's (and its fleet's): any
         action_horizon H >= 1, autoregressive or parallel (module docstring). A backend that differs (CUDA:
-        no parallel yet) overrides this. A per-call refusal (forced_bins) is run_chunk's, not this."""
+        parallel up to 32 slots) overrides this. A per-call refusal (bad forced_bins) is run_chunk's, not this."""
         return None
 
     @property

@@ -12,8 +12,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.cuda.plan import T_CHUNK, padded_intermediate
+from vla_edge_ros.engine.cuda.plan import (FORCED_AT, PARALLEL_RECORD, T_CHUNK, chunk_meta, meta_ints, meta_record,
+                                           padded_intermediate)
 from vla_edge_ros.engine.cuda.vram import VramTracker
+from vla_edge_ros.engine.geometry import chunk_action_tokens, is_parallel, parallel_slot_token
 from vla_edge_ros.engine.interface import EngineError
 
 
@@ -187,13 +189,22 @@ class Weights:
         bias_pos = np.zeros((T_CHUNK, H), np.float32)
         bias_pos[:cfg.n_patches] = self.vision.bias_pos
         self.vis_bias_pos = mem.alloc("vision.bias_pos", bias_pos.nbytes, bias_pos)
+        # the parallel pass's input (vla.chunk_decode "parallel"): every slot is the embedding of one constant token,
+        # so its 32 rows (the A slots', then zeros: padding rows must stay finite) are built once and copied into the
+        # prefill rows on the device before each pass (a dtod copy inside its graph, no host data per chunk)
+        self.parallel_rows = 0
+        if is_parallel(cfg):
+            rows = np.zeros((T_CHUNK, H), np.float32)
+            rows[:chunk_action_tokens(cfg)] = bf16_bits_to_f32(emb[parallel_slot_token(cfg)])
+            self.parallel_rows = mem.alloc("parallel_rows", rows.nbytes, rows)
 
 
 class Activations:
     """Fixed buffers of one chunk (graph-static) and the pinned host staging of its per-chunk copies."""
 
-    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, decode_steps: int):
-        """decode_steps: S, the chunk's effective decode steps (engine/geometry.chunk_decode_steps)."""
+    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, scratch_slots: int):
+        """scratch_slots: the chunk's decode tokens (engine/geometry.chunk_scratch_slots): S autoregressive decode
+        steps, or the A parallel slots; logits / tok_buf hold one row more (gen[0], the prefill's)."""
         cuda = mem.cuda
         H, I, T, n_bins = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK, cfg.n_action_bins
         nq = cfg.num_attention_heads * cfg.head_dim
@@ -210,28 +221,34 @@ class Activations:
         self.q_dec = mem.alloc("q_dec", 4 * nq)
         self.attn_dec = mem.alloc("attn_dec", 4 * nq)
         self.act_dec = mem.alloc("act_dec", 4 * I)
-        self.final_h_dec = mem.alloc("final_h_dec", 4 * decode_steps * H)
+        self.final_h_dec = mem.alloc("final_h_dec", 4 * scratch_slots * H)
         # outputs: action-row logits of the prefill and every decode step, the greedy tokens
-        self.logits = mem.alloc("logits", 4 * (decode_steps + 1) * n_bins)
-        self.tok_buf = mem.alloc("tok_buf", 4 * (decode_steps + 1))
-        self.meta = mem.zeros("meta", 4, np.int32)  # [L keys seen by the prefill, p0, T rows, n_ctx]
+        self.logits = mem.alloc("logits", 4 * (scratch_slots + 1) * n_bins)
+        self.tok_buf = mem.alloc("tok_buf", 4 * (scratch_slots + 1))
+        # host-written ints (plan.chunk_meta): the frame prefill's record [L keys seen, p0, T rows, n_ctx,
+        # bidirectional, ...] (the decode reads it too), the parallel pass's record, forced[gen] (-1 = free)
+        n_meta = meta_ints(scratch_slots + 1)
+        empty = chunk_meta(scratch_slots + 1, meta_record(0, 0, 0, 0))  # nothing forced until the host writes it
+        self.meta = mem.alloc("meta", empty.nbytes, empty)
+        self.meta_parallel = self.meta + 4 * PARALLEL_RECORD
+        self.forced = self.meta + 4 * FORCED_AT
         self.vis_in = mem.zeros("vision.patches", (T, cfg.patch_dim), np.uint16)
         self.vis_out = mem.alloc("vision.out", 4 * T * H)
         self.h_x = cuda.pagelocked_zeros((T, H), np.float32)
-        self.h_meta = cuda.pagelocked_zeros(4, np.int32)
-        self.h_tok = cuda.pagelocked_zeros(decode_steps + 1, np.int32)
-        self.h_logits = cuda.pagelocked_zeros((decode_steps + 1, n_bins), np.float32)
+        self.h_meta = cuda.pagelocked_zeros(n_meta, np.int32)
+        self.h_tok = cuda.pagelocked_zeros(scratch_slots + 1, np.int32)
+        self.h_logits = cuda.pagelocked_zeros((scratch_slots + 1, n_bins), np.float32)
 
 
 class KVCache:
-    """bf16 K and V ``[layers][budget + decode_steps][kv_heads * head_dim]`` stored BEFORE RoPE (keys are rotated in
+    """bf16 K and V ``[layers][budget + scratch_slots][kv_heads * head_dim]`` stored BEFORE RoPE (keys are rotated in
     the attention kernels from each slot's logical position, so eviction never touches a stored key), the slot list,
     the RoPE table and the attention kernels' split partials."""
 
     _SIZED = ("key_slots", "rope", "part_o_pf", "part_ml_pf", "part_o_dec", "part_ml_dec")
 
-    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, decode_steps: int, keys_per_split: int):
-        self.mem, self.cfg, self.decode_steps, self.kps = mem, cfg, decode_steps, keys_per_split
+    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, scratch_slots: int, keys_per_split: int):
+        self.mem, self.cfg, self.scratch_slots, self.kps = mem, cfg, scratch_slots, keys_per_split
         self.nkv = cfg.num_key_value_heads * cfg.head_dim
         self.capacity = self.slots = 0
         self.kc = self.vc = 0
@@ -241,7 +258,7 @@ class KVCache:
         """Room for ``capacity`` retained tokens; a second call (budget growth) keeps every retained row."""
         mem, cuda, cfg = self.mem, self.mem.cuda, self.cfg
         L, HD, old_slots = cfg.num_hidden_layers, cfg.head_dim, self.slots
-        S = int(capacity) + self.decode_steps  # the retained tokens, then one scratch slot per decode step
+        S = int(capacity) + self.scratch_slots  # the retained tokens, then the scratch slots (steps / parallel slots)
         kv_bytes = 2 * L * S * self.nkv
         grow = self.kc != 0
         kc = mem.alloc("kc_new" if grow else "kc", kv_bytes)

@@ -1,21 +1,34 @@
 """CudaEngine: the Engine interface on the GPU: kernels compiled at start-up, weights uploaded once, one chunk = two
-CUDA graph replays (the prefill pass, then the decode steps) on one stream.
+CUDA graph replays (the prefill pass, then the decode steps, or the parallel pass) on one stream.
 
 Set-up order: refuse what cannot run (geometry, VRAM budget) before any allocation; compile; plan the launches
 (plan.py) from the compiled kernels' constants and the device's limits; upload; prefill the pinned instruction
 prefix eagerly; capture the two graphs. A chunk: the KV manager admits the frame, the host writes the frame's rows,
-the slot list and ``meta`` by async copies, replays both graphs and reads back the tokens and logits. The greedy
-chain stays on the device (each step's argmax feeds the next step's embedding gather).
+the slot list and ``meta`` (plan.chunk_meta: a record per pass and the forced prefix) by async copies, replays both
+graphs and reads back the tokens and logits. The greedy chain stays on the device (each step's argmax feeds the next
+step's embedding gather).
 
 Decode steps: ``decode_steps`` = S (engine/geometry.chunk_decode_steps; the token layout of engine/interface.py),
 not the ``decode_tokens`` parameter, sizes the activations, the KV scratch slots, the memory plan and the decode
 graph: an action chunk of H > 1 actions (``vla.action_horizon``) is S = max(decode_tokens, H * action_dims + 1)
 greedy steps in the same graph, and its bins come back as ``ChunkResult.chunk_bins`` (H, action_dims).
 
-Not built yet (issue 22), refused by name: ``vla.chunk_decode: parallel`` at configure (``chunk_support_problem``:
-the prefill attention kernel has no mask for bidirectional action slots), and a forced prefix per call
-(``run_chunk(forced_bins=...)`` non-empty: EngineError; the decode graph argmaxes on the device, so the committed
-bins cannot be fed in). The numpy backend does both.
+Parallel decoding (issue 22, ``vla.chunk_decode: parallel``; engine/interface.py): the second graph is the
+"parallel" pass instead of the decode steps: a prefill-shaped pass over the A = action_horizon x action_dims slot
+rows (``forward.parallel``). Its input rows are constant (every slot is the embedding of
+geometry.parallel_slot_token), uploaded once (Weights.parallel_rows) and copied into the prefill rows by a
+device-to-device copy captured at the head of its graph; its meta record (positions n_ctx .., keys = context + the A
+scratch slots, bidirectional) is written with the frame's in the one meta copy before the replays. Why a graph of
+its own rather than the prefill graph replayed with other meta: the head differs (all A rows, not the last one), the
+record differs, and the event between the two graphs times it as ``decode_ms`` (the cost model counts the pass as
+one decode step: ``decode_steps`` = 1; ``scratch_slots`` = A sizes the buffers). Cost: about one prefill pass (it
+reads every weight once, like the frame's prefill; 32-row GEMM tiles with A <= 32 rows). More than T_CHUNK = 32
+slots (e.g. H = 8 x 7) would take a second pass: refused by name (plan.parallel_slots_problem).
+
+Forced prefix (``run_chunk(forced_bins=...)``, geometry.forced_gen): the forced ids go to the device in the meta
+copy, and every argmax writes the forced id where there is one (the logits stay the computed ones). In the decode
+chain the next step embeds that id: teacher forcing, as numpy_decode.decode_autoregressive; in the parallel pass no
+slot reads another's choice, so it just replaces the choices (numpy's copyto). Nothing forced: all -1.
 """
 from __future__ import annotations
 
@@ -34,10 +47,12 @@ from vla_edge_ros.engine.cuda.buffers import (Activations, DeviceMemory, KVCache
                                               bf16_bits_to_f32, f32_to_bf16_bits)
 from vla_edge_ros.engine.cuda.kernels import CompiledKernels, Launcher
 from vla_edge_ros.engine.cuda.plan import (BLOCK, KERNEL_SUFFIX, T_CHUNK, DeviceLimits, Launch, LaunchPlan, Tuning,
-                                           check_geometry, for_weight_dtype, memory_plan, padded_intermediate, plan)
+                                           check_geometry, chunk_meta, for_weight_dtype, memory_plan, meta_record,
+                                           padded_intermediate, parallel_record, parallel_slots_problem, plan)
 from vla_edge_ros.engine.cuda.probe import cuda_status
 from vla_edge_ros.engine.cuda.vram import check_budget, quantized_model_bytes
-from vla_edge_ros.engine.geometry import chunk_actions, chunk_bins, chunk_decode_steps, check_chunk_geometry
+from vla_edge_ros.engine.geometry import (check_chunk_geometry, check_forced_bins, chunk_actions, chunk_bins,
+                                          chunk_decode_steps, chunk_scratch_slots, forced_gen, is_parallel)
 from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
 from vla_edge_ros.engine.quant import WEIGHT_DTYPES
 
@@ -45,14 +60,15 @@ from vla_edge_ros.engine.quant import WEIGHT_DTYPES
 def unsupported_reason(cfg: ModelConfig, weight_dtype: str = "bf16") -> str | None:
     """Why the CUDA backend refuses this model / weight type at configure (None: it does not). Pure, so the
     refusal is tested without a GPU. The kernels take every weight type of engine/quant.py (plan.KERNEL_SUFFIX);
-    both chunk shapes (vla.action_start token / prefill) run: the graphs are sized by S =
-    geometry.chunk_decode_steps and the bins read by geometry.chunk_bins."""
+    both chunk shapes (vla.action_start token / prefill) run: the graphs are sized by geometry.chunk_scratch_slots
+    and the bins read by geometry.chunk_bins; parallel chunks of at most T_CHUNK slots run (more: refused here, by
+    name, as by ``chunk_support_problem``)."""
     if weight_dtype not in WEIGHT_DTYPES:
         return f"weight_dtype={weight_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}"
     if weight_dtype not in KERNEL_SUFFIX:  # a type engine/quant.py gained and cuda/wtype.cuh has not
         return (f"weight_dtype={weight_dtype!r}: the CUDA backend's GEMV / skinny-GEMM kernels take "
                 f"{', '.join(KERNEL_SUFFIX)} weights; use backend numpy for {weight_dtype}")
-    return None
+    return parallel_slots_problem(cfg)
 
 
 class CudaEngine(Engine):
@@ -80,7 +96,9 @@ class CudaEngine(Engine):
         self.use_graphs = bool(use_graphs)
         self.tuning = tuning if isinstance(tuning, Tuning) else Tuning.from_mapping(tuning)
         self.decode_tokens, self.max_vram_gb = int(decode_tokens), float(max_vram_gb)
-        self.decode_steps = chunk_decode_steps(cfg, self.decode_tokens)  # S: sizes every buffer (module docstring)
+        self.decode_steps = chunk_decode_steps(cfg, self.decode_tokens)  # S (parallel: 1): what the cost model counts
+        self.scratch_slots = chunk_scratch_slots(cfg, self.decode_tokens)  # S, or the A parallel slots: sizes buffers
+        self.parallel = is_parallel(cfg)
         self.defines = tuple(defines) + tuple(os.environ.get("VLA_CUDA_DEFINES", "").split())
         self.prefix_ids = check_chunk_geometry(cfg, kv, instruction, self.decode_tokens)
         if kv.tokens_per_frame > T_CHUNK:
@@ -121,7 +139,7 @@ class CudaEngine(Engine):
         cuda, cfg = self._cuda, self.cfg
         t0 = time.perf_counter()
         capacity = int(self.kv.budget_tokens)
-        sizes = memory_plan(cfg, capacity, self.decode_steps)
+        sizes = memory_plan(cfg, capacity, self.scratch_slots)
         total = check_budget(self._model_bytes(sizes), sizes["kv"], sizes["scratch"], self.max_vram_gb)
         self.mem = DeviceMemory(cuda, int(self.max_vram_gb * 2**30))
         w = self._load_weights(checkpoint)
@@ -135,8 +153,8 @@ class CudaEngine(Engine):
         t2 = time.perf_counter()
         self.weights = Weights(self.mem, cfg, w, self.prefix_ids)
         del w
-        self.act = Activations(self.mem, cfg, self.decode_steps)
-        self.kvc = KVCache(self.mem, cfg, self.decode_steps, self.plan.keys_per_split)
+        self.act = Activations(self.mem, cfg, self.scratch_slots)
+        self.kvc = KVCache(self.mem, cfg, self.scratch_slots, self.plan.keys_per_split)
         self.kvc.allocate(capacity)
         self.stream = cuda.Stream()
         self.ev = [cuda.Event() for _ in range(4)]
@@ -212,10 +230,21 @@ class CudaEngine(Engine):
     def enqueue_decode(self, k=None) -> None:
         forward.decode(k or self.launcher, self.plan, self.cfg, self.weights, self.act, self.kvc, self.decode_steps)
 
+    def enqueue_parallel(self, k=None) -> None:
+        """The parallel pass: the slots' constant input rows copied into the prefill rows (on the stream, so a graph
+        capture records the copy as its first node: the frame prefill has overwritten them), then its launches."""
+        self._cuda.memcpy_dtod_async(self.act.x_pre, self.weights.parallel_rows, 4 * T_CHUNK * self.cfg.hidden_size,
+                                     self.stream)
+        forward.parallel(k or self.launcher, self.plan, self.cfg, self.weights, self.act, self.kvc, self.scratch_slots)
+
+    def _second_pass(self) -> tuple[str, Callable[..., None]]:
+        """The graph after the prefill and what fills it: the decode steps, or the parallel pass."""
+        return ("parallel", self.enqueue_parallel) if self.parallel else ("decode", self.enqueue_decode)
+
     def enqueue_chunk(self, k=None) -> None:
         """A whole chunk's launches through launcher k (profiling tools record or filter them)."""
         self.enqueue_prefill(k)
-        self.enqueue_decode(k)
+        self._second_pass()[1](k)
 
     def _capture(self) -> None:
         from vla_edge_ros.engine.cuda.graphs import CudaGraph
@@ -226,7 +255,8 @@ class CudaEngine(Engine):
             return
         self.stream.synchronize()
         self._graphs["prefill"] = CudaGraph("prefill").capture(self.stream, self.enqueue_prefill)
-        self._graphs["decode"] = CudaGraph("decode").capture(self.stream, self.enqueue_decode)
+        name, enqueue = self._second_pass()
+        self._graphs[name] = CudaGraph(name).capture(self.stream, enqueue)
 
     def _run(self, name: str, enqueue: Callable[[], None]) -> None:
         if self.use_graphs:
@@ -235,13 +265,17 @@ class CudaEngine(Engine):
             enqueue()
 
     # ---- host-side inputs --------------------------------------------------------------------------------
-    def _set_inputs(self, rows: np.ndarray, slots: np.ndarray, L: int, p0: int, T: int, n_ctx: int) -> None:
+    def _set_inputs(self, rows: np.ndarray, slots: np.ndarray, L: int, p0: int, T: int, n_ctx: int,
+                    forced: np.ndarray | None = None, parallel: bool = False) -> None:
+        """The prefill's rows, the slot list and the meta buffer (plan.chunk_meta: this pass's record, the parallel
+        pass's when ``parallel``, geometry.forced_gen's ``forced`` ids or none) by async copies on the stream."""
         cuda, a, kv = self._cuda, self.act, self.kvc
         a.h_x[:T] = rows
         a.h_x[T:] = 0.0  # (the prefix's last partial chunk; a frame fills all 32 rows)
         n = len(slots)
         kv.h_slots[:n] = slots
-        a.h_meta[:] = (L, p0, T, n_ctx)
+        a.h_meta[:] = chunk_meta(len(a.h_tok), meta_record(L, p0, T, n_ctx),
+                                 parallel_record(n_ctx, self.scratch_slots) if parallel else None, forced)
         cuda.memcpy_htod_async(a.x_pre, a.h_x, self.stream)
         cuda.memcpy_htod_async(kv.key_slots, kv.h_slots[:max(n, 1)], self.stream)
         cuda.memcpy_htod_async(a.meta, a.h_meta, self.stream)
@@ -263,7 +297,7 @@ class CudaEngine(Engine):
             return
         self.log(f"cuda engine: KV budget grew to {self.kv.budget_tokens} tokens: reallocating the cache and "
                  "re-capturing the graphs")
-        sizes = memory_plan(self.cfg, self.kv.budget_tokens, self.decode_steps)
+        sizes = memory_plan(self.cfg, self.kv.budget_tokens, self.scratch_slots)
         check_budget(self._model_bytes(sizes), sizes["kv"], sizes["scratch"], self.max_vram_gb)
         self.stream.synchronize()
         self.kvc.allocate(self.kv.budget_tokens)
@@ -303,25 +337,20 @@ class CudaEngine(Engine):
         return out[:n]
 
     def chunk_support_problem(self) -> str | None:
-        """Parallel decoding is refused by name (module docstring); autoregressive chunks of any H are decoded."""
-        if getattr(self.cfg, "chunk_decode", "autoregressive") != "autoregressive":
-            return (f"vla.chunk_decode={self.cfg.chunk_decode!r}: parallel decoding of an action chunk "
-                    f"(action_horizon {self.cfg.action_horizon}) is not implemented by the {self.name} backend yet "
-                    "(issue 22: its prefill attention kernel has no slot mask); use backend numpy, or a checkpoint "
-                    "with chunk_decode \"autoregressive\"")
-        return None
+        """Autoregressive chunks of any H are decoded, parallel ones of at most T_CHUNK = 32 action slots (one
+        prefill-shaped pass); a wider parallel chunk is refused by name (plan.parallel_slots_problem)."""
+        problem = parallel_slots_problem(self.cfg)
+        return None if problem is None else f"the {self.name} backend refuses {problem}"
 
     def run_chunk(self, vision_tokens: np.ndarray, frame_id: int, salient: bool = False,
                   forced_bins: np.ndarray | None = None) -> ChunkResult:
         t0 = time.perf_counter()
-        if forced_bins is not None and np.size(forced_bins) > 0:
-            raise EngineError("forced_bins: the cuda backend cannot force-decode a committed prefix yet (its decode "
-                              "graph argmaxes on the device; issue 22); set force_committed_steps false or use "
-                              "backend numpy")
+        forced_rows = check_forced_bins(self.cfg, forced_bins)  # ValueError before the cache is touched
+        forced = None if forced_rows is None else forced_gen(self.cfg, forced_rows, self.scratch_slots + 1)
         x = check_vision_tokens(vision_tokens, self.kv.tokens_per_frame, self.cfg.hidden_size)
         cuda = self._cuda
         try:
-            adm, gen, prefill_ms, decode_ms = self._device_chunk(x, frame_id, salient)
+            adm, gen, prefill_ms, decode_ms = self._device_chunk(x, frame_id, salient, forced)
         except cuda.Error as e:
             # A device error (out of memory, launch failure) can leave the cache half-written and the frame
             # admitted: the inference loop resets the engine before the next chunk instead of a node restart.
@@ -336,9 +365,9 @@ class CudaEngine(Engine):
                            prefill_ms=float(prefill_ms), decode_ms=float(decode_ms),
                            total_ms=(time.perf_counter() - t0) * 1e3, evicted_frames=list(adm.evicted),
                            kv_occupancy_tokens=int(self.kv.occupancy_tokens), salient=bool(salient),
-                           chunk=chunk, chunk_bins=bins)
+                           chunk=chunk, chunk_bins=bins, forced_steps=0 if forced_rows is None else len(forced_rows))
 
-    def _device_chunk(self, x: np.ndarray, frame_id: int, salient: bool):
+    def _device_chunk(self, x: np.ndarray, frame_id: int, salient: bool, forced: np.ndarray | None):
         from vla_edge_ros.engine.vision import pooled
         cuda, a, tpf = self._cuda, self.act, self.kv.tokens_per_frame
         t = [time.perf_counter()]
@@ -348,14 +377,15 @@ class CudaEngine(Engine):
             self._ensure_capacity()
             ctx = np.asarray(self.kv.context_slots(), dtype=np.int32)
             n_ctx = len(ctx)
-            slots = np.concatenate([ctx, self.kvc.capacity + np.arange(self.decode_steps, dtype=np.int32)])
+            # the scratch slots after the context: the decode steps', or the parallel pass's A slots (its keys)
+            slots = np.concatenate([ctx, self.kvc.capacity + np.arange(self.scratch_slots, dtype=np.int32)])
             t.append(time.perf_counter())
-            self._set_inputs(x, slots, n_ctx, n_ctx - tpf, tpf, n_ctx)
+            self._set_inputs(x, slots, n_ctx, n_ctx - tpf, tpf, n_ctx, forced, parallel=self.parallel)
             t.append(time.perf_counter())
             self.ev[0].record(self.stream)
             self._run("prefill", self.enqueue_prefill)
             self.ev[1].record(self.stream)
-            self._run("decode", self.enqueue_decode)
+            self._run(*self._second_pass())  # decode_ms: the decode steps, or the parallel pass
             self.ev[2].record(self.stream)
             t.append(time.perf_counter())
             cuda.memcpy_dtoh_async(a.h_tok, a.tok_buf, self.stream)
@@ -371,7 +401,8 @@ class CudaEngine(Engine):
 
     # ---- read-back for tests and benchmarks --------------------------------------------------------------
     def read_final_hidden(self) -> tuple[np.ndarray, np.ndarray]:
-        """(prefill rows (32, H), decode steps (decode_steps, H)) of the final-normed hidden state."""
+        """(prefill rows (32, H), decode steps (decode_steps, H)) of the final-normed hidden state. With parallel
+        decoding the 32 rows are the last prefill-shaped pass's: the parallel pass (its A slots first)."""
         H = self.cfg.hidden_size
         with self._active():
             self.stream.synchronize()

@@ -6,7 +6,12 @@ buffers. Per layer of the prefill: RMSNorm -> QKV GEMM -> attention -> split mer
 RMSNorm -> gate/up GEMM (SiLU * up) -> down GEMM (+residual); with quantised weights the same launches go to the
 *_i8 / *_f8 / *_i4 kernels (plan.for_weight_dtype), which take the scales and zero points last. Per layer of a decode step: RMSNorm + QKV GEMV (+ K/V
 store) -> attention -> split merge -> o_proj GEMV (+residual) -> RMSNorm + gate/up GEMV -> down GEMV (+residual).
-``meta`` on the device = [L keys seen by the prefill, p0 position of its row 0, T rows, n_ctx].
+``meta`` on the device (plan.chunk_meta) = a record per pass [L keys seen, p0 position of row 0, T rows, n_ctx,
+bidirectional, ...] (the frame prefill's at a.meta, the parallel pass's at a.meta_parallel), then forced[gen]
+(a.forced: every argmax writes the forced id where it is >= 0, so a forced prefix feeds the next decode step).
+The parallel pass (vla.chunk_decode "parallel", ``parallel``) is the prefill's layers over the A slot rows with its
+own record (bidirectional), then ONE head launch over all A rows (gemv_logits with grid.y = A, argmax_tokens with
+grid.x = A) instead of the prefill's head of the last row.
 """
 from __future__ import annotations
 
@@ -35,6 +40,29 @@ def _gemm(k, launch: Launch, A: int, lda: int, W: int, N: int, K: int, C: int, l
 
 def prefill(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache) -> None:
     """One pass over the rows of a.x_pre -> final_h, logits[0], tok_buf[0]."""
+    _layers(k, p, cfg, w, a, kv, a.meta)
+    # the last valid row (meta[2] - 1): already normed, so no norm weights here
+    k(p.logits, a.final_h, a.meta, 2, 0, cfg.rms_norm_eps, w.head_rows, cfg.n_action_bins, cfg.hidden_size, a.logits,
+      0)
+    k(p.argmax, a.logits, cfg.n_action_bins, cfg.action_token_offset, a.tok_buf, 0, a.forced)
+
+
+def parallel(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, slots: int) -> None:
+    """The parallel pass over the ``slots`` rows of a.x_pre (the caller has put the slot inputs there) -> final_h,
+    logits[1 .. slots], tok_buf[1 .. slots]: gen[1 + r] is slot r's choice, the layout of numpy_decode.decode_parallel.
+    The rows are independent after the attention, so the head of all of them is one launch of each kernel (grid.y /
+    grid.x = slots) rather than ``slots`` launches of the decode's."""
+    n_bins = cfg.n_action_bins
+    _layers(k, p, cfg, w, a, kv, a.meta_parallel)
+    rows = a.logits + 4 * n_bins  # logits[1]
+    k(p.logits._replace(grid=(p.logits.grid[0], slots)), a.final_h, a.meta_parallel, -1, 0, cfg.rms_norm_eps,
+      w.head_rows, n_bins, cfg.hidden_size, rows, 0)
+    k(p.argmax._replace(grid=(slots, 1)), rows, n_bins, cfg.action_token_offset, a.tok_buf, 1, a.forced)
+
+
+def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, meta: int) -> None:
+    """The layers and the final norm of a prefill-shaped pass over a.x_pre -> final_h, reading the pass's record
+    ``meta`` (the frame's causal one, or the parallel pass's bidirectional one)."""
     H, I, T, eps = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK, cfg.rms_norm_eps
     G, n_kvh, HD = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads, cfg.head_dim
     nq = cfg.num_attention_heads * HD
@@ -46,18 +74,15 @@ def prefill(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: 
         # before the prefill (the last chunk, K/V moves) must be complete (a graph boundary does that too)
         k(p.norm_rows, a.x_pre, L.ln1, a.h_bf, H, eps, L.bqkv, a.qkv, nqkv, serial=i == 0)
         _gemm(k, p.gemm_qkv, a.h_bf, H, L.wqkv, nqkv, H, a.qkv, nqkv, scales=_s(w, L.sqkv, L.zqkv))
-        k(attn, a.qkv, nqkv, kc, vc, kv.key_slots, a.meta, kv.rope, G, n_kvh, _qscale(cfg), kv.part_o_pf,
+        k(attn, a.qkv, nqkv, kc, vc, kv.key_slots, meta, kv.rope, G, n_kvh, _qscale(cfg), kv.part_o_pf,
           kv.part_ml_pf)  # also stores this chunk's K/V in the cache
         k(p.merge_prefill, kv.part_o_pf, kv.part_ml_pf, cfg.num_attention_heads * T, HD, T,
-          cfg.num_attention_heads, a.meta, 0, 0, p.keys_per_split, 0, a.attn_bf)
+          cfg.num_attention_heads, meta, 0, 0, p.keys_per_split, 0, a.attn_bf)
         _gemm(k, p.gemm_o, a.attn_bf, nq, L.wo, H, nq, a.x_pre, H, scales=_s(w, L.so, L.zo))
         k(p.norm_rows, a.x_pre, L.ln2, a.h_bf, H, eps, 0, 0, 0)
         k(p.gemm_gateup, a.h_bf, H, L.wgu, 2 * I, H, a.act_bf, *_s(w, L.sgu, L.zgu))
         _gemm(k, p.gemm_down, a.act_bf, I, L.wd, H, I, a.x_pre, H, scales=_s(w, L.sd, L.zd))
     k(p.final_norm, a.x_pre, w.final_norm, a.final_h, H, eps)
-    # the last valid row (meta[2] - 1): already normed, so no norm weights here
-    k(p.logits, a.final_h, a.meta, 2, 0, eps, w.head_rows, cfg.n_action_bins, H, a.logits, 0)
-    k(p.argmax, a.logits, cfg.n_action_bins, cfg.action_token_offset, a.tok_buf, 0)
 
 
 def decode(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, steps: int) -> None:
@@ -84,10 +109,11 @@ def decode(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: K
         logits = a.logits + 4 * s * n_bins
         k(p.logits, a.x_dec, a.meta, -1, w.final_norm, eps, w.head_rows, n_bins, H, logits,
           a.final_h_dec + 4 * (s - 1) * H)
-        k(p.argmax, logits, n_bins, cfg.action_token_offset, a.tok_buf, s)
+        k(p.argmax, logits, n_bins, cfg.action_token_offset, a.tok_buf, s, a.forced)
 
 
 def chunk(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, steps: int) -> None:
-    """A whole chunk (the profiling tools capture it as one graph)."""
+    """A whole autoregressive chunk (the profiling tools capture it as one graph; a parallel chunk needs the slot
+    inputs copied in between: CudaEngine.enqueue_chunk)."""
     prefill(k, p, cfg, w, a, kv)
     decode(k, p, cfg, w, a, kv, steps)

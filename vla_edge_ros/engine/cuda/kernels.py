@@ -51,7 +51,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("attn_combine", "rope_attention.cu", "PPiiiiPiiiPP", "attn_combine"),
     Kernel("attn_combine_v2", "rope_attention.cu", "PPiiiiPiiiPP", "attn_combine"),
     Kernel("attn_combine_v4", "rope_attention.cu", "PPiiiiPiiiPP", "attn_combine"),
-    Kernel("argmax_tokens", "lm_head_action.cu", "PiiPi", "argmax"),
+    Kernel("argmax_tokens", "lm_head_action.cu", "PiiPiP", "argmax"),
 )
 
 # The quantised twins of the decoder's linear-layer kernels (issue 23; cuda/wtype.cuh), in files of their own: the same

@@ -9,15 +9,22 @@ docs/GPU.md "Supported geometries and limits" (test/test_cuda_plan.py checks eve
 The kernels' own launch constants (warps per block, keys per split, the gemm32v4 tile) are read from the compiled
 modules (kernels.py) into ``LaunchConstants``; the defaults below are the sources' values, checked against them by
 test/test_cuda_compile.py. Measured effect of every tuning knob: docs/KERNEL_NOTES.md.
+
+Also pure, and here for the same reason: the layout of the host-written ints a chunk's graphs read (``chunk_meta``:
+a record per pass, then the forced prefix) and the refusal of a parallel chunk wider than one pass
+(``parallel_slots_problem``).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import numpy as np
 
 from vla_edge_ros.engine.config import ModelConfig
 from vla_edge_ros.engine.cuda.arch import fit_shared_memory
+from vla_edge_ros.engine.geometry import chunk_action_tokens, is_parallel
 from vla_edge_ros.engine.interface import EngineError
 
 T_CHUNK = 32  # prefill rows per pass: the GEMMs' two m16 tiles (cuda/gemm_skinny.cu); a frame is <= 32 tokens
@@ -407,10 +414,12 @@ def _vision_grid(cfg: ModelConfig, rows: int, block) -> tuple:
     return (rb, math.ceil(K / ks)), block, 0, ks
 
 
-def memory_plan(cfg: ModelConfig, capacity: int, decode_steps: int,
+def memory_plan(cfg: ModelConfig, capacity: int, scratch_slots: int,
                 c: LaunchConstants = LaunchConstants()) -> dict[str, int]:
-    """Bytes of model, KV cache and scratch for a KV capacity and S = ``decode_steps`` decode steps per chunk
-    (engine/geometry.chunk_decode_steps, not the decode_tokens parameter): the three parts of vram.check_budget."""
+    """Bytes of model, KV cache and scratch for a KV capacity and a chunk's ``scratch_slots`` decode tokens
+    (engine/geometry.chunk_scratch_slots: S autoregressive steps, or the A parallel slots; not the decode_tokens
+    parameter): the three parts of vram.check_budget."""
+    decode_steps = scratch_slots  # what the per-token buffers hold: one row per scratch slot
     H, I, L, V = cfg.hidden_size, padded_intermediate(cfg), cfg.num_hidden_layers, cfg.vocab_size
     Hq, HD, nkv = cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     nqkv, n_bins, T = Hq * HD + 2 * nkv, cfg.n_action_bins, T_CHUNK
@@ -425,5 +434,62 @@ def memory_plan(cfg: ModelConfig, capacity: int, decode_steps: int,
                + 4 * (n_split * Hq * T * (HD + 2)) + 4 * (n_split * Hq * (HD + 2))
                + 4 * (3 * H + Hq * HD + I + decode_steps * H)
                + 4 * (decode_steps + 1) * n_bins + 8 * (slots + 64) * HD // 2
-               + 4 * (slots + 8) + 64 + 2 * T * cfg.patch_dim + 4096)
+               + 4 * (slots + 8) + 4 * meta_ints(decode_steps + 1) + 2 * T * cfg.patch_dim + 4096
+               + (4 * T * H if is_parallel(cfg) else 0))  # the parallel pass's input rows (Weights.parallel_rows)
     return {"model": int(model), "kv": int(kv), "scratch": int(scratch)}
+
+
+def parallel_slots_problem(cfg: ModelConfig) -> str | None:
+    """Why the CUDA parallel pass cannot decode ``cfg``'s action slots (None: it can, or cfg decodes
+    autoregressively). The A = action_horizon x action_dims slots are the rows of ONE prefill-shaped pass, and the
+    prefill GEMMs tile T_CHUNK = 32 rows (two m16 tiles): more slots would need a second pass, which is not built."""
+    a = chunk_action_tokens(cfg)
+    if not is_parallel(cfg) or a <= T_CHUNK:
+        return None
+    return (f"vla.chunk_decode='parallel' with {a} action slots (vla.action_horizon {cfg.action_horizon} x "
+            f"{cfg.action_dims} action dims): the CUDA parallel pass decodes at most {T_CHUNK} slots (the rows of one "
+            f"prefill pass; its GEMMs tile {T_CHUNK} rows); use an action_horizon of at most "
+            f"{T_CHUNK // max(1, int(cfg.action_dims))}, chunk_decode \"autoregressive\", or backend numpy")
+
+
+# ---- the host-written ints of a chunk (buffers.Activations.meta): a record per pass, then the forced prefix -------
+# Kernel arguments are frozen at capture, so whatever changes per chunk is read from here. ONE buffer, written by one
+# async copy before the replays: the parallel pass's record sits beside the frame prefill's (its graph is captured
+# with a pointer to it) instead of a second copy between the two replays (one more API call per chunk).
+META_INTS = 8  # a pass's record: [L keys seen, p0 position of row 0, T rows, n_ctx, bidirectional, 0, 0, 0]
+PARALLEL_RECORD = META_INTS  # int offset of the parallel pass's record (the frame prefill's and the decode's: 0)
+FORCED_AT = 2 * META_INTS  # int offset of forced[n_gen] (argmax_tokens: the id it writes where >= 0; -1 = free)
+
+
+def meta_ints(n_gen: int) -> int:
+    """Ints of the meta buffer of a chunk whose gen has ``n_gen`` entries (scratch slots + 1)."""
+    return FORCED_AT + int(n_gen)
+
+
+def meta_record(L: int, p0: int, T: int, n_ctx: int, bidirectional: bool = False) -> list[int]:
+    """One pass's record (cuda/rope_attention.cu's meta): keys seen, position of row 0, rows, the context
+    length the decode steps start from, and whether the rows see each other both ways (the parallel pass)."""
+    return [int(L), int(p0), int(T), int(n_ctx), int(bool(bidirectional)), 0, 0, 0]
+
+
+def parallel_record(n_ctx: int, slots: int) -> list[int]:
+    """The parallel pass's record: its ``slots`` rows at positions n_ctx .. n_ctx + slots - 1 (scratch slots after
+    the context in the slot list), seeing the whole context and every slot (bidirectional)."""
+    return meta_record(n_ctx + slots, n_ctx, slots, n_ctx, bidirectional=True)
+
+
+def chunk_meta(n_gen: int, record: Sequence[int], parallel: Sequence[int] | None = None,
+               forced: np.ndarray | None = None) -> np.ndarray:
+    """The whole meta buffer (int32, ``meta_ints(n_gen)``): the frame prefill's (or the prefix's) record, the
+    parallel pass's (zeros when there is none), forced = engine/geometry.forced_gen's (n_gen,) ids (-1 = free;
+    None: nothing forced)."""
+    out = np.zeros(meta_ints(n_gen), np.int32)
+    out[:META_INTS] = record
+    if parallel is not None:
+        out[PARALLEL_RECORD:PARALLEL_RECORD + META_INTS] = parallel
+    out[FORCED_AT:] = -1
+    if forced is not None:
+        if len(forced) != n_gen:
+            raise EngineError(f"forced has {len(forced)} entries, gen {n_gen}")
+        out[FORCED_AT:] = forced
+    return out
