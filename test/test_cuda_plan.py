@@ -509,7 +509,7 @@ def test_the_parallel_pass_is_the_prefill_layers_on_its_own_record_with_one_head
 def test_a_quantised_chunk_launches_the_quantised_kernels_with_their_scales_and_zero_points(weight_dtype):
     from vla_edge_ros.engine.cuda.plan import KERNEL_SUFFIX, for_weight_dtype
     cfg = cfg_of("1.5b")
-    p = for_weight_dtype(plan(cfg, Tuning(), limits(H200, cfg)), weight_dtype)
+    p = for_weight_dtype(plan(cfg, Tuning(), limits(H200, cfg)), weight_dtype, cfg)
     names = [name for name, _, _ in _record_chunk(cfg, p, 4104, quantized=True)]  # signatures checked inside
     suffix = KERNEL_SUFFIX[weight_dtype]
     L = cfg.num_hidden_layers

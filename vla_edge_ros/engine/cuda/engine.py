@@ -199,7 +199,7 @@ class CudaEngine(Engine):
         """Plan the launches for the current tuning and apply what the kernels need from it (shared-memory limits,
         the late-trigger mask in every module)."""
         self.plan: LaunchPlan = for_weight_dtype(plan(self.cfg, self.tuning, self.limits), self.weight_dtype,
-                                                  self.limits.constants)
+                                                  self.cfg, self.limits.constants)
         for note in self.plan.notes:
             self.log(f"cuda engine: {note}")
         for name, nbytes in self.plan.raise_smem.items():
