@@ -115,3 +115,31 @@ def test_default_bag_is_a_readable_clip(tmp_path, monkeypatch, shared):
     instruction = sweep.first_instruction(bag)
     assert isinstance(instruction, str) and instruction
     assert ("real Bridge" in desc) == (sweep.SHARED_OXE / "bridge_dataset").is_dir()
+
+
+def test_main_runs_every_setting_and_writes_the_report(tmp_path, monkeypatch, capsys):
+    """main()'s own loop (its per-run line, the JSON and the report) with run_once replaced by a canned result: the
+    H200 replays of session 18 lost their summaries to a NameError in that line, after the runtime had run."""
+    calls = []
+
+    def fake_run_once(bag, policy, setting, duration, out_dir, env, backend, checkpoint, instruction, listener,
+                      camera_hz, startup_timeout, extra=None):
+        calls.append((policy, setting, backend, extra))
+        return sweep.summarise(policy, setting, {"eviction_policy": policy, **(extra or {})},
+                               runtime_stats(80, 20, 4, fresh=60, repeat=30, hold=10, policy=policy),
+                               {"camera_ticks": 620}, [], None, 0)
+
+    monkeypatch.setattr(sweep, "run_once", fake_run_once)
+    monkeypatch.setattr(sweep, "first_instruction", lambda bag: "go")
+    bag = tmp_path / "bag"
+    bag.mkdir()
+    rc = sweep.main(["--bag", str(bag), "--out", str(tmp_path / "out"), "--policies", "semantic,fifo", "--settings",
+                     "nominal", "--backend", "numpy", "--weight-dtype", "int8", "--no-listener"])
+    assert rc == 0
+    assert calls == [("semantic", "nominal", "numpy", {"weight_dtype": "int8"}),
+                     ("fifo", "nominal", "numpy", {"weight_dtype": "int8"})]
+    out = capsys.readouterr().out
+    assert "admitted 80 refused 20 misses 4 p99 30.0 ms" in out
+    doc = json.loads((tmp_path / "out" / "fifo.json").read_text())
+    assert doc["settings"]["nominal"]["params"]["weight_dtype"] == "int8"
+    assert (tmp_path / "out" / "report.md").exists()

@@ -34,6 +34,7 @@ import numpy as np
 from vla_edge_ros import params as registry
 from vla_edge_ros.bench.procs import Child, ros_child_env, rss_mb
 from vla_edge_ros.bench.sweep_report import (  # noqa: F401  (re-exported)
+    _fmt,
     SETTINGS, VRAM_CEILING_MB, latency_curve, make_plots, report_table, retention_at, write_report)
 
 REPO = Path(__file__).resolve().parents[2]
