@@ -143,3 +143,26 @@ def test_main_runs_every_setting_and_writes_the_report(tmp_path, monkeypatch, ca
     doc = json.loads((tmp_path / "out" / "fifo.json").read_text())
     assert doc["settings"]["nominal"]["params"]["weight_dtype"] == "int8"
     assert (tmp_path / "out" / "report.md").exists()
+
+
+def test_wait_active_reads_the_runtime_log(tmp_path):
+    """The replay starts only once the runtime logs that inference is active; a runtime that exits first, or
+    never gets there, is a reason, not a hang."""
+    import sys
+
+    from vla_edge_ros.bench.procs import ACTIVE_LINE, Child, wait_active
+
+    env = {"PATH": "/usr/bin:/bin"}
+    ok = Child([sys.executable, "-c", f"import time; time.sleep(0.3); print({ACTIVE_LINE!r}, flush=True); "
+                "time.sleep(5)"], env, tmp_path / "ok.log", name="runtime")
+    try:
+        assert wait_active(ok, 10.0, poll_s=0.05) is None
+    finally:
+        ok.stop(5)
+    dead = Child([sys.executable, "-c", "raise SystemExit(3)"], env, tmp_path / "dead.log", name="runtime")
+    assert "exited with 3" in wait_active(dead, 10.0, poll_s=0.05)
+    slow = Child([sys.executable, "-c", "import time; time.sleep(5)"], env, tmp_path / "slow.log", name="runtime")
+    try:
+        assert "not active after 0 s" in wait_active(slow, 0.3, poll_s=0.05)
+    finally:
+        slow.stop(5)

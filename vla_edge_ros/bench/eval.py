@@ -35,11 +35,10 @@ from typing import Any, Optional, Sequence
 from vla_edge_ros import params as registry
 from vla_edge_ros.bench.eval_grid import BASELINES, Setting, aggregate, expand_grid, read_episode_lines
 from vla_edge_ros.bench.eval_report import make_plots, render_report
-from vla_edge_ros.bench.procs import ROOT, Child, ros_child_env
+from vla_edge_ros.bench.procs import ACTIVE_LINE, ROOT, Child, ros_child_env
 from vla_edge_ros.engine.fault_injection import ENV_VAR as FAULT_ENV_VAR
 from vla_edge_ros.sim.tasks import TASK_KEYS
 
-ACTIVE_LINE = "active: admitting chunks"  # vla_inference's log line once warm-up is done (ros/inference_node.py)
 FAULT_BANNER = "FAULT INJECTION ENABLED"  # engine/fault_injection.wrap_from_env
 DEFAULT_DOMAIN_ID = 150  # settings take DEFAULT_DOMAIN_ID, +1, ... (wrapping below 233); tests use 10-99
 DEFAULT_SEED_START = 100000  # held out: far from the seeds demonstrations are recorded from (0, 1, ...)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -56,6 +57,23 @@ def ros_child_env(domain_id: Optional[int] = None, ros_home: Optional[Path] = No
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     env.pop("ROS_LOCALHOST_ONLY", None)
     return env
+
+
+ACTIVE_LINE = "active: admitting chunks"  # vla_inference's log line once warm-up is done (ros/inference_node.py)
+
+
+def wait_active(runtime: "Child", timeout_s: float, poll_s: float = 0.2) -> Optional[str]:
+    """Wait until ``runtime``'s log says inference is active (engine loaded, quantised, warmed up): None, or why
+    not (it exited, or ``timeout_s`` passed). Benchmarks start their camera or replay only then, so that a
+    duration is time spent serving, not loading (a 1.5B checkpoint quantised at load takes up to ~50 s)."""
+    t_end = time.monotonic() + timeout_s
+    while ACTIVE_LINE not in runtime.output():
+        if not runtime.alive():
+            return f"{runtime.name} exited with {runtime.p.returncode} before it was active (see {runtime.log_path})"
+        if time.monotonic() > t_end:
+            return f"{runtime.name} not active after {timeout_s:.0f} s (see {runtime.log_path})"
+        time.sleep(poll_s)
+    return None
 
 
 class Child:

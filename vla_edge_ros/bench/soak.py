@@ -39,9 +39,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from vla_edge_ros.bench.procs import Child, ros_child_env, rss_mb
+from vla_edge_ros.bench.procs import ACTIVE_LINE, Child, ros_child_env, rss_mb
 
-ACTIVE_LINE = "active: admitting chunks"
 STOP_TIMEOUT_S = 20.0  # SIGINT to exit: the runtime writes its final stats while shutting down
 
 

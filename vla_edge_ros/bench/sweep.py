@@ -32,7 +32,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from vla_edge_ros import params as registry
-from vla_edge_ros.bench.procs import Child, ros_child_env, rss_mb
+from vla_edge_ros.bench.procs import Child, ros_child_env, rss_mb, wait_active
 from vla_edge_ros.bench.sweep_report import (  # noqa: F401  (re-exported)
     _fmt,
     SETTINGS, VRAM_CEILING_MB, latency_curve, make_plots, report_table, retention_at, write_report)
@@ -218,6 +218,15 @@ def run_once(bag: Path, policy: str, setting: str, duration: float, out_dir: Pat
         [sys.executable, "-m", "vla_edge_ros.ros.runtime", "--stats-out", str(stats_path), "--stats-every-s", "0.5",
          "--duration-s", str(duration + startup_timeout + 60), "--ros-args", "--params-file", str(params_path)],
         env, logs / f"{tag}.runtime.log", name="runtime", cwd=REPO)
+    # the replay starts once inference is active: --duration is time spent serving (a quantised-at-load 1.5B
+    # checkpoint loads for up to ~50 s; a replay started at the camera subscription held through all of it)
+    not_active = wait_active(runtime, startup_timeout)
+    if not_active:
+        runtime.stop(30)
+        result = summarise(policy, setting, inference_params, _read_json(stats_path) or {}, {}, [], None,
+                           runtime.p.returncode)
+        result["error"] = not_active
+        return result
     if listener is not None:
         listener.reset()
     replay = Child(
@@ -347,8 +356,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
                     help="weight_dtype of every run (default: the parameter's default)")
     ap.add_argument("--camera-hz", type=float, default=60.0)
     ap.add_argument("--domain-id", type=int, default=DEFAULT_DOMAIN_ID)
-    ap.add_argument("--startup-timeout", type=float, default=60.0, help="wait this long for the runtime's camera "
-                                                                       "subscription")
+    ap.add_argument("--startup-timeout", type=float, default=180.0,
+                    help="wait this long for the runtime to be active (engine loaded, quantised, warmed up)")
     ap.add_argument("--no-listener", action="store_true", help="skip the action-error listener")
     args = ap.parse_args(list(argv) if argv is not None else None)
     policies = [p for p in args.policies.split(",") if p]
