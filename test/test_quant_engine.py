@@ -134,6 +134,27 @@ def test_a_prequantized_checkpoint_runs_as_quantising_at_load_does(tiny, tmp_pat
     assert pre.memory()["device_weight_bytes"] == at_load.memory()["device_weight_bytes"]
 
 
+def test_the_command_line_writes_the_checkpoint_the_engine_reads(tiny, tmp_path, capsys):
+    """python -m vla_edge_ros.engine.quant_checkpoint SRC DST --weight-dtype int4: the engine on DST runs as the one
+    quantising SRC at load; an existing DST, a pre-quantised SRC and a bad type are refused, nothing overwritten."""
+    ckpt, cfg, w = tiny
+    assert QC.main([str(ckpt), str(tmp_path / "q4"), "--weight-dtype", "int4"]) == 0
+    assert "linear weights as int4" in capsys.readouterr().out
+    assert QC.read_quantization_block(tmp_path / "q4")["weight_dtype"] == "int4"
+    pre = make_engine(engine_params(tmp_path / "q4", weight_dtype="int4"), log=quiet)
+    at_load = make_engine(engine_params(ckpt, weight_dtype="int4"), log=quiet)
+    assert_same_chunks(pre, at_load, images(2, seed=5), "cli int4")
+    before = (tmp_path / "q4" / "model.quantized.safetensors").stat().st_mtime_ns
+    assert QC.main([str(ckpt), str(tmp_path / "q4"), "--weight-dtype", "int8"]) == 2  # exists, not empty
+    assert QC.main([str(tmp_path / "q4"), str(tmp_path / "again"), "--weight-dtype", "int8"]) == 2  # already codes
+    out = capsys.readouterr().out
+    assert "exists and is not empty" in out and "already a pre-quantised checkpoint" in out
+    assert (tmp_path / "q4" / "model.quantized.safetensors").stat().st_mtime_ns == before
+    assert not (tmp_path / "again").exists()
+    with pytest.raises(SystemExit):
+        QC.main([str(ckpt), str(tmp_path / "q0"), "--weight-dtype", "bf16"])
+
+
 # ---- refusals -----------------------------------------------------------------------------------------------------
 
 def test_a_bad_weight_dtype_is_refused_by_name(tiny):
