@@ -7,8 +7,9 @@ many-core GPU machine can run several sims and runtimes at once, each in its own
 (tools/h200_eval.sh). A run directory is a `vla_eval --out` folder; its name is ``<group>.s<seed_start>``: the runs
 of one group (e.g. ``cuda-int8-push``) are the same setting over disjoint seeds, so their episodes add up. Per
 group and row of results.json (one row per setting): successes / episodes summed, the Wilson 95 % interval of the
-sum, mean episode time, the fresh share over all ticks, chunk latency p50 / p99 (the worst run's: percentiles do
-not add), admitted chunks and deadline misses summed. A run whose results.json is missing or whose row failed is
+sum, mean episode time, the share of control steps that applied an action computed from a newer frame than the
+step before (the eval's "new", weighted by steps), chunk latency p50 / p99 (the worst run's: percentiles do not
+add), admitted chunks and deadline misses summed. A run whose results.json is missing or whose row failed is
 listed as FAILED with its reason, never dropped; the exit code is then 1. Writes OUT/merged.json and
 OUT/merged.md and prints the table.
 """
@@ -47,11 +48,8 @@ def merge_rows(group: str, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The summed figures of one group's rows (the same setting, disjoint seeds)."""
     episodes = sum(int(r.get("episodes") or 0) for r in rows)
     successes = sum(int(r.get("successes") or 0) for r in rows)
-    ticks = defaultdict(float)
-    for r in rows:
-        for kind, n in ((r.get("runtime") or {}).get("ticks") or {}).items():
-            ticks[kind] += float(n)
-    n_ticks = sum(ticks.values())
+    steps = [(float(r.get("steps_mean") or 0.0) * int(r.get("episodes") or 0), r.get("new_plan_share")) for r in rows]
+    new_steps = [(n, share) for n, share in steps if share is not None and n > 0]
     chunks = [(r.get("runtime") or {}).get("chunks") or {} for r in rows]
     lat = [(r.get("runtime") or {}).get("latency_ms") or {} for r in rows]
     ep_time = [((r.get("episode_s") or {}).get("mean"), int(r.get("episodes") or 0)) for r in rows]
@@ -63,7 +61,8 @@ def merge_rows(group: str, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "success_rate": successes / episodes if episodes else None,
         "success_ci95": list(wilson_interval(successes, episodes)) if episodes else None,
         "episode_s_mean": sum(a for a, _ in weighted) / sum(n for _, n in weighted) if weighted else None,
-        "fresh_share": ticks["fresh"] / n_ticks if n_ticks else None,
+        "new_frame_share": (sum(n * share for n, share in new_steps) / sum(n for n, _ in new_steps)
+                            if new_steps else None),
         "chunks_admitted": _sum([c.get("admitted") for c in chunks]),
         "deadline_misses": _sum([c.get("deadline_misses") for c in chunks]),
         "latency_p50_ms_max": _max([x.get("p50") for x in lat]),
@@ -97,7 +96,7 @@ def _f(v: Optional[float], fmt: str) -> str:
 
 
 def render(rows: Sequence[Mapping[str, Any]], failures: Sequence[Mapping[str, str]]) -> str:
-    lines = ["| group | task | backend | success | 95 % CI | episode s | fresh | chunk p50 / p99 ms (worst run) | "
+    lines = ["| group | task | backend | success | 95 % CI | episode s | new-frame steps | chunk p50 / p99 ms (worst run) | "
              "admitted | misses |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ci = r["success_ci95"]
@@ -105,7 +104,7 @@ def render(rows: Sequence[Mapping[str, Any]], failures: Sequence[Mapping[str, st
             f"| {r['group']} | {r['task']} | {r['backend']} | {r['successes']}/{r['episodes']} "
             f"({_f(r['success_rate'] and 100 * r['success_rate'], '.0f')} %) | "
             f"{'n/a' if ci is None else f'{100 * ci[0]:.0f}-{100 * ci[1]:.0f} %'} | {_f(r['episode_s_mean'], '.1f')} | "
-            f"{_f(r['fresh_share'] and 100 * r['fresh_share'], '.1f')} % | {_f(r['latency_p50_ms_max'], '.1f')} / "
+            f"{_f(r['new_frame_share'] and 100 * r['new_frame_share'], '.1f')} % | {_f(r['latency_p50_ms_max'], '.1f')} / "
             f"{_f(r['latency_p99_ms_max'], '.1f')} | {_f(r['chunks_admitted'], '.0f')} | "
             f"{_f(r['deadline_misses'], '.0f')} |")
     for f in failures:
