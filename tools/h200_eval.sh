@@ -4,10 +4,13 @@
 # and issue 23's closed loop per weight type. Each run is one `python -m vla_edge_ros.bench.eval` over a seed range,
 # in its own ROS domain; bench/eval_merge.py adds up the runs of a group into one table (merged.md).
 #
-#   device: bash tools/h200_eval.sh        (carry .whl_sim_a .whl_sim_b .gl; ROS + PyCUDA installed by an earlier
-#                                           call on the same warm machine: INSTALL_ONLY=1 bash tools/h200_replay.sh
-#                                           carrying .whl; or carry .whl here when it fits)
-#   local : PY=python3.12 EPISODES=1 SPLITS=1 RUNS="numpy-bf16-push" bash tools/h200_eval.sh --local
+#   device: bash tools/h200_eval.sh   (each call carries at most 64 MiB, so over calls on one warm machine: 1. carry
+#           .whl (ROS + PyCUDA, ~51 MB): INSTALL_ONLY=1 bash tools/h200_replay.sh; 2. carry .whl_sim_a (metaworld)
+#           .whl_sim_b2 (mujoco, gymnasium, zstandard, pyopengl, glfw, cloudpickle, farama: the sim wheels ROS's set
+#           lacks) .gl: this script; with CHUNK_CKPT, carry the checkpoint in a third call (session 18: 232 s for the
+#           default 18 runs of 25 episodes)
+#   local : PY=.venv/bin/python EPISODES=2 SPLITS=2 CONTROL_HZ=5 DEADLINE_MS=180 RUNS="numpy-bf16-push" \
+#           bash tools/h200_eval.sh --local   (this project's venv: nothing installed)
 #
 # RUNS: groups "<backend>-<weight_dtype>-<task>"; each group runs SPLITS seed ranges of EPISODES / SPLITS episodes
 # side by side (seeds SEED_START + k EPISODES / SPLITS ...), so every group sees the same initial states. The
