@@ -7,7 +7,7 @@
 #   device: bash tools/h200_eval.sh   (each call carries at most 64 MiB, so over calls on one warm machine: 1. carry
 #           .whl (ROS + PyCUDA, ~51 MB): INSTALL_ONLY=1 bash tools/h200_replay.sh; 2. carry .whl_sim_a (metaworld)
 #           .whl_sim_b2 (mujoco, gymnasium, zstandard, pyopengl, glfw, cloudpickle, farama: the sim wheels ROS's set
-#           lacks) .gl: this script; with CHUNK_CKPT, carry the checkpoint in a third call (session 18: 232 s for the
+#           lacks) .gl: this script; CHUNK_CKPT=DIR RUNS=none in a third call carrying DIR (session 18: 232 s for the
 #           default 18 runs of 25 episodes)
 #   local : PY=.venv/bin/python EPISODES=2 SPLITS=2 CONTROL_HZ=5 DEADLINE_MS=180 RUNS="numpy-bf16-push" \
 #           bash tools/h200_eval.sh --local   (this project's venv: nothing installed)
@@ -43,6 +43,7 @@ DEFAULT_RUNS=""
 for b in cuda numpy; do for t in $TASKS3; do DEFAULT_RUNS+="$b-bf16-$t "; done; done
 for w in int8 fp8 int4; do DEFAULT_RUNS+="cuda-$w-push "; done
 RUNS=${RUNS:-$DEFAULT_RUNS}
+[ "$RUNS" = none ] && RUNS=""  # RUNS=none: only the chunk comparison (CHUNK_CKPT)
 mkdir -p "$OUT/runs"
 log() { echo "[h200_eval $(date +%T)] $*"; }
 log "mode $MODE, python $($PY -c 'import sys; print(sys.version.split()[0])'), out $OUT"
@@ -96,7 +97,7 @@ if [ -n "$cc_pid" ]; then
     wait "$cc_pid"; log "chunk_compare exit $?"
     cp "$OUT/runs/chunk_compare/compare.md" "$OUT/chunk_compare.md" 2>/dev/null && cat "$OUT/chunk_compare.md"
 fi
-$PY -m vla_edge_ros.bench.eval_merge "$OUT" "${dirs[@]}"
-RC=$?
+RC=0
+if [ "${#dirs[@]}" -gt 0 ]; then $PY -m vla_edge_ros.bench.eval_merge "$OUT" "${dirs[@]}"; RC=$?; fi
 tar -czf "$OUT/eval_runs.tgz" -C "$OUT" runs && rm -rf "$OUT/runs"
 exit $RC
