@@ -35,7 +35,7 @@ from typing import Any, Optional, Sequence
 from vla_edge_ros import params as registry
 from vla_edge_ros.bench.eval_grid import BASELINES, Setting, aggregate, expand_grid, read_episode_lines
 from vla_edge_ros.bench.eval_report import make_plots, render_report
-from vla_edge_ros.bench.procs import ACTIVE_LINE, ROOT, Child, ros_child_env
+from vla_edge_ros.bench.procs import ROOT, Child, ros_child_env, wait_active
 from vla_edge_ros.engine.fault_injection import ENV_VAR as FAULT_ENV_VAR
 from vla_edge_ros.sim.tasks import TASK_KEYS
 
@@ -210,16 +210,10 @@ def run_setting(setting: Setting, index: int, cfg: RunConfig, out: Path, progres
                 cmd += ["-p", p]
             (logs / "runtime.cmd").write_text(shlex.join(cmd) + "\n")
             # cwd=None: a relative --checkpoint stays relative to where the eval was started
-            runtime = Child(cmd, env, logs / "runtime.log", name="runtime", cwd=None)
-            t_end = time.monotonic() + cfg.startup_timeout_s
-            while ACTIVE_LINE not in runtime.output():
-                if not runtime.alive():
-                    raise _SettingFailed(f"vla_runtime exited with {runtime.p.returncode} during start-up "
-                                         f"(see {logs / 'runtime.log'})")
-                if time.monotonic() > t_end:
-                    raise _SettingFailed(f"vla_runtime not active after {cfg.startup_timeout_s:.0f} s "
-                                         f"(see {logs / 'runtime.log'})")
-                time.sleep(0.2)
+            runtime = Child(cmd, env, logs / "runtime.log", name="vla_runtime", cwd=None)
+            not_active = wait_active(runtime, cfg.startup_timeout_s)
+            if not_active:
+                raise _SettingFailed(not_active)
             if setting.inject_ms > 0 and FAULT_BANNER not in runtime.output():
                 raise _SettingFailed(f"{FAULT_ENV_VAR} was set but the runtime did not enable fault injection "
                                      f"(see {logs / 'runtime.log'})")

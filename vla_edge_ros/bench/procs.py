@@ -69,7 +69,7 @@ def wait_active(runtime: "Child", timeout_s: float, poll_s: float = 0.2) -> Opti
     t_end = time.monotonic() + timeout_s
     while ACTIVE_LINE not in runtime.output():
         if not runtime.alive():
-            return f"{runtime.name} exited with {runtime.p.returncode} before it was active (see {runtime.log_path})"
+            return f"{runtime.name} exited with {runtime.p.returncode} during start-up (see {runtime.log_path})"
         if time.monotonic() > t_end:
             return f"{runtime.name} not active after {timeout_s:.0f} s (see {runtime.log_path})"
         time.sleep(poll_s)

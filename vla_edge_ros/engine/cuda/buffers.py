@@ -17,6 +17,7 @@ from vla_edge_ros.engine.cuda.plan import (FORCED_AT, PARALLEL_RECORD, T_CHUNK, 
 from vla_edge_ros.engine.cuda.vram import VramTracker
 from vla_edge_ros.engine.geometry import chunk_action_tokens, is_parallel, parallel_slot_token
 from vla_edge_ros.engine.interface import EngineError
+from vla_edge_ros.engine.quant import GROUP_SIZE
 
 
 def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -114,7 +115,6 @@ class LinearCodes(NamedTuple):
         codes = np.pad(self.codes, ((0, 0), (0, int(n * per_col))))
         if self.scales is None or self.scales.ndim == 1:
             return LinearCodes(codes, self.scales, self.zeros)
-        from vla_edge_ros.engine.quant import GROUP_SIZE
         extra = -(-(k + n) // GROUP_SIZE) - self.scales.shape[1]
         grow = (lambda a: np.pad(a, ((0, 0), (0, extra))))
         return LinearCodes(codes, grow(self.scales), grow(self.zeros))
@@ -125,8 +125,8 @@ def _linear_codes(w: dict[str, Any], name: str) -> LinearCodes:
     codes = getattr(v, "codes", None)
     if codes is None:
         return LinearCodes(as_bf16_bits(v))
-    if v.weight_dtype == "int4" and v.group_size != 128:
-        raise EngineError(f"{name}: the CUDA int4 kernels take groups of 128 columns, not {v.group_size}")
+    if v.weight_dtype == "int4" and v.group_size != GROUP_SIZE:  # cuda/wtype.cuh WT_GROUP
+        raise EngineError(f"{name}: the CUDA int4 kernels take groups of {GROUP_SIZE} columns, not {v.group_size}")
     zeros = None if v.zeros is None else np.ascontiguousarray(v.zeros, dtype=np.uint8)
     return LinearCodes(np.ascontiguousarray(codes), np.ascontiguousarray(v.scales, dtype=np.float32), zeros)
 

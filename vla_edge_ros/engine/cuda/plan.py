@@ -427,7 +427,6 @@ def memory_plan(cfg: ModelConfig, capacity: int, scratch_slots: int,
     """Bytes of model, KV cache and scratch for a KV capacity and a chunk's ``scratch_slots`` decode tokens
     (engine/geometry.chunk_scratch_slots: S autoregressive steps, or the A parallel slots; not the decode_tokens
     parameter): the three parts of vram.check_budget."""
-    decode_steps = scratch_slots  # what the per-token buffers hold: one row per scratch slot
     H, I, L, V = cfg.hidden_size, padded_intermediate(cfg), cfg.num_hidden_layers, cfg.vocab_size
     Hq, HD, nkv = cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     nqkv, n_bins, T = Hq * HD + 2 * nkv, cfg.n_action_bins, T_CHUNK
@@ -435,14 +434,14 @@ def memory_plan(cfg: ModelConfig, capacity: int, scratch_slots: int,
     model = L * per_layer + 2 * V * H + 2 * H + 2 * H * cfg.patch_dim + 4 * cfg.n_patches * H
     if not cfg.tie_word_embeddings:
         model += 2 * n_bins * H
-    slots = capacity + decode_steps
+    slots = capacity + scratch_slots
     kv = 2 * L * slots * nkv * 2
     n_split = math.ceil(slots / c.ATT_KC)
     scratch = (4 * T * (3 * H + nqkv) + 2 * T * (2 * H + I)
                + 4 * (n_split * Hq * T * (HD + 2)) + 4 * (n_split * Hq * (HD + 2))
-               + 4 * (3 * H + Hq * HD + I + decode_steps * H)
-               + 4 * (decode_steps + 1) * n_bins + 8 * (slots + 64) * HD // 2
-               + 4 * (slots + 8) + 4 * meta_ints(decode_steps + 1) + 2 * T * cfg.patch_dim + 4096
+               + 4 * (3 * H + Hq * HD + I + scratch_slots * H)
+               + 4 * (scratch_slots + 1) * n_bins + 8 * (slots + 64) * HD // 2
+               + 4 * (slots + 8) + 4 * meta_ints(scratch_slots + 1) + 2 * T * cfg.patch_dim + 4096
                + (4 * T * H if is_parallel(cfg) else 0))  # the parallel pass's input rows (Weights.parallel_rows)
     return {"model": int(model), "kv": int(kv), "scratch": int(scratch)}
 
