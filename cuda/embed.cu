@@ -2,12 +2,14 @@
 #include "common.cuh"
 
 // x[0..H) = float(E[tok_buf[tok_index]]) ; the token id was written on the device by the previous argmax,
-// so a captured graph can chain decode steps without the host.
+// so a captured graph can chain decode steps without the host. grid.y > 1 (the fleet's decode pass, one row per
+// robot): row y = E[tok_buf[tok_index + y]] at x + y * H.
 extern "C" __global__ void embed_gather(const bf16_t* __restrict__ E, const int* __restrict__ tok_buf,
                                         int tok_index, float* __restrict__ x, int H) {
     pdl_trigger();
     pdl_wait();
-    const int tok = tok_buf[tok_index];
+    const int tok = tok_buf[tok_index + blockIdx.y];
+    x += (size_t)blockIdx.y * H;
     const bf16_t* row = E + (size_t)tok * H;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < H; i += gridDim.x * blockDim.x)
         x[i] = bf16_to_f32(row[i]);

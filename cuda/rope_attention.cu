@@ -437,6 +437,85 @@ ATTN_PREFILL_KERNEL(attn_prefill_hd64_hg, 64, 64 * PFG_MAXG_64, true)
 ATTN_DECODE_KERNEL(attn_decode_hd128_hg, 128, attn_decode_body_hg)
 ATTN_DECODE_KERNEL(attn_decode_hd64_hg, 64, attn_decode_body_hg)
 
+// ---- the fleet's batched pass (issue 24; engine/cuda/fleet.py): one launch serves every member robot.
+// Member r = blockIdx.z (prefill attention) / blockIdx.y (merge) reads its own record meta + r * meta_stride
+// ([L, p0, T, n_ctx, bidirectional, base row, ..]: its keys, positions and rows), its own slot list
+// key_slots + r * slots_stride (slots in its own region of one shared cache) and its own split partials
+// (part_rows = splits x Hq x 32 rows each); its T query rows are rows base .. base + T - 1 of the pass's QKV output
+// (the 32 - T rows after them are other members' or padding: computed, never stored). The bodies are the
+// single-robot kernels' (no head groups: the fleet refuses models that need them).
+#define ATTN_PREFILL_BATCH_KERNEL(NAME, HD, THREADS)                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME(const float* qkv, int ld, bf16_t* kc, bf16_t* vc,      \
+            const int* key_slots, const int* meta, const float2* rope_cs, int G, int n_kvh, float qscale,           \
+            float* part_o, float2* part_ml, int slots_stride, int meta_stride, int part_rows) {                    \
+        __shared__ __align__(16) bf16_t sK[ATT_KC * (HD + 8)];                                                     \
+        __shared__ __align__(16) bf16_t sVt[HD * (ATT_KC + 8)];                                                    \
+        __shared__ int sSlot[ATT_KC];                                                                              \
+        const int r = blockIdx.z;                                                                                  \
+        meta += (size_t)r * meta_stride;                                                                           \
+        attn_prefill_body<HD, false>(qkv + (size_t)meta[5] * ld, ld, kc, vc, key_slots + (size_t)r * slots_stride,  \
+                                     meta, rope_cs, G, n_kvh, qscale, part_o + (size_t)r * part_rows * HD,          \
+                                     part_ml + (size_t)r * part_rows, sK, sVt, sSlot);                              \
+    }
+ATTN_PREFILL_BATCH_KERNEL(attn_prefill_batch_hd128, 128, 64 * PF_MAXG_128)
+ATTN_PREFILL_BATCH_KERNEL(attn_prefill_batch_hd64, 64, 64 * PF_MAXG_64)
+
+// One decode step of every member (grid.z = member): attn_decode_core on its query (row base of the pass's QKV
+// output: the q columns come first), its slot list and record (n_ctx = rec[3], step = the pass's decode step: L =
+// n_ctx + step keys, the last one this step's own, stored by kv_store_rows just before) and its own partials
+// ([split][Hq][HD] at part_rows rows per member). The prefill-shaped attention would stage and rotate the same keys
+// for 32 query rows with 12 warps per block: measured, it made a decode step of 8 robots ~7 ms.
+#define ATTN_DECODE_BATCH_KERNEL(NAME, HD)                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * DEC_WARPS) NAME(const float* qkv, int ld, const bf16_t* kc,   \
+            const bf16_t* vc, const int* key_slots, const int* meta, int step, const float2* rope_cs, int G,        \
+            int n_kvh, float qscale, float* part_o, float2* part_ml, int slots_stride, int meta_stride,             \
+            int part_rows) {                                                                                       \
+        __shared__ __align__(16) unsigned char smem[DecAttnSmem<HD>::BYTES];                                       \
+        __shared__ int sSlot[ATT_KC];                                                                              \
+        __shared__ float2 sQcs[HD / 2];                                                                            \
+        __shared__ __align__(16) float sQ[DEC_MAXG * HD];                                                          \
+        const int r = blockIdx.z;                                                                                  \
+        meta += (size_t)r * meta_stride;                                                                           \
+        attn_decode_core<HD, false>(qkv + (size_t)meta[5] * ld, kc, vc, key_slots + (size_t)r * slots_stride, meta, \
+                                    step, rope_cs, G, n_kvh, qscale, part_o + (size_t)r * part_rows * HD,           \
+                                    part_ml + (size_t)r * part_rows, smem, sSlot, sQcs, sQ);                        \
+    }
+ATTN_DECODE_BATCH_KERNEL(attn_decode_batch_hd128, 128)
+ATTN_DECODE_BATCH_KERNEL(attn_decode_batch_hd64, 64)
+
+// The merge of member blockIdx.y's partials (rows qh * T + token, T = 32 after the prefill-shaped attention, 1
+// after the decode one) into attention rows base + token of the pass (bf16, the o_proj GEMM's input); only its
+// rec[2] tokens are written (the block of a padding token returns before the merge's barriers: one block = one
+// row). Keys: rec[0]. grid = (Hq * T * HD / (32 VEC), members).
+template <int VEC>
+__device__ __forceinline__ void attn_combine_batch_body(const float* __restrict__ part_o,
+        const float2* __restrict__ part_ml, int HD, int Hq, int T, const int* __restrict__ meta, int meta_stride,
+        int kps, int part_rows, bf16_t* __restrict__ out_bf16) {
+    pdl_trigger(FAM_COMBINE);
+    const int* rec = meta + (size_t)blockIdx.y * meta_stride;
+    const int L = rec[0], rows = rec[2], base = rec[5];  // host-written: read before the wait
+    const int per_row = HD / (32 * VEC);
+    const int r = blockIdx.x / per_row;
+    const int qh = r / T, tok = r - qh * T;
+    if (tok >= rows) return;  // uniform over the block
+    pdl_wait(FAM_COMBINE);
+    part_o += (size_t)blockIdx.y * part_rows * HD;
+    part_ml += (size_t)blockIdx.y * part_rows;
+    const size_t o = (size_t)(base + tok) * Hq * HD + (size_t)qh * HD;
+    merge_row<VEC>(part_o, part_ml, Hq * T, HD, r, blockIdx.x - r * per_row, L, kps, [&](int d, float y) {
+        out_bf16[o + d] = f32_to_bf16(y);
+    });
+}
+#define COMBINE_BATCH_KERNEL(NAME, VEC)                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * CMB_GROUPS) NAME(const float* __restrict__ part_o,           \
+            const float2* __restrict__ part_ml, int HD, int Hq, int T, const int* __restrict__ meta,                \
+            int meta_stride, int kps, int part_rows, bf16_t* __restrict__ out_bf16) {                             \
+        attn_combine_batch_body<VEC>(part_o, part_ml, HD, Hq, T, meta, meta_stride, kps, part_rows, out_bf16);    \
+    }
+COMBINE_BATCH_KERNEL(attn_combine_batch, 1)
+COMBINE_BATCH_KERNEL(attn_combine_batch_v2, 2)
+COMBINE_BATCH_KERNEL(attn_combine_batch_v4, 4)
+
 // What the host reads from the compiled module (engine/cuda/kernels.py LAUNCH_CONSTANTS), in this order.
 __constant__ int vla_launch[8] = {ATT_KC, DEC_WARPS, DEC_MAXG, CMB_GROUPS, PF_MAXG_128, PF_MAXG_64, PFG_MAXG_128,
                                   PFG_MAXG_64};

@@ -182,7 +182,6 @@ def test_fleet_edge_serves_three_robots_through_a_stall_and_a_robot_restart(tmp_
 
 
 @pytest.mark.parametrize("role,backend,expect", [
-    ("edge", "cuda", "issue 24"),  # the batched CUDA pass is not written: refused by name
     ("all", "numpy", "served by --role edge only"),  # role all serves one robot: a fleet list there is a mistake
 ])
 def test_fleet_settings_refused_at_start(ros_processes, role, backend, expect):
@@ -190,6 +189,23 @@ def test_fleet_settings_refused_at_start(ros_processes, role, backend, expect):
                                    name="runtime")
     assert wait_for(lambda: not proc.alive(), 60.0), proc.output()
     assert proc.stop() == 2 and expect in proc.output(), proc.output()
+
+
+def test_the_cuda_fleet_engine_is_built_or_refused_with_the_reason():
+    """backend cuda builds engine/cuda/fleet.FleetCudaEngine: what it cannot run is refused by name before the GPU
+    is probed (quantised weights); without a usable GPU, the probe's reason."""
+    from vla_edge_ros.engine.cuda import cuda_status
+    from vla_edge_ros.engine.interface import EngineError
+    from vla_edge_ros.ros.fleet_node import build_fleet_engine
+
+    base = {"backend": "cuda", "robot_namespaces": "r1,r2", "kv_budget_tokens": 128}
+    with pytest.raises(EngineError, match="bf16 weights only"):
+        build_fleet_engine({**base, "weight_dtype": "int8"}, log=lambda m: None)
+    ok, why = cuda_status()
+    if ok:
+        pytest.skip("a usable GPU: the engine itself is tested in test_cuda_fleet.py")
+    with pytest.raises(EngineError, match="CUDA backend unavailable"):
+        build_fleet_engine(base, log=lambda m: None)
 
 
 def test_robot_namespaces_parsing():

@@ -12,7 +12,8 @@ node (a subclass: the same lifecycle transitions, RCLError guard, sticky / recov
   QoS of the single edge, so ``vla_runtime --role robot`` runs unchanged on each robot (docs/OPERATIONS.md "One
   edge, many robots"); the camera nodes take the camera values given to ``vla_camera`` (the runtime passes them)
   and are spun by the runtime like any node;
-- one FleetNumpyEngine (one copy of the weights, a KV cache per robot), one FleetScheduler (per-robot deadline
+- one batched engine (backend numpy: engine/fleet_numpy.FleetNumpyEngine; cuda: engine/cuda/fleet.FleetCudaEngine,
+  a KV region per listed robot; one copy of the weights either way), one FleetScheduler (per-robot deadline
   admission, earliest deadline first, starvation counted and promoted) and one FleetLoop (its own thread).
 
 Transitions: configure builds engine, scheduler and loop, warms up every batch size up to the fleet's (the
@@ -23,8 +24,9 @@ and free the engine. A robot that goes silent stays added: its camera stops, its
 simply not ready; nobody else notices. A robot process killed and restarted is nothing to this node either: its
 publisher keeps publishing and the new subscriber matches.
 
-Not yet: backend cuda (no batched CUDA pass), live changes of the loop's parameters (refused with the reason;
-stored while unconfigured), robots joining at run time (the list is read-only; FleetLoop supports it).
+Not yet: live changes of the loop's parameters (refused with the reason; stored while unconfigured), robots
+joining at run time (the list is read-only; FleetLoop supports it); backend cuda with quantised weights or parallel
+chunk decoding (refused by name: engine/cuda/fleet.fleet_unsupported_reason).
 """
 from __future__ import annotations
 
@@ -47,8 +49,6 @@ from vla_edge_ros.ros import conversions, qos
 from vla_edge_ros.ros.camera_node import CameraNode
 from vla_edge_ros.ros.inference_node import LOOP_PARAMS, InferenceNode
 
-CUDA_REFUSED = ("robot_namespaces is set (one edge serving a fleet, issue 24) but backend=cuda: the batched CUDA "
-                "pass is not written yet; use backend:=numpy (or auto, which serves the fleet with numpy)")
 _TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # robot-scoped events that are that robot's fault only (ERROR in its own status, not the fleet's)
 ROBOT_ERRORS = ("chunk_error", "bad_frame", "robot_add_failed", "robot_remove_failed", "action_callback_error")
@@ -82,8 +82,9 @@ def robot_topic(ns: str, topic: str) -> str:
 
 
 def build_fleet_engine(values: Mapping[str, Any], log: Callable[[str], None] = print):
-    """engine/factory.make_engine's checks and loading, for the batched numpy fleet engine: one KV manager per
-    robot, each with the full ``kv_budget_tokens`` (0: the numpy default), built by the engine as robots join."""
+    """engine/factory.make_engine's checks and loading, for the batched fleet engine of ``backend`` (auto: numpy):
+    one KV manager per robot, each with the full ``kv_budget_tokens`` (0: the backend's default), built by the
+    engine as robots join; the CUDA engine holds a KV region for each robot of ``robot_namespaces``."""
     from vla_edge_ros.core.kv.manager import KVManager
     from vla_edge_ros.engine import factory
     from vla_edge_ros.engine.checkpoint import load_checkpoint
@@ -94,10 +95,9 @@ def build_fleet_engine(values: Mapping[str, Any], log: Callable[[str], None] = p
     from vla_edge_ros.engine.interface import EngineError
 
     v = {**registry.defaults(registry.INFERENCE), **{k: values[k] for k in factory.ENGINE_PARAMS if k in values}}
-    if v["backend"] == "cuda":
-        raise EngineError(CUDA_REFUSED)
+    backend = "cuda" if v["backend"] == "cuda" else "numpy"
     if v["backend"] == "auto":
-        log("fleet engine: backend=auto serves the fleet with numpy (no batched CUDA pass yet, issue 24)")
+        log("fleet engine: backend=auto serves the fleet with numpy (backend:=cuda for the batched CUDA pass)")
     prefix = len(prefix_token_ids(v["instruction"]))
     reasons = registry.validate_all(v, prefix_tokens=prefix)
     if reasons:
@@ -108,7 +108,7 @@ def build_fleet_engine(values: Mapping[str, Any], log: Callable[[str], None] = p
     check_tokens_per_frame(cfg, tpf)
     check_decode_tokens(cfg, dec)
     prequantized = factory._check_prequantized(ckpt, dtype)  # the single engine's check, and its message
-    budget = registry.resolve_kv_budget(v["kv_budget_tokens"], "numpy", tpf)
+    budget = registry.resolve_kv_budget(v["kv_budget_tokens"], backend, tpf)
     check_positions(cfg, budget, dec)
 
     def kv_factory(name: str) -> KVManager:
@@ -119,6 +119,14 @@ def build_fleet_engine(values: Mapping[str, Any], log: Callable[[str], None] = p
         kv_factory("check")  # bad KV settings fail configure here, not as every robot's add failure
     except ValueError as exc:
         raise EngineError(f"KV manager: {exc}") from exc
+    if backend == "cuda":
+        from vla_edge_ros.engine.cuda.fleet import FleetCudaEngine
+        robots = max(1, len(parse_robot_namespaces(values.get("robot_namespaces", ""))))
+        log(f"fleet engine: cuda, checkpoint {ckpt}, {robots} robots x kv_budget_tokens {budget}, weight_dtype "
+            f"{dtype}")
+        return FleetCudaEngine(cfg, ckpt, kv_factory, instruction=v["instruction"], decode_tokens=dec,
+                               max_robots=robots, budget_tokens=budget, max_vram_gb=v["max_vram_gb"], log=log,
+                               weight_dtype=dtype)
     if prequantized:
         from vla_edge_ros.engine.quant_checkpoint import read_quantized_checkpoint
         weights = read_quantized_checkpoint(ckpt, dtype)[1]
@@ -149,8 +157,6 @@ class FleetNode(InferenceNode):
         self.robots = parse_robot_namespaces(self.params.get("robot_namespaces"))
         if not self.robots:
             raise ValueError("the fleet edge needs robot_namespaces (comma-separated robot namespaces)")
-        if self.params.get("backend") == "cuda":
-            raise ValueError(CUDA_REFUSED)
         self.scheduler = None
         self.buffers = {ns: DoubleBuffer() for ns in self.robots}
         self.figures = {ns: _RobotFigures() for ns in self.robots}
@@ -347,7 +353,8 @@ class FleetNode(InferenceNode):
                    "occupancy_tokens": sum(int(kv.get("occupancy_tokens", 0) or 0) for kv in kvs),
                    "max_occupancy_tokens": self.max_occupancy_tokens},  # per robot's cache, the largest
             "engine_memory": self._engine_memory(), "rss_mb": current_rss_mb(),
-            "vram_mb": 0.0, "peak_vram_mb": self.peak_vram_mb,
+            "vram_mb": (self._note_memory() or {}).get("current_bytes", 0) / 2**20,  # cuda only (InferenceNode's)
+            "peak_vram_mb": self.peak_vram_mb,
             "last_error": self.last_error,
             "last_error_age_s": None if self.last_error_at is None else time.monotonic() - self.last_error_at,
             "last_error_sticky": self.last_error_sticky,

@@ -52,6 +52,19 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("attn_combine_v2", "rope_attention.cu", "PPiiiiPiiiPP", "attn_combine"),
     Kernel("attn_combine_v4", "rope_attention.cu", "PPiiiiPiiiPP", "attn_combine"),
     Kernel("argmax_tokens", "lm_head_action.cu", "PiiPiP", "argmax"),
+    # the fleet's batched pass (engine/cuda/fleet.py): every member robot in one launch
+    Kernel("attn_prefill_batch_hd128", "rope_attention.cu", "PiPPPPPiifPPiii", "attn_prefill"),
+    Kernel("attn_prefill_batch_hd64", "rope_attention.cu", "PiPPPPPiifPPiii", "attn_prefill"),
+    Kernel("attn_decode_batch_hd128", "rope_attention.cu", "PiPPPPiPiifPPiii", "attn_decode"),
+    Kernel("attn_decode_batch_hd64", "rope_attention.cu", "PiPPPPiPiifPPiii", "attn_decode"),
+    Kernel("attn_combine_batch", "rope_attention.cu", "PPiiiPiiiP", "attn_combine"),
+    Kernel("attn_combine_batch_v2", "rope_attention.cu", "PPiiiPiiiP", "attn_combine"),
+    Kernel("attn_combine_batch_v4", "rope_attention.cu", "PPiiiPiiiP", "attn_combine"),
+    Kernel("kv_store_rows", "fleet.cu", "PiiiPPPiPi", "kv_store"),
+    Kernel("gemm32t_atomic", "fleet.cu", "PiPiiiPii", "gemm32_atomic"),
+    Kernel("gemv_rows_atomic", "fleet.cu", "PiPiiiPii", "gemv_rows"),
+    Kernel("silu_rows", "fleet.cu", "PiP", "silu"),
+    Kernel("rows_gather", "fleet.cu", "PiPiP", "gather"),
 )
 
 # The quantised twins of the decoder's linear-layer kernels (issue 23; cuda/wtype.cuh), in files of their own: the same
@@ -75,6 +88,7 @@ FAMILIES = tuple(dict.fromkeys(k.family for k in KERNELS))
 LAUNCH_CONSTANTS = {
     "gemm_skinny.cu": ("GEMM_WARPS", "G4_NW", "G4_U", "G4_SMEM"),
     "gemv.cu": ("GEMV_WARPS",),
+    "fleet.cu": ("GEMM_WARPS", "GR_WARPS", "GR_MAXM"),
     "gemv_quant.cu": ("GEMV_RPW_I8", "GEMV_RPW_F8", "GEMV_RPW_I4"),
     "rope_attention.cu": ("ATT_KC", "DEC_WARPS", "DEC_MAXG", "CMB_GROUPS", "PF_MAXG_128", "PF_MAXG_64", "PFG_MAXG_128",
                           "PFG_MAXG_64"),

@@ -56,6 +56,8 @@ class LaunchConstants:
     PF_MAXG_64: int = 8      # ... at head_dim 64
     PFG_MAXG_128: int = 4    # query heads of one head group of attn_prefill_hd128_hg (its launch bound / 64)
     PFG_MAXG_64: int = 8     # ... of attn_prefill_hd64_hg
+    GR_WARPS: int = 8        # gemv_rows_atomic (the fleet's decode passes, cuda/fleet.cu): warps per block
+    GR_MAXM: int = 16        # ... and the most rows (robots) it takes
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,206 @@
+// The kernels only the batched fleet pass needs (issue 24; engine/cuda/fleet.py): one edge GPU serving N robots
+// reads every weight ONCE per pass for all of them. A pass's rows are every member's rows stacked (a frame's
+// tokens_per_frame rows per robot for the prefill, one row per robot for a decode step), in tiles of 32.
+//
+// gemm32t_atomic: gemm32_atomic (gemm_skinny.cu) over `tiles` 32-row tiles: a block loads its weight chunk into
+// registers once (before the PDL wait, as gemm32_atomic) and applies it to every tile in turn: the tile's activation
+// chunk staged in shared memory (double buffer, one barrier per tile), the mma, the tile's partial sums added into
+// C atomically. The weights are read once per pass however many robots; the activations (L2-resident) once per tile.
+// The gate/up GEMM runs here too (into a zeroed fp32 buffer, then silu_rows): gemm32_silu's epilogue needs the
+// whole K of one tile in registers, which a block looping over tiles cannot keep.
+#include "gemm_core.cuh"  // GEMM_* constants, mma_k32
+
+// C[tiles * 32][ldc] += A[tiles * 32][lda] * W^T; grid = (ceil(N / (16 GEMM_WARPS)), K splits of ks_len)
+extern "C" __global__ void __launch_bounds__(32 * GEMM_WARPS, 2) gemm32t_atomic(const bf16_t* __restrict__ A,
+        int lda, const bf16_t* __restrict__ W, int N, int K, int ks_len, float* __restrict__ C, int ldc, int tiles) {
+    __shared__ uint4 sAb[2 * 32 * GEMM_SA];  // two activation chunks (double buffer)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int nw = blockIdx.x * (GEMM_WARPS * 16) + warp * 16;
+    const bool active = nw < N;  // N is a multiple of 16
+    const int kbeg = blockIdx.y * ks_len;
+    const int kend = min(K, kbeg + ks_len);
+    const int nrow = active ? nw + g : 0;
+    const bf16_t* W0 = W + (size_t)nrow * K + t * 8;
+    const bf16_t* W1 = W0 + (size_t)8 * K;
+    uint4 b[GEMM_KC / 32][2];
+    auto load_w = [&](int kc, int clen) {
+#pragma unroll
+        for (int u = 0; u < GEMM_KC / 32; ++u) {
+            if (active && 32 * u < clen) {
+                b[u][0] = ldg_stream16(W0 + kc + 32 * u);
+                b[u][1] = ldg_stream16(W1 + kc + 32 * u);
+            }
+        }
+    };
+    if (kbeg < kend) load_w(kbeg, min(GEMM_KC, kend - kbeg));  // weights: before the PDL wait
+    pdl_trigger(FAM_GEMM);
+    pdl_wait(FAM_GEMM);
+    if (kbeg >= kend) return;  // uniform over the block
+    // tile t + 1's activation chunk is staged while tile t's mma runs: one barrier per tile (tile t landed in every
+    // thread's copies, and every warp is past tile t - 1's mma, whose buffer the next staging overwrites)
+    const auto stage = [&](uint4* sA, int tile, int kc, int nq) {
+        const bf16_t* At = A + (size_t)tile * 32 * lda;
+        for (int i = threadIdx.x; i < 32 * nq; i += 32 * GEMM_WARPS) {
+            const int r = i / nq, q = i - r * nq;
+            cp_async16(sA + r * GEMM_SA + q, At + (size_t)r * lda + kc + q * 8);
+        }
+        cp_async_commit();
+    };
+    int buf = 0;
+    for (int kc = kbeg; kc < kend; kc += GEMM_KC) {
+        const int clen = min(GEMM_KC, kend - kc);  // multiple of 32
+        const int nq = clen >> 3;
+        if (kc != kbeg) load_w(kc, clen);
+        stage(sAb + buf * (32 * GEMM_SA), 0, kc, nq);
+        for (int tile = 0; tile < tiles; ++tile, buf ^= 1) {
+            cp_async_wait<0>();
+            __syncthreads();
+            if (tile + 1 < tiles) stage(sAb + (buf ^ 1) * (32 * GEMM_SA), tile + 1, kc, nq);
+            if (!active) continue;
+            const uint4* sA = sAb + buf * (32 * GEMM_SA);
+            float acc[2][2][4] = {};
+#pragma unroll
+            for (int u = 0; u < GEMM_KC / 32; ++u) {
+                if (32 * u < clen) mma_k32(acc, b[u], sA, GEMM_SA, 4 * u + t, g);
+            }
+            float* Ct = C + (size_t)tile * 32 * ldc;
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int col = nw + j * 8 + 2 * t;
+                    const int r0 = mi * 16 + g;
+                    atomicAdd(Ct + (size_t)r0 * ldc + col, acc[mi][j][0]);
+                    atomicAdd(Ct + (size_t)r0 * ldc + col + 1, acc[mi][j][1]);
+                    atomicAdd(Ct + (size_t)(r0 + 8) * ldc + col, acc[mi][j][2]);
+                    atomicAdd(Ct + (size_t)(r0 + 8) * ldc + col + 1, acc[mi][j][3]);
+                }
+        }
+    }
+}
+
+// Decode passes of a few robots (rows <= GR_MAXM): the same C[rows][ldc] += A W^T as a GEMV over the weight rows:
+// each warp streams two weight rows (16-byte loads, the next GR_U of each requested before the current ones are
+// used) and dots them with every row of A, which the block holds in shared memory as fp32 (its K slice). The tensor
+// cores' 32-row tiles would do 32 / rows times the work and, measured (gemm32t_atomic over one tile), ran a
+// decode pass at ~3 ms where the single engine's GEMVs take ~1.1. grid = (ceil(N / (2 GR_WARPS)), K splits of
+// ks_len, a multiple of 8 * 32); dynamic shared memory 4 * rows * ks_len.
+#define GR_WARPS 8
+#define GR_MAXM 16
+#define GR_U 2
+extern "C" __global__ void __launch_bounds__(32 * GR_WARPS) gemv_rows_atomic(const bf16_t* __restrict__ A, int lda,
+        const bf16_t* __restrict__ W, int N, int K, int ks_len, float* __restrict__ C, int ldc, int rows) {
+    extern __shared__ float4 gr_smem[];
+    float* sA = reinterpret_cast<float*>(gr_smem);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n0 = (blockIdx.x * GR_WARPS + warp) * 2;
+    const bool valid = n0 < N;  // N is even
+    const int kbeg = blockIdx.y * ks_len;
+    const int klen = min(ks_len, K - kbeg);
+    const bf16_t* w0 = W + (size_t)(valid ? n0 : 0) * K + kbeg + lane * 8;
+    const bf16_t* w1 = w0 + K;
+    constexpr int SPAN = 32 * 8 * GR_U;  // columns one iteration of a warp covers
+    uint4 wa[GR_U], wb[GR_U];
+#pragma unroll
+    for (int u = 0; u < GR_U; ++u)
+        if (valid && 256 * u + lane * 8 < klen) { wa[u] = ldg_stream16(w0 + 256 * u); wb[u] = ldg_stream16(w1 + 256 * u); }
+    pdl_trigger(FAM_GEMM);
+    pdl_wait(FAM_GEMM);
+    const int q8 = klen >> 3;  // 8-column words per row
+    for (int i = threadIdx.x; i < rows * q8; i += blockDim.x) {
+        const int m = i / q8, q = i - m * q8;
+        const uint4 v = *reinterpret_cast<const uint4*>(A + (size_t)m * lda + kbeg + q * 8);
+        float4* d = reinterpret_cast<float4*>(sA + (size_t)m * ks_len + q * 8);
+        d[0] = make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
+        d[1] = make_float4(bf16_lo(v.z), bf16_hi(v.z), bf16_lo(v.w), bf16_hi(v.w));
+    }
+    __syncthreads();
+    if (!valid) return;
+    float acc0[GR_MAXM], acc1[GR_MAXM];
+#pragma unroll
+    for (int m = 0; m < GR_MAXM; ++m) acc0[m] = acc1[m] = 0.f;
+    for (int kk = 0; kk < klen; kk += SPAN) {
+        uint4 na[GR_U], nb[GR_U];
+#pragma unroll
+        for (int u = 0; u < GR_U; ++u)
+            if (kk + SPAN + 256 * u + lane * 8 < klen) {
+                na[u] = ldg_stream16(w0 + kk + SPAN + 256 * u);
+                nb[u] = ldg_stream16(w1 + kk + SPAN + 256 * u);
+            }
+#pragma unroll
+        for (int u = 0; u < GR_U; ++u) {
+            const int c = kk + 256 * u + lane * 8;
+            if (c < klen) {
+#pragma unroll
+                for (int m = 0; m < GR_MAXM; ++m) {
+                    if (m < rows) {
+                        const float4* a = reinterpret_cast<const float4*>(sA + (size_t)m * ks_len + c);
+                        const float4 a0 = a[0], a1 = a[1];
+                        acc0[m] += dot8_bf16(wa[u], a0, a1);
+                        acc1[m] += dot8_bf16(wb[u], a0, a1);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < GR_U; ++u) { wa[u] = na[u]; wb[u] = nb[u]; }
+    }
+#pragma unroll
+    for (int m = 0; m < GR_MAXM; ++m) {
+        if (m < rows) {
+            const float s0 = warp_sum(acc0[m]), s1 = warp_sum(acc1[m]);
+            if (lane == 0) {
+                atomicAdd(C + (size_t)m * ldc + n0, s0);
+                atomicAdd(C + (size_t)m * ldc + n0 + 1, s1);
+            }
+        }
+    }
+}
+
+// act[row][i] = bf16(silu(gate) * up) from the fp32 gate/up GEMM output in the interleaved row layout of the
+// weights (buffers.interleave_gate_up: columns 16b .. 16b + 7 = gate 8b .. 8b + 7, 16b + 8 .. = up): gemm32_silu's
+// epilogue as a kernel of its own. grid = (ceil(I / blockDim.x), rows).
+extern "C" __global__ void silu_rows(const float* __restrict__ gu, int I, bf16_t* __restrict__ act) {
+    pdl_trigger(FAM_GATEUP);
+    pdl_wait(FAM_GATEUP);
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= I) return;
+    const float* row = gu + (size_t)blockIdx.y * 2 * I;
+    const int b = i >> 3, k = i & 7;
+    act[(size_t)blockIdx.y * I + i] = f32_to_bf16(silu(row[16 * b + k]) * row[16 * b + 8 + k]);
+}
+
+// dst[r][0..H) = src[base_r + T_r - 1][0..H): each member's last row of the pass (its record r: meta + r * stride,
+// [L, p0, T, n_ctx, bidirectional, base row, ..]), gathered for the LM head (gemv_logits, grid.y = members).
+// grid = (ceil(H / blockDim.x), members).
+extern "C" __global__ void rows_gather(const float* __restrict__ src, int H, const int* __restrict__ meta,
+                                       int meta_stride, float* __restrict__ dst) {
+    pdl_trigger();
+    const int* rec = meta + (size_t)blockIdx.y * meta_stride;
+    const int row = rec[5] + rec[2] - 1;  // host-written: read before the wait
+    pdl_wait();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < H) dst[(size_t)blockIdx.y * H + i] = src[(size_t)row * H + i];
+}
+
+// A decode step's own K and V (bf16, before RoPE, as gemv_qkv stores them) into the cache: member blockIdx.y's row
+// (rec[5]) of the pass's QKV output -> its slot key_slots[m][rec[0] - 1] (the step's token is its last key).
+// grid = (ceil(2 nkv / blockDim.x), members).
+extern "C" __global__ void kv_store_rows(const float* __restrict__ qkv, int ld, int nq, int nkv, bf16_t* kc,
+                                         bf16_t* vc, const int* __restrict__ key_slots, int slots_stride,
+                                         const int* __restrict__ meta, int meta_stride) {
+    pdl_trigger();
+    const int* rec = meta + (size_t)blockIdx.y * meta_stride;
+    const int row = rec[5];
+    const int slot = key_slots[(size_t)blockIdx.y * slots_stride + rec[0] - 1];  // host-written: before the wait
+    pdl_wait();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 2 * nkv) return;
+    const float v = qkv[(size_t)row * ld + nq + i];  // k columns, then v columns
+    bf16_t* dst = i < nkv ? kc : vc;
+    dst[(size_t)slot * nkv + (i < nkv ? i : i - nkv)] = f32_to_bf16(v);
+}
+
+// What the host reads from the compiled module (engine/cuda/kernels.py LAUNCH_CONSTANTS), in this order.
+__constant__ int vla_launch[3] = {GEMM_WARPS, GR_WARPS, GR_MAXM};
