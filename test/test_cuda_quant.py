@@ -191,7 +191,6 @@ def test_a_prequantised_checkpoint_runs_as_the_one_quantised_at_load(torch_cuda,
     _, _, a = make_engine(d, tmp_path / "bf16", budget, weight_dtype=weight_dtype)
     _, _, b = make_engine(d, tmp_path / weight_dtype, budget, weight_dtype=weight_dtype)
     _, _, c = make_engine(d, tmp_path / "bf16", budget)
-    _, _, a2 = make_engine(d, tmp_path / "bf16", budget, weight_dtype=weight_dtype)  # a's twin: run-to-run spread
     try:
         assert b.memory()["current_bytes"] == a.memory()["current_bytes"] < c.memory()["current_bytes"]
         rng = np.random.default_rng(1)
@@ -199,20 +198,21 @@ def test_a_prequantised_checkpoint_runs_as_the_one_quantised_at_load(torch_cuda,
         for f in range(5):
             x = (0.05 * rng.standard_normal((TPF, cfg.hidden_size))).astype(np.float32)
             ra, rb, rc = a.run_chunk(x, f), b.run_chunk(x, f), c.run_chunk(x, f)
-            a2.run_chunk(x, f)
-            print(f"\n[{weight_dtype} frame {f}] max |a - b| {np.abs(a.last_logits - b.last_logits).max():.3g}, "
-                  f"max |a - a2| {np.abs(a.last_logits - a2.last_logits).max():.3g}")
+            # split-K partial sums meet in float atomics, in no fixed order, and a bf16 rounding between layers can
+            # turn such a 1e-7 difference into ~1e-4: two engines on the same checkpoint and type differed by
+            # 2.4e-7 .. 3.7e-5, and a vs b by 3.9e-4 once (H200, sessions 18-19) -- noise drawn from one
+            # distribution, so "a - b within 4x a - a2" failed now and then. The host weights are byte-equal
+            # (test_quant_engine.py); what this catches is a load path that runs other weights: then b moves from
+            # a as far as quantising moves from bf16. Bound: a tenth of that move, and the greedy tokens equal.
+            moved = np.abs(a.last_logits - c.last_logits).max()
+            gap = np.abs(a.last_logits - b.last_logits).max()
+            print(f"\n[{weight_dtype} frame {f}] max |a - b| {gap:.3g}, quantised vs bf16 {moved:.3g}")
+            assert gap <= max(2e-6, 0.1 * moved), (f, gap, moved)
             np.testing.assert_array_equal(ra.token_ids, rb.token_ids)
-            # split-K partial sums meet in float atomics, in no fixed order: a and its twin a2 (same checkpoint, same
-            # weight type) differ by 2.4e-7, once 3.7e-5 (fp8, H200); the pre-quantised engine b differs from a by
-            # no more than that spread (the host weights are byte-equal: test_quant_engine.py), while quantised
-            # against bf16 moves the logits by far more
-            spread = np.abs(a.last_logits - a2.last_logits).max()
-            np.testing.assert_allclose(a.last_logits, b.last_logits, rtol=0, atol=max(2e-6, 4 * spread))
             differs |= not np.allclose(a.last_logits, c.last_logits, rtol=0, atol=1e-4)
         assert differs, f"{weight_dtype} and bf16 logits are equal: the quantised kernels may not be in use"
     finally:
-        for e in (a, b, c, a2):
+        for e in (a, b, c):
             e.close()
 
 
