@@ -1,0 +1,154 @@
+"""The fleet replay (issue 24, bench/fleet_replay.py): its pure parts without ROS, then one short real run.
+
+Pure: the options and their checks, the command lines (robots namespaced as test_fleet_ros.py runs them, each
+replay's camera remapped onto the topic the edge subscribes for that robot), and the figures, table and verdict
+from given stats dicts (window = end - start; one robot over 0.1 % misses, or without fresh actions, fails the
+verdict). Real: one edge (numpy, the tiny default model, test_fleet_ros.py's 128 KV tokens and 100 ms deadline),
+2 robot processes and 2 replays for 8 s; per-robot figures must come back and every robot must get fresh
+actions. The miss rate is not asserted there: on 2 shared cores it is a figure of the host, not of the code.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vla_edge_ros.bench import fleet_replay as fr
+
+
+# ---- options and command lines --------------------------------------------------------------------------------
+
+def test_defaults_and_bad_options():
+    a = fr.parse_args([])
+    assert (a.robots, a.duration, a.camera_hz, a.backend, a.bag) == (8, 120.0, 60.0, "auto", None)
+    assert fr.namespaces(3) == ["r1", "r2", "r3"]
+    for bad in (["--robots", "0"], ["--duration", "0"], ["--camera-hz", "-1"], ["--param", "fleet_max_batch"],
+                ["--backend", "tpu"], ["--domain-id", "300"]):
+        with pytest.raises(SystemExit) as e:
+            fr.parse_args(bad)
+        assert e.value.code == 2, bad
+
+
+def test_edge_values_are_typed_and_checked():
+    a = fr.parse_args(["--robots", "2", "--backend", "numpy", "--deadline-ms", "100", "--kv-budget-tokens", "128"])
+    v = fr.edge_values(a, fr.namespaces(2))
+    assert v == {"robot_namespaces": "r1,r2", "backend": "numpy", "kv_budget_tokens": 128, "deadline_ms": 100.0}
+    assert fr.check_values(v, "pick up the object") == []
+    cmd = fr.edge_cmd(v, Path("p.yaml"), Path("edge.json"), 60, 0.5, ["fleet_max_batch:=4"])
+    assert cmd[cmd.index("--role") + 1] == "edge" and "--params-file" in cmd
+    ps = [cmd[i + 1] for i, x in enumerate(cmd) if x == "-p"]
+    assert ps == ["robot_namespaces:=r1,r2", "backend:=numpy", "kv_budget_tokens:=128", "deadline_ms:=100.0",
+                  "fleet_max_batch:=4"]  # 100.0, not 100: -p 100 would be an integer for a double parameter
+    assert fr.check_values({**v, "kv_budget_tokens": 40}, "pick up the object")  # not even prefix + one frame
+
+
+def test_robot_and_replay_commands_are_namespaced():
+    cmd = fr.robot_cmd("r2", Path("r2.json"), 60, 0.5)
+    assert cmd[cmd.index("--role") + 1] == "robot"
+    assert cmd[cmd.index("--fresh-action-topic") + 1] == "/r2/vla/action_fresh"
+    ros = cmd[cmd.index("--ros-args") + 1:]
+    assert ros[:2] == ["-r", "__ns:=/r2"] and "action_topic:=/r2/vla/action" in ros
+    assert "action_status_topic:=/r2/vla/action_status" in ros
+
+    topics = [("/vla/episode_events", "std_msgs/msg/String"),
+              ("/camera/image_raw/compressed", "sensor_msgs/msg/CompressedImage"),
+              ("/vla/instruction", "std_msgs/msg/String")]
+    camera, published = fr.replay_topics(topics, "/camera/image_raw")
+    assert camera == "/camera/image_raw"
+    assert published == ["/camera/image_raw", "/vla/episode_events", "/vla/instruction"]
+    assert fr.replay_topics([("/cam0/rgb", "sensor_msgs/msg/Image")], "/camera/image_raw")[0] == "/cam0/rgb"
+    with pytest.raises(ValueError, match="no image topic"):
+        fr.replay_topics([("/vla/instruction", "std_msgs/msg/String")], "/camera/image_raw")
+    cmd = fr.replay_cmd(Path("bag"), "r2", "/cam0/rgb", ["/cam0/rgb", "/vla/instruction"], "/camera/image_raw",
+                        60.0, 100, Path("s.json"), 30)
+    assert cmd[cmd.index("--camera-hz") + 1] == "60" and "--decode" in cmd and "--loop" in cmd
+    assert cmd[cmd.index("--wait-for") + 1] == "/cam0/rgb"  # the replay's own (unremapped) name
+    remaps = [cmd[i + 1] for i, x in enumerate(cmd) if x == "-r"]
+    assert remaps == ["/cam0/rgb:=/r2/camera/image_raw", "/vla/instruction:=/r2/vla/instruction"]
+
+
+# ---- figures, table, verdict ------------------------------------------------------------------------------------
+
+def edge_stats(per_robot: dict, backend="numpy", memory=True) -> dict:
+    """The fleet edge's --stats-out shape (ros/runtime.py Runtime.stats, ros/fleet_node.py snapshot) for
+    ``per_robot``: ns -> (admitted, misses, refused_capacity, frames received)."""
+    robots, inner = {}, {}
+    for ns, (adm, miss, cap, frames) in per_robot.items():
+        robots[ns] = {"fresh_actions": adm - miss, "admitted": adm, "refused_deadline": 0, "refused_capacity": cap,
+                      "deadline_misses": miss, "frames_received": frames}
+        inner[ns] = {"loop": {"admitted": adm, "deadline_misses": miss, "refused_deadline": 0,
+                              "refused_capacity": cap, "late_discarded": 0, "errors": 0,
+                              "latency_ms": {"p50": 20.0, "p99": 30.0}},
+                     "kv": {"max_occupancy_tokens": 109}}
+    mem = {"current_bytes": 3 << 20, "peak_bytes": 4 << 20, "weight_bytes": 2 << 20, "kv_bytes": 1 << 20,
+           "per_robot_kv_bytes": {ns: 1 << 19 for ns in per_robot}} if memory else {"peak_bytes": 4 << 20}
+    return {"backend": backend, "robots": robots, "kv": {"budget_tokens": 128},
+            "memory": {"peak_rss_mb": 150.0, "peak_vram_mb": 0.0},
+            "inference": {"robots": inner, "engine_memory": mem, "deadline_ms": 100.0,
+                          "loop": {"batch_sizes": {"1": 3, "2": 500}, "pass_ms": {"p50": 20.0, "p99": 30.0,
+                                                                                  "max": 40.0},
+                                   "cycle_overruns": 0, "batch_failures": 0}}}
+
+
+def robot_stats(fresh, repeat=0, hold=0) -> dict:
+    return {"ticks": {"fresh": fresh, "repeat": repeat, "hold": hold}, "action": {"missed_ticks": 0}}
+
+
+def test_window_figures_table_and_a_met_verdict():
+    ns = ["r1", "r2"]
+    start = edge_stats({"r1": (10, 1, 0, 20), "r2": (10, 0, 0, 20)})
+    end = edge_stats({"r1": (1010, 2, 5, 2020), "r2": (1010, 0, 0, 2020)})
+    r = fr.summarise(ns, start, end, {"r1": robot_stats(0, 0, 300), "r2": robot_stats(0, 0, 300)},
+                     {"r1": robot_stats(900, 100, 300), "r2": robot_stats(1000, 0, 300)},
+                     {"r1": {"camera_ticks": 2100}, "r2": {"camera_ticks": 2050}}, {"r1": 1 << 20})
+    r1, r2 = r["robots"]["r1"], r["robots"]["r2"]
+    assert (r1["admitted"], r1["deadline_misses"], r1["refused"], r1["frames_received"]) == (1000, 1, 5, 2000)
+    assert r1["miss_rate"] == pytest.approx(0.001)  # exactly the limit: met
+    assert r1["ticks"] == {"fresh": 900, "repeat": 100, "hold": 0} and r1["fresh_share"] == pytest.approx(0.9)
+    assert r1["kv_bytes"] == 1 << 20 and r2["kv_bytes"] == 1 << 19  # the sampled peak beats the final figure
+    assert (r1["frames_published"], r1["frames_received_total"]) == (2100, 2020)
+    assert r["edge"]["memory_kind"].startswith("host memory") and r["edge"]["missing"] == []
+    assert r["verdict"] == {"met": True, "reasons": []}
+    text = fr.table({**r, "meta": {"duration_s": 8.0, "camera_hz": 60.0, "bag_description": "synthetic"}})
+    assert "| r1 | 2100 / 2020 | 1000 | 5 | 1 | 0.100% | 20.0 / 30.0 | 900 / 100 / 0 | 90.0% | 1.00 MiB |" in text
+    assert "VERDICT: MET" in text and "weights 2.00 MiB" in text and "{'1': 3, '2': 500}" in text
+    json.dumps(r)  # written as fleet_replay.json
+
+
+def test_one_robot_over_the_miss_limit_or_without_fresh_actions_fails_the_verdict():
+    ns = ["r1", "r2", "r3"]
+    end = edge_stats({"r1": (1000, 0, 0, 2000), "r2": (1000, 2, 0, 2000), "r3": (1000, 0, 0, 2000)},
+                     backend="cuda", memory=False)
+    ticks = {"r1": robot_stats(900), "r2": robot_stats(900), "r3": robot_stats(0, 0, 900)}
+    r = fr.summarise(ns, {}, end, {}, ticks)
+    assert r["robots"]["r2"]["miss_rate"] == pytest.approx(0.002)
+    assert not r["verdict"]["met"]
+    assert r["verdict"]["reasons"] == ["r2: miss rate 0.20 % > 0.1 %", "r3: no fresh actions"]
+    assert r["edge"]["memory_kind"] == "VRAM" and "per_robot_kv_bytes" in r["edge"]["missing"]
+    text = fr.table(r)
+    assert "VERDICT: NOT MET" in text and "r2: miss rate 0.20 %" in text and "| VRAM |" in text
+    assert "not in the edge's engine memory figures: per_robot_kv_bytes, weight_bytes" in text
+    none = fr.summarise(ns, {}, {}, {}, {})  # the edge wrote nothing: every robot fails, nothing raises
+    assert not none["verdict"]["met"] and "r1: no chunk admitted" in none["verdict"]["reasons"]
+
+
+# ---- one real run ---------------------------------------------------------------------------------------------
+
+def test_real_fleet_replay_two_robots(tmp_path, ros_processes):
+    pytest.importorskip("rclpy")
+    out = tmp_path / "out"
+    p = ros_processes.run("vla_edge_ros.bench.fleet_replay", "--robots", 2, "--duration", 8, "--backend", "numpy",
+                          "--kv-budget-tokens", 128, "--deadline-ms", 100, "--domain-id", ros_processes.domain_id,
+                          "--startup-timeout", 120, "--out", out, timeout_s=300)
+    print(p.stdout[-4000:])
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    r = json.loads((out / "fleet_replay.json").read_text())
+    assert r["meta"]["errors"] == [] and set(r["meta"]["exit_codes"].values()) == {0}, r["meta"]
+    assert sorted(r["robots"]) == ["r1", "r2"]
+    for ns, s in r["robots"].items():
+        assert s["admitted"] > 0 and s["frames_received"] > 0 and s["frames_published"] > 0, (ns, s)
+        assert s["ticks"]["fresh"] > 0 and s["fresh_share"] > 0, (ns, s)  # every robot got fresh actions
+        assert s["miss_rate"] is not None and s["kv_bytes"] > 0, (ns, s)
+    assert r["edge"]["backend"] == "numpy" and r["edge"]["weight_bytes"] > 0 and r["edge"]["batch_sizes"]
+    assert "VERDICT:" in (out / "fleet_replay.md").read_text() and "| r2 |" in p.stdout
