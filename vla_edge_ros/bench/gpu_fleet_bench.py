@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--geometry", choices=("1.5b", "0.5b"), default="1.5b")
     ap.add_argument("--decode-tokens", type=int, default=8)
     ap.add_argument("--json", default="", help="write the figures here")
+    ap.add_argument("--profile", type=robot_counts, default=[],
+                    help="robot counts whose decode graph is split by kernel family (alone, and the whole graph "
+                         "minus the family: bench/gpu_profile.py), e.g. 1,8")
     args = ap.parse_args(argv)
     if args.batches < 2:
         ap.error("--batches must be >= 2")
@@ -140,6 +143,15 @@ def _main(args, torch, cuda) -> int:
         print(f"{n:>3} {med:>11.3f} {row['gpu_p99_ms']:>7.3f} {row['prefill_median_ms']:>8.3f} "
               f"{row['decode_median_ms']:>7.3f} {row['wall_median_ms']:>9.3f} {med / n:>10.3f} {med / one:>9.2f} "
               f"{floor:>9.3f} {100 * floor / med:>7.1f}% {row['vram_gib']:>9.2f}", flush=True)
+    for n in args.profile:  # where a decode step's time goes (the caches are full: steady state)
+        from vla_edge_ros.bench import gpu_profile
+        eng.enqueue_chunk = lambda k=None, n=n: eng.enqueue_decode(n, k)  # what gpu_profile records and times
+        alone, ablate = gpu_profile.time_kernels(eng), gpu_profile.time_ablations(eng)
+        out.setdefault("profile", {})[str(n)] = {"alone_ms": alone, "in_chain_ms": ablate}
+        print(f"\ndecode graph of {n} robots ({steps} steps): full {ablate['full']:.3f} ms; per family: alone / "
+              "in the chain (full minus the graph without it)")
+        for fam in sorted(alone, key=lambda f: -alone[f]):
+            print(f"  {fam:16s} {alone[fam]:8.3f} {ablate.get(fam, float('nan')):8.3f}")
     mem = eng.memory()
     print(f"\nKV per robot {mem['kv_bytes_per_robot'] / 2**20:.1f} MiB; engine device memory "
           f"{mem['current_bytes'] / 2**30:.2f} GiB for {M} robots")
