@@ -40,6 +40,85 @@ def test_the_tiny_and_1_5b_geometries_are_accepted():
         assert fleet_unsupported_reason(ModelConfig.from_json(d), "bf16", 32) is None
 
 
+class _FakeWeights:
+    def __init__(self, cfg):
+        from vla_edge_ros.engine.cuda.buffers import LayerWeights
+        self.layers = [LayerWeights(*[1000 * (10 * i + j + 1) for j in range(7)]) for i in range(cfg.num_hidden_layers)]
+        self.embed, self.final_norm, self.head_rows = 11, 12, 13
+
+
+def _fake_engine(cfg, max_robots=8, budget=4096):
+    """A FleetCudaEngine with the plan of an H200 and made-up device pointers: its pass recorded without a GPU."""
+    from test_cuda_plan import H200, limits
+    from vla_edge_ros.engine.cuda.fleet import FleetCudaEngine
+    from vla_edge_ros.engine.cuda.plan import Tuning, plan
+    e = FleetCudaEngine.__new__(FleetCudaEngine)
+    e.cfg, e.tuning, e.limits = cfg, Tuning(), limits(H200, cfg)
+    e.plan, e.weights = plan(cfg, e.tuning, e.limits), _FakeWeights(cfg)
+    e.max_robots, e.tpf, e.decode_steps, e.budget_tokens = max_robots, cfg.n_patches, 8, budget
+    e.region = budget + 8
+    e.slots_total, e.nkv, e.kps = max_robots * e.region, cfg.num_key_value_heads * cfg.head_dim, 64
+    e.nsplit = -(-e.region // 64)
+    e.part_rows = e.nsplit * cfg.num_attention_heads * 32
+    for i, name in enumerate(("kc", "vc", "rope", "part_o", "part_ml", "x", "h_bf", "qkv", "attn_bf", "gu", "act_bf",
+                              "xg", "logits", "tok", "forced", "one", "meta", "key_slots")):
+        setattr(e, name, 10**9 * (i + 1))
+    return e
+
+
+@pytest.mark.parametrize("geometry", ["1.5b", "tiny"])
+@pytest.mark.parametrize("n", [1, 3, 8, 16])
+def test_the_batched_pass_launches_match_the_table(geometry, n):
+    """The prefill and decode graphs of n robots as recorded launches: every argument list matches the kernel's
+    signature, grids are positive, per-member launches span the n members, the GEMMs pick the few-row GEMV for a
+    decode step of <= 16 robots and the 32-row tiles for the prefill, each decode step's first launch is serial, and
+    the gate/up buffer is zeroed before every gate/up GEMM."""
+    from test_cuda_plan import cfg_of
+    from vla_edge_ros.engine.cuda import fleet_forward
+    from vla_edge_ros.engine.cuda.kernels import BY_NAME
+    cfg = cfg_of(geometry)
+    e = _fake_engine(cfg, max_robots=16)
+    rec, zeros = [], []
+
+    def k(launch, *args, serial=False):
+        sig = BY_NAME[launch.kernel].sig
+        assert len(args) == len(sig), launch.kernel
+        for c, v in zip(sig, args):
+            assert isinstance(v, float) if c == "f" else isinstance(v, int), (launch.kernel, c, v)
+        assert all(g >= 1 for g in launch.grid), launch
+        rec.append((launch.kernel, launch.grid, serial, args))
+
+    zero = lambda ptr, count: zeros.append((len(rec), ptr, count))  # noqa: E731
+    fleet_forward.prefill(e, k, zero, n)
+    L = cfg.num_hidden_layers
+    per_layer = 9
+    assert len(rec) == per_layer * L + 3 and len(zeros) == L
+    tiles = -(-n * cfg.n_patches // 32)
+    gemms = [r for r in rec if r[0].startswith("gemm32t")]
+    assert len(gemms) == 4 * L and all(r[3][-1] == tiles for r in gemms)  # every tile of every member
+    assert all(r[1][-1] == n for r in rec if "batch" in r[0] or r[0] in ("rows_gather",))
+    assert rec[-1][1] == (n, 1) and rec[-2][1][1] == n  # one argmax block / logits row per member
+    assert [i for i, r in enumerate(rec) if r[2]] == [0]
+    for at, ptr, count in zeros:
+        assert ptr == e.gu and count == 32 * tiles * 2 * fleet_forward.padded_intermediate(cfg)
+        assert rec[at][0] == "rmsnorm_rows_bf16"  # zeroed before the norm, whose output feeds the gate/up GEMM
+        assert rec[at + 1][0].startswith("gemm32t") and rec[at + 1][3][6] == e.gu
+    rec.clear()
+    zeros.clear()
+    fleet_forward.decode(e, k, zero, n)
+    step = 1 + 10 * L + 3
+    assert len(rec) == 8 * step
+    names = [r[0] for r in rec[:step]]
+    assert names[0] == "embed_gather" and rec[0][1][1] == n and rec[0][2]
+    assert names[1:11] == ["rmsnorm_rows_bf16", "gemv_rows_atomic" if n <= 16 else "gemm32t_atomic",
+                           "kv_store_rows", f"attn_decode_batch_hd{cfg.head_dim}", "attn_combine_batch",
+                           names[2], "rmsnorm_rows_bf16", names[2], "silu_rows", names[2]]
+    assert [i for i, r in enumerate(rec) if r[2]] == [s * step + j for s in range(8) for j in (0, 1)]
+    attn = [r for r in rec if r[0].startswith("attn_decode_batch")]
+    assert [r[3][6] for r in attn[::L]] == list(range(1, 9))  # each step's attention is told its step
+    assert all(r[3][5] == fleet_forward.rec_ptr(e, r[3][6]) for r in attn)  # ... and reads that step's records
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 def _near_tie(logits: np.ndarray, chosen: int, tol: float) -> bool:
     """The reference's logit of the token the engine chose is within tol x std of the reference's best: the two

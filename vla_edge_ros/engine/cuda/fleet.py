@@ -42,11 +42,12 @@ from typing import Any, Callable, Mapping, Optional, Union
 import numpy as np
 
 from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.cuda import fleet_forward
 from vla_edge_ros.engine.geometry import (check_chunk_geometry, check_decode_tokens, chunk_actions, chunk_bins,
                                           chunk_decode_steps, is_parallel)
 from vla_edge_ros.engine.interface import ChunkResult, EngineError, check_vision_tokens
 
-REC = 8  # ints per member record (plan.META_INTS; index 5 = the member's first row in the pass)
+from vla_edge_ros.engine.cuda.fleet_forward import REC  # ints per member record
 
 
 def fleet_unsupported_reason(cfg: ModelConfig, weight_dtype: str, tokens_per_frame: int) -> Optional[str]:
@@ -186,7 +187,7 @@ class FleetCudaEngine:
             self.kernels.raise_dynamic_smem(name, nbytes)
         self.kernels.write_u32("vla_late_trigger", self.plan.late_trigger_mask)
         c = self.limits.constants
-        self.kernels.raise_dynamic_smem("gemv_rows_atomic", 4 * c.GR_MAXM * self.GR_MAX_KS)
+        self.kernels.raise_dynamic_smem("gemv_rows_atomic", 4 * c.GR_MAXM * fleet_forward.GR_MAX_KS)
         t1 = time.perf_counter()
         self.weights = Weights(self.mem, cfg, w, self.prefix_ids)
         self.weight_bytes = int(self.mem.tracker.current_bytes)
@@ -260,96 +261,15 @@ class FleetCudaEngine:
         self._free_regions = list(range(M))
         self.kv_bytes_per_robot = 2 * 2 * L * self.region * nkv
 
-    # ---- the batched pass as launches ----------------------------------------------------------------------
-    GR_MAX_KS = 1536  # gemv_rows_atomic's K slice: 16 rows x 1536 fp32 = 96 KiB of shared memory, two blocks per SM
-
-    def _gemm(self, N: int, K: int, rows: int):
-        """C[rows] += A W^T: gemv_rows_atomic for a few rows (a decode pass of <= GR_MAXM robots), else the 32-row
-        tiles of gemm32t_atomic (cuda/fleet.cu says why)."""
-        from vla_edge_ros.engine.cuda.plan import Launch, split_len
-        c, t = self.limits.constants, self.tuning
-        if rows <= c.GR_MAXM:
-            rb = math.ceil(N / (2 * c.GR_WARPS))
-            ks = min(split_len(K, rb, t.gemv_target_blocks, 256, 256), self.GR_MAX_KS)
-            return Launch("gemv_rows_atomic", (rb, math.ceil(K / ks)), (32 * c.GR_WARPS, 1, 1), 4 * rows * ks, ks)
-        rb = math.ceil(N / (16 * c.GEMM_WARPS))
-        ks = split_len(K, rb, t.gemm_target_blocks, 32, t.gemm_min_ks)
-        return Launch("gemm32t_atomic", (rb, math.ceil(K / ks)), (32 * c.GEMM_WARPS, 1, 1), 0, ks)
-
-    def _pass(self, k, n: int, rows: int, meta: int, slots: int, logits: int, tok_index: int, step: int = 0) -> None:
-        """One batched pass over ``rows`` rows of self.x for n members (records at ``meta``, slot lists at
-        ``slots``) -> logits of each member's last row at ``logits``, tok[tok_index + m]. step > 0: decode step
-        ``step`` (one row per member): its K/V stored by kv_store_rows, the decode attention (attn_decode_batch)."""
-        from vla_edge_ros.engine.cuda.forward import _qscale
-        from vla_edge_ros.engine.cuda.plan import BLOCK, Launch, padded_intermediate
-        cfg, w, p = self.cfg, self.weights, self.plan
-        H, I, HD, eps = cfg.hidden_size, padded_intermediate(cfg), cfg.head_dim, cfg.rms_norm_eps
-        Hq, n_kvh = cfg.num_attention_heads, cfg.num_key_value_heads
-        G, nq = Hq // n_kvh, Hq * HD
-        nqkv = nq + 2 * n_kvh * HD
-        tiles = math.ceil(rows / 32)
-        few = rows <= self.limits.constants.GR_MAXM  # gemv_rows_atomic reads exactly the rows; gemm32t whole tiles
-        R = rows if few else 32 * tiles
-        norm = p.norm_rows._replace(grid=(R, 1))
-        attn = Launch(f"attn_prefill_batch_hd{HD}", (self.nsplit, n_kvh, n), p.attn_prefill.block)
-        vec = {"attn_combine": 1, "attn_combine_v2": 2, "attn_combine_v4": 4}[p.merge_prefill.kernel]
-        merge = Launch("attn_combine_batch" + ("" if vec == 1 else f"_v{vec}"), (Hq * 32 * HD // (32 * vec), n),
-                       p.merge_prefill.block)
-        rows_per_head = 32
-        if step:
-            nkv = n_kvh * HD
-            store = Launch("kv_store_rows", (math.ceil(2 * nkv / BLOCK), n), (BLOCK, 1, 1))
-            attn = Launch(f"attn_decode_batch_hd{HD}", (self.nsplit, n_kvh, n), p.attn_decode.block)
-            merge, rows_per_head = Launch("attn_combine_batch", (Hq * HD // 32, n), p.merge_prefill.block), 1
-        silu = Launch("silu_rows", (math.ceil(I / BLOCK), R), (BLOCK, 1, 1))
-        g_qkv, g_o, g_gu, g_d = (self._gemm(N, K, rows) for N, K in ((nqkv, H), (H, nq), (2 * I, H), (H, I)))
-        arg = rows if few else tiles  # gemv_rows: rows; gemm32t: 32-row tiles
-        layer_bytes = 2 * self.slots_total * self.nkv
-        for i, L in enumerate(w.layers):
-            kc, vc = self.kc + i * layer_bytes, self.vc + i * layer_bytes
-            # serial at layer 0: the attention stages older keys before its PDL wait (the last pass wrote some)
-            k(norm, self.x, L.ln1, self.h_bf, H, eps, L.bqkv, self.qkv, nqkv, serial=i == 0)
-            k(g_qkv, self.h_bf, H, L.wqkv, nqkv, H, g_qkv.ks, self.qkv, nqkv, arg)
-            if step:
-                k(store, self.qkv, nqkv, nq, nkv, kc, vc, slots, self.region, meta, REC)
-                k(attn, self.qkv, nqkv, kc, vc, slots, meta, step, self.rope, G, n_kvh, _qscale(cfg), self.part_o,
-                  self.part_ml, self.region, REC, self.part_rows)
-            else:
-                k(attn, self.qkv, nqkv, kc, vc, slots, meta, self.rope, G, n_kvh, _qscale(cfg), self.part_o,
-                  self.part_ml, self.region, REC, self.part_rows)
-            k(merge, self.part_o, self.part_ml, HD, Hq, rows_per_head, meta, REC, self.kps, self.part_rows,
-              self.attn_bf)
-            k(g_o, self.attn_bf, nq, L.wo, H, nq, g_o.ks, self.x, H, arg)
-            # the gate/up GEMM adds into gu: zeroed by a memset (a graph node), not by the norm kernel's bias copy,
-            # whose one block per row wrote 2I floats each: 3.6 of a 36.6 ms decode graph at 8 robots (H200)
-            self._cuda.memset_d32_async(self.gu, 0, R * 2 * I, self.stream)
-            k(norm, self.x, L.ln2, self.h_bf, H, eps, 0, 0, 0)
-            k(g_gu, self.h_bf, H, L.wgu, 2 * I, H, g_gu.ks, self.gu, 2 * I, arg)
-            k(silu, self.gu, I, self.act_bf)
-            k(g_d, self.act_bf, I, L.wd, H, I, g_d.ks, self.x, H, arg)
-        k(Launch("rows_gather", (math.ceil(H / BLOCK), n), (BLOCK, 1, 1)), self.x, H, meta, REC, self.xg)
-        k(p.logits._replace(grid=(p.logits.grid[0], n)), self.xg, self.one, 0, w.final_norm, eps, w.head_rows,
-          cfg.n_action_bins, H, logits, 0)
-        k(p.argmax._replace(grid=(n, 1)), logits, cfg.n_action_bins, cfg.action_token_offset, self.tok, tok_index,
-          self.forced)
-
-    def _rec_ptr(self, step: int) -> int:
-        return self.meta + 4 * step * self.max_robots * REC
-
-    def _logits_ptr(self, step: int) -> int:
-        return self.logits + 4 * step * self.max_robots * self.cfg.n_action_bins
+    # ---- the batched pass (engine/cuda/fleet_forward.py) ----------------------------------------------------
+    def _zero(self, ptr: int, count: int) -> None:
+        self._cuda.memset_d32_async(ptr, 0, count, self.stream)
 
     def enqueue_prefill(self, n: int, k=None) -> None:
-        self._pass(k or self.launcher, n, n * self.tpf, self._rec_ptr(0), self.key_slots, self._logits_ptr(0), 0)
+        fleet_forward.prefill(self, k or self.launcher, self._zero, n)
 
     def enqueue_decode(self, n: int, k=None) -> None:
-        from vla_edge_ros.engine.cuda.plan import BLOCK, Launch
-        H, M = self.cfg.hidden_size, self.max_robots
-        k = k or self.launcher
-        embed = Launch("embed_gather", (math.ceil(H / BLOCK), n), (BLOCK, 1, 1))
-        for s in range(1, self.decode_steps + 1):
-            k(embed, self.weights.embed, self.tok, (s - 1) * M, self.x, H, serial=True)
-            self._pass(k, n, n, self._rec_ptr(s), self.key_slots, self._logits_ptr(s), s * M, step=s)
+        fleet_forward.decode(self, k or self.launcher, self._zero, n)
 
     def _graph(self, kind: str, n: int):
         from vla_edge_ros.engine.cuda.graphs import CudaGraph
@@ -413,7 +333,8 @@ class FleetCudaEngine:
                 cuda.memcpy_htod_async(self.x, self.h_x[:32], self.stream)
                 cuda.memcpy_htod_async(self.meta, self.h_meta[:1], self.stream)
                 cuda.memcpy_htod_async(self.key_slots, self.h_slots[:1], self.stream)
-                self._pass(self.launcher, 1, T, self.meta, self.key_slots, self._logits_ptr(0), 0)
+                fleet_forward.batched_pass(self, self.launcher, self._zero, 1, T, self.meta, self.key_slots,
+                                           fleet_forward.logits_ptr(self, 0), 0)
             self.stream.synchronize()
 
     # ---- the rest of the contract ------------------------------------------------------------------------
