@@ -32,7 +32,6 @@ slot reads another's choice, so it just replaces the choices (numpy's copyto). N
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from pathlib import Path
@@ -42,13 +41,12 @@ import numpy as np
 
 from vla_edge_ros.engine.config import ModelConfig
 from vla_edge_ros.engine.cuda import forward
-from vla_edge_ros.engine.cuda.arch import plan_arch
-from vla_edge_ros.engine.cuda.buffers import (Activations, DeviceMemory, KVCache, Weights, as_bf16_bits,
-                                              bf16_bits_to_f32, f32_to_bf16_bits)
-from vla_edge_ros.engine.cuda.kernels import CompiledKernels, Launcher
-from vla_edge_ros.engine.cuda.plan import (BLOCK, KERNEL_SUFFIX, T_CHUNK, DeviceLimits, Launch, LaunchPlan, Tuning,
-                                           check_geometry, chunk_meta, for_weight_dtype, memory_plan, meta_record,
-                                           padded_intermediate, parallel_record, parallel_slots_problem, plan)
+from vla_edge_ros.engine.cuda.buffers import Activations, DeviceMemory, KVCache, Weights, f32_to_bf16_bits
+from vla_edge_ros.engine.cuda.device import DeviceEngine
+from vla_edge_ros.engine.cuda.kernels import Launcher
+from vla_edge_ros.engine.cuda.plan import (BLOCK, KERNEL_SUFFIX, T_CHUNK, Launch, Tuning, chunk_meta,
+                                           for_weight_dtype, memory_plan, meta_record, padded_intermediate,
+                                           parallel_record, parallel_slots_problem, plan)
 from vla_edge_ros.engine.cuda.probe import cuda_status
 from vla_edge_ros.engine.cuda.vram import check_budget, quantized_model_bytes
 from vla_edge_ros.engine.geometry import (check_chunk_geometry, check_forced_bins, chunk_actions, chunk_bins,
@@ -71,7 +69,7 @@ def unsupported_reason(cfg: ModelConfig, weight_dtype: str = "bf16") -> str | No
     return parallel_slots_problem(cfg)
 
 
-class CudaEngine(Engine):
+class CudaEngine(DeviceEngine, Engine):
     name = "cuda"
     host_profile_ms: dict[str, float] = {}  # the last chunk's host-time split: admit, inputs, launch, wait
 
@@ -106,33 +104,7 @@ class CudaEngine(Engine):
                               f"{T_CHUNK} tokens per frame")
         from vla_edge_ros.core.action_tokenizer import ActionTokenizer
         self.tokenizer = ActionTokenizer(cfg.vocab_size, cfg.action_q01, cfg.action_q99, cfg.n_action_bins)
-        dev = cuda.Device(0)
-        self.device_name = dev.name()
-        self.arch = plan_arch(dev.compute_capability(), os.environ.get("VLA_CUDA_ARCH", ""))
-        self._sm_count = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
-        self._smem_optin = dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        check_geometry(cfg, DeviceLimits(self._sm_count, self._smem_optin, self.arch.pdl))  # before any work
-        self._graphs: dict[str, Any] = {}
-        self._ctx = dev.retain_primary_context()
-        self._ctx.push()
-        try:
-            self._setup(checkpoint)
-        except BaseException:
-            try:
-                self._release()
-            finally:
-                self._ctx.pop()
-            raise
-        self._ctx.pop()
-
-    @contextlib.contextmanager
-    def _active(self):
-        """The engine's (primary) context current on the calling thread for the duration."""
-        self._ctx.push()
-        try:
-            yield
-        finally:
-            self._ctx.pop()
+        self._open_device(cfg, lambda: self._setup(checkpoint))  # device.DeviceEngine
 
     # ---- set-up ------------------------------------------------------------------------------------------
     def _setup(self, checkpoint) -> None:
@@ -144,11 +116,7 @@ class CudaEngine(Engine):
         self.mem = DeviceMemory(cuda, int(self.max_vram_gb * 2**30))
         w = self._load_weights(checkpoint)
         t1 = time.perf_counter()
-        self.kernels = CompiledKernels(cuda, self.arch.nvcc_arch, self.arch.target, self.defines, self.log)
-        HD = cfg.head_dim
-        self.limits = DeviceLimits(self._sm_count, self._smem_optin, self.arch.pdl and self.kernels.pdl_ready,
-                                   prefill_attn_regs=self.kernels.num_regs(f"attn_prefill_hd{HD}"),
-                                   constants=self.kernels.constants())
+        self._compile(self.defines)
         self._plan()
         t2 = time.perf_counter()
         self.weights = Weights(self.mem, cfg, w, self.prefix_ids)
@@ -175,36 +143,14 @@ class CudaEngine(Engine):
         """memory_plan's model part with the linear weights at their size in ``weight_dtype`` (vram.py)."""
         return quantized_model_bytes(sizes["model"], self.cfg, self.weight_dtype, padded_intermediate(self.cfg))
 
-    def _load_weights(self, checkpoint) -> dict[str, Any]:
-        """Tensors by name: bf16 bits, the linear weights as QuantizedLinear codes when weight_dtype is not bf16
-        (quantised here from the bf16 values exactly as the numpy engine quantises them, or read pre-quantised)."""
-        from vla_edge_ros.engine import quant
-        from vla_edge_ros.engine.quant_checkpoint import is_quantized_checkpoint, read_quantized_checkpoint
-        if not isinstance(checkpoint, Mapping) and is_quantized_checkpoint(Path(checkpoint)):
-            model = read_quantized_checkpoint(checkpoint, self.weight_dtype)[1]
-            return {**{k: as_bf16_bits(v) for k, v in model.dense.items()}, **model.linear}
-        if isinstance(checkpoint, Mapping):
-            from vla_edge_ros.engine.checkpoint import check_weights
-            check_weights(self.cfg, checkpoint)
-            w = {k: as_bf16_bits(v) for k, v in checkpoint.items()}
-        else:
-            from vla_edge_ros.engine.checkpoint import load_checkpoint
-            w = load_checkpoint(checkpoint, self.cfg, dtype="bfloat16")
-        if self.weight_dtype != "bf16":
-            for name in [n for n in w if quant.is_quantized_name(n)]:
-                w[name] = quant.quantize_linear(bf16_bits_to_f32(w[name]), self.weight_dtype)
-        return w
-
     def _plan(self) -> None:
         """Plan the launches for the current tuning and apply what the kernels need from it (shared-memory limits,
         the late-trigger mask in every module)."""
-        self.plan: LaunchPlan = for_weight_dtype(plan(self.cfg, self.tuning, self.limits), self.weight_dtype,
-                                                  self.cfg, self.limits.constants)
-        for note in self.plan.notes:
+        p = for_weight_dtype(plan(self.cfg, self.tuning, self.limits), self.weight_dtype, self.cfg,
+                             self.limits.constants)
+        for note in p.notes:
             self.log(f"cuda engine: {note}")
-        for name, nbytes in self.plan.raise_smem.items():
-            self.kernels.raise_dynamic_smem(name, nbytes)
-        self.kernels.write_u32("vla_late_trigger", self.plan.late_trigger_mask)
+        self._apply_plan(p)
 
     def retune(self, **changes: Any) -> None:
         """Change tuning (plan.Tuning fields; ``use_graphs``) and re-capture the graphs (benchmarks)."""
@@ -425,34 +371,3 @@ class CudaEngine(Engine):
     def memory(self) -> dict[str, int]:
         s = self.mem.tracker.stats()
         return {"current_bytes": s["current_bytes"], "peak_bytes": s["peak_bytes"]}
-
-    def _release(self) -> None:
-        for g in getattr(self, "_graphs", {}).values():
-            try:
-                g.destroy()
-            except Exception:
-                pass
-        self._graphs = {}
-        if getattr(self, "mem", None) is not None:
-            self.mem.tracker.free_all()
-        if getattr(self, "kernels", None) is not None:
-            self.kernels.unload()
-
-    def close(self) -> None:
-        if getattr(self, "_ctx", None) is None:
-            return
-        with self._active():
-            try:
-                self.stream.synchronize()
-            except Exception:
-                pass
-            self._release()
-        self._ctx.detach()
-        self._ctx = None
-
-    def __del__(self):  # best effort; close() is the contract
-        try:
-            if getattr(self, "_ctx", None) is not None and getattr(self, "mem", None) is not None:
-                self.close()
-        except Exception:
-            pass

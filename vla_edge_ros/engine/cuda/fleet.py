@@ -32,22 +32,22 @@ tokens; KV budgets above the region size given at construction (a robot's budget
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
 import numpy as np
 
+from vla_edge_ros.core.action_tokenizer import ActionTokenizer
 from vla_edge_ros.engine.config import ModelConfig
 from vla_edge_ros.engine.cuda import fleet_forward
+from vla_edge_ros.engine.cuda.device import DeviceEngine
 from vla_edge_ros.engine.geometry import (check_chunk_geometry, check_decode_tokens, chunk_actions, chunk_bins,
                                           chunk_decode_steps, is_parallel)
-from vla_edge_ros.engine.interface import ChunkResult, EngineError, check_vision_tokens
-
 from vla_edge_ros.engine.cuda.fleet_forward import REC  # ints per member record
+from vla_edge_ros.engine.fleet_numpy import UnknownRobotError
+from vla_edge_ros.engine.interface import ChunkResult, EngineError, check_vision_tokens
 
 
 def fleet_unsupported_reason(cfg: ModelConfig, weight_dtype: str, tokens_per_frame: int) -> Optional[str]:
@@ -93,7 +93,7 @@ class _Member:
     slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
 
-class FleetCudaEngine:
+class FleetCudaEngine(DeviceEngine):
     """N robots on one GPU, batched passes (module docstring). Not thread-safe: one thread owns it."""
 
     name = "cuda"
@@ -102,8 +102,7 @@ class FleetCudaEngine:
                  decode_tokens: int = 8, max_robots: int = 8, budget_tokens: int = 4096, max_vram_gb: float = 80.0,
                  log: Callable[[str], None] = print, use_graphs: bool = True, tuning=None,
                  weight_dtype: str = "bf16"):
-        from vla_edge_ros.engine.cuda.arch import plan_arch
-        from vla_edge_ros.engine.cuda.plan import DeviceLimits, Tuning, check_geometry
+        from vla_edge_ros.engine.cuda.plan import Tuning
         from vla_edge_ros.engine.cuda.probe import cuda_status
         from vla_edge_ros.engine.geometry import prefix_token_ids
         check_decode_tokens(cfg, int(decode_tokens))
@@ -123,6 +122,7 @@ class FleetCudaEngine:
         self.decode_steps = chunk_decode_steps(cfg, self.decode_tokens)  # S
         self.max_robots, self.budget_tokens = int(max_robots), int(budget_tokens)
         self.tpf = cfg.n_patches
+        self.tokenizer = ActionTokenizer(cfg.vocab_size, cfg.action_q01, cfg.action_q99, cfg.n_action_bins)
         self.prefix_ids = np.asarray(prefix_token_ids(instruction), np.int64)
         self._kv_factory = kv_factory
         self.robots: dict[str, FleetRobot] = {}
@@ -131,40 +131,13 @@ class FleetCudaEngine:
         self.last_batch_size = 0
         self.needs_reset = False
         self.max_vram_gb = float(max_vram_gb)
-        dev = cuda.Device(0)
-        self.device_name = dev.name()
-        self.arch = plan_arch(dev.compute_capability(), os.environ.get("VLA_CUDA_ARCH", ""))
-        sm = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
-        smem = dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        check_geometry(cfg, DeviceLimits(sm, smem, self.arch.pdl))
-        self._sm, self._smem = sm, smem
-        self._graphs: dict[tuple[str, int], Any] = {}
-        self._ctx = dev.retain_primary_context()
-        self._ctx.push()
-        try:
-            self._setup(checkpoint)
-        except BaseException:
-            try:
-                self._release()
-            finally:
-                self._ctx.pop()
-            raise
-        self._ctx.pop()
-
-    @contextlib.contextmanager
-    def _active(self):
-        self._ctx.push()
-        try:
-            yield
-        finally:
-            self._ctx.pop()
+        self._open_device(cfg, lambda: self._setup(checkpoint))  # device.DeviceEngine
 
     # ---- set-up ------------------------------------------------------------------------------------------
     def _setup(self, checkpoint) -> None:
         from vla_edge_ros.engine.cuda.buffers import DeviceMemory, Weights
-        from vla_edge_ros.engine.cuda.engine import CudaEngine
-        from vla_edge_ros.engine.cuda.kernels import CompiledKernels, Launcher
-        from vla_edge_ros.engine.cuda.plan import DeviceLimits, for_weight_dtype, plan
+        from vla_edge_ros.engine.cuda.kernels import Launcher
+        from vla_edge_ros.engine.cuda.plan import for_weight_dtype, plan
         cuda, cfg = self._cuda, self.cfg
         t0 = time.perf_counter()
         need = self.planned_bytes()
@@ -173,19 +146,14 @@ class FleetCudaEngine:
                               f"x {self.budget_tokens} KV tokens, max_vram_gb={self.max_vram_gb}: fewer robots, a "
                               "smaller kv_budget_tokens or a larger max_vram_gb")
         self.mem = DeviceMemory(cuda, int(self.max_vram_gb * 2**30))
-        w = CudaEngine._load_weights(self, checkpoint)  # its bf16 path: tensors by name as bf16 bits
-        self.kernels = CompiledKernels(cuda, self.arch.nvcc_arch, self.arch.target, (), self.log)
-        self.limits = DeviceLimits(self._sm, self._smem, self.arch.pdl and self.kernels.pdl_ready,
-                                   prefill_attn_regs=self.kernels.num_regs(f"attn_prefill_hd{cfg.head_dim}"),
-                                   constants=self.kernels.constants())
-        self.plan = for_weight_dtype(plan(cfg, self.tuning, self.limits), "bf16", cfg, self.limits.constants)
-        for launch in (self.plan.attn_prefill, self.plan.attn_decode):
+        w = self._load_weights(checkpoint)  # bf16 (fleet_unsupported_reason): tensors by name as bf16 bits
+        self._compile()
+        p = for_weight_dtype(plan(cfg, self.tuning, self.limits), "bf16", cfg, self.limits.constants)
+        for launch in (p.attn_prefill, p.attn_decode):
             if launch.kernel.endswith("_hg"):
                 raise EngineError(f"the batched CUDA pass refuses the model: its attention needs head groups on this "
                                   f"device ({launch.kernel}); use backend numpy")
-        for name, nbytes in self.plan.raise_smem.items():
-            self.kernels.raise_dynamic_smem(name, nbytes)
-        self.kernels.write_u32("vla_late_trigger", self.plan.late_trigger_mask)
+        self._apply_plan(p)
         c = self.limits.constants
         self.kernels.raise_dynamic_smem("gemv_rows_atomic", 4 * c.GR_MAXM * fleet_forward.GR_MAX_KS)
         t1 = time.perf_counter()
@@ -290,15 +258,14 @@ class FleetCudaEngine:
     # ---- membership -----------------------------------------------------------------------------------------
     def add_robot(self, name: str) -> None:
         """Give ``name`` a KV region (its KVManager from kv_factory) with the instruction prefix prefilled."""
-        from vla_edge_ros.engine.interface import EngineError as _E
         if name in self.robots:
             raise ValueError(f"robot {name!r} is already served by this engine")
         if not self._free_regions:
-            raise _E(f"robot {name!r}: the engine serves at most {self.max_robots} robots (max_robots)")
+            raise EngineError(f"robot {name!r}: the engine serves at most {self.max_robots} robots (max_robots)")
         kv = self._kv_factory(name)  # the fleet node's factory takes the robot's name (each may differ)
         if kv.budget_tokens > self.budget_tokens or kv.tokens_per_frame != self.tpf:
-            raise _E(f"robot {name!r}: KV budget {kv.budget_tokens} / {kv.tokens_per_frame} tokens per frame; this "
-                     f"engine's regions hold {self.budget_tokens} / {self.tpf}")
+            raise EngineError(f"robot {name!r}: KV budget {kv.budget_tokens} / {kv.tokens_per_frame} tokens per "
+                              f"frame; this engine's regions hold {self.budget_tokens} / {self.tpf}")
         check_chunk_geometry(self.cfg, kv, self.instruction, self.decode_tokens)
         robot = FleetRobot(name, kv, self._free_regions.pop(0), len(self.prefix_ids))
         try:
@@ -311,7 +278,6 @@ class FleetCudaEngine:
     def remove_robot(self, name: str) -> None:
         robot = self.robots.pop(name, None)
         if robot is None:
-            from vla_edge_ros.engine.fleet_numpy import UnknownRobotError
             raise UnknownRobotError(f"robot {name!r} is not served by this engine")
         self._free_regions.append(robot.region)
         self._free_regions.sort()
@@ -350,7 +316,6 @@ class FleetCudaEngine:
         try:
             return self.robots[name]
         except KeyError:
-            from vla_edge_ros.engine.fleet_numpy import UnknownRobotError
             raise UnknownRobotError(f"robot {name!r} is not served by this engine") from None
 
     def encode_frame(self, image: np.ndarray) -> np.ndarray:
@@ -393,7 +358,6 @@ class FleetCudaEngine:
         return {name: results[name] for name in requests}
 
     def _admit(self, name: str, req: Any, results: dict) -> Optional[_Member]:
-        from vla_edge_ros.engine.fleet_numpy import UnknownRobotError
         from vla_edge_ros.engine.vision import pooled
         robot = self.robots.get(name)
         if robot is None:
@@ -479,45 +443,16 @@ class FleetCudaEngine:
 
     def _result(self, m: _Member, gen: np.ndarray, logits: np.ndarray, prefill_ms: float, decode_ms: float,
                 t0: float) -> Union[ChunkResult, Exception]:
-        from vla_edge_ros.core.action_tokenizer import ActionTokenizer
         cfg = self.cfg
         m.robot.last_logits = logits
         bins = chunk_bins(cfg, gen)
         if np.any(bins < 0) or np.any(bins >= cfg.n_action_bins):
             m.robot.errors += 1
             return EngineError(f"robot {m.name!r}: decode produced token ids outside the action rows: {gen.tolist()}")
-        tok = getattr(self, "_tokenizer", None)
-        if tok is None:
-            tok = self._tokenizer = ActionTokenizer(cfg.vocab_size, cfg.action_q01, cfg.action_q99, cfg.n_action_bins)
-        chunk = chunk_actions(tok, bins)
+        chunk = chunk_actions(self.tokenizer, bins)
         m.robot.chunks += 1
         return ChunkResult(frame_id=int(m.req.frame_id), token_ids=gen.copy(), action_bins=bins[0].copy(),
                            action=chunk[0].copy(), prefill_ms=float(prefill_ms), decode_ms=float(decode_ms),
                            total_ms=(time.perf_counter() - t0) * 1e3, evicted_frames=list(m.adm.evicted),
                            kv_occupancy_tokens=int(m.robot.kv.occupancy_tokens), salient=bool(m.req.salient),
                            chunk=chunk, chunk_bins=bins, forced_steps=0)
-
-    # ---- teardown ----------------------------------------------------------------------------------------
-    def _release(self) -> None:
-        for g in getattr(self, "_graphs", {}).values():
-            try:
-                g.destroy()
-            except Exception:
-                pass
-        self._graphs = {}
-        if getattr(self, "mem", None) is not None:
-            self.mem.tracker.free_all()
-        if getattr(self, "kernels", None) is not None:
-            self.kernels.unload()
-
-    def close(self) -> None:
-        if getattr(self, "_ctx", None) is None:
-            return
-        with self._active():
-            try:
-                self.stream.synchronize()
-            except Exception:
-                pass
-            self._release()
-        self._ctx.detach()
-        self._ctx = None
