@@ -24,15 +24,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMM_WARPS, 2) gemm32t_atomic(
     const bf16_t* W0 = W + (size_t)nrow * K + t * 8;
     const bf16_t* W1 = W0 + (size_t)8 * K;
     uint4 b[GEMM_KC / 32][2];
-    auto load_w = [&](int kc, int clen) {
-#pragma unroll
-        for (int u = 0; u < GEMM_KC / 32; ++u) {
-            if (active && 32 * u < clen) {
-                b[u][0] = ldg_stream16(W0 + kc + 32 * u);
-                b[u][1] = ldg_stream16(W1 + kc + 32 * u);
-            }
-        }
-    };
+    const auto load_w = [&](int kc, int clen) { gemm32_load_w(b, W0, W1, kc, clen, active); };
     if (kbeg < kend) load_w(kbeg, min(GEMM_KC, kend - kbeg));  // weights: before the PDL wait
     pdl_trigger(FAM_GEMM);
     pdl_wait(FAM_GEMM);
@@ -65,17 +57,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMM_WARPS, 2) gemm32t_atomic(
                 if (32 * u < clen) mma_k32(acc, b[u], sA, GEMM_SA, 4 * u + t, g);
             }
             float* Ct = C + (size_t)tile * 32 * ldc;
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const int col = nw + j * 8 + 2 * t;
-                    const int r0 = mi * 16 + g;
-                    atomicAdd(Ct + (size_t)r0 * ldc + col, acc[mi][j][0]);
-                    atomicAdd(Ct + (size_t)r0 * ldc + col + 1, acc[mi][j][1]);
-                    atomicAdd(Ct + (size_t)(r0 + 8) * ldc + col, acc[mi][j][2]);
-                    atomicAdd(Ct + (size_t)(r0 + 8) * ldc + col + 1, acc[mi][j][3]);
-                }
+            gemm32_add_tile(Ct, ldc, nw, g, t, acc);
         }
     }
 }

@@ -28,6 +28,36 @@ __device__ __forceinline__ void mma_k32(float (&acc)[2][2][4], const uint4 (&b)[
         }
 }
 
+// C[0..32) x [nw, nw + 16) += a warp's 32-token x 16-row tile (mma_k32's accumulator layout), fp32 atomics: the
+// epilogue of every split-K gemm32 (bf16, quantised, the fleet's multi-tile form).
+__device__ __forceinline__ void gemm32_add_tile(float* __restrict__ C, int ldc, int nw, int g, int t,
+                                                const float (&acc)[2][2][4]) {
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int col = nw + j * 8 + 2 * t;
+            const int r0 = mi * 16 + g;
+            atomicAdd(C + (size_t)r0 * ldc + col, acc[mi][j][0]);
+            atomicAdd(C + (size_t)r0 * ldc + col + 1, acc[mi][j][1]);
+            atomicAdd(C + (size_t)(r0 + 8) * ldc + col, acc[mi][j][2]);
+            atomicAdd(C + (size_t)(r0 + 8) * ldc + col + 1, acc[mi][j][3]);
+        }
+}
+
+// A K chunk's bf16 weights of a gemm32 warp (rows W0 and W1 = W0 + 8 K, 16-byte streaming loads, all in flight
+// before any is used): b[u] = k32 step u of the chunk starting at column kc, clen columns long.
+__device__ __forceinline__ void gemm32_load_w(uint4 (&b)[GEMM_KC / 32][2], const bf16_t* W0, const bf16_t* W1,
+                                              int kc, int clen, bool active) {
+#pragma unroll
+    for (int u = 0; u < GEMM_KC / 32; ++u) {
+        if (active && 32 * u < clen) {
+            b[u][0] = ldg_stream16(W0 + kc + 32 * u);
+            b[u][1] = ldg_stream16(W1 + kc + 32 * u);
+        }
+    }
+}
+
 // ---- gemm32v4: balanced grid, split K inside the block, weights double-buffered in registers across row groups.
 // The gemm32_* grids give each block a fixed set of 16-row groups over its K range: 140 gate/up blocks on 132 SMs
 // (8 SMs do two), one weight chunk in flight per warp between mma phases, and the down GEMM 22 K splits x 32

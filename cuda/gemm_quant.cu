@@ -73,17 +73,7 @@ __device__ __forceinline__ void gemm32_body(const bf16_t* __restrict__ A, int ld
     }
     if (!active) return;
     if (MODE == GEMM_ATOMIC) {
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int col = nw + j * 8 + 2 * t;
-                const int r0 = mi * 16 + g;
-                atomicAdd(C + (size_t)r0 * ldc + col, acc[mi][j][0]);
-                atomicAdd(C + (size_t)r0 * ldc + col + 1, acc[mi][j][1]);
-                atomicAdd(C + (size_t)(r0 + 8) * ldc + col, acc[mi][j][2]);
-                atomicAdd(C + (size_t)(r0 + 8) * ldc + col + 1, acc[mi][j][3]);
-            }
+        gemm32_add_tile(C, ldc, nw, g, t, acc);
     } else {
         // rows are interleaved at load: tile j=0 = gate rows 8b..8b+7, tile j=1 = the matching up rows
         const int I = N >> 1;

@@ -30,15 +30,7 @@ __device__ __forceinline__ void gemm32_body(const bf16_t* __restrict__ A, int ld
     const bf16_t* W1 = W0 + (size_t)8 * K;
     // a chunk's weight loads (16-byte streaming loads, all in flight before any is used)
     uint4 b[GEMM_KC / 32][2];
-    auto load_w = [&](int kc, int clen) {
-#pragma unroll
-        for (int u = 0; u < GEMM_KC / 32; ++u) {
-            if (active && 32 * u < clen) {
-                b[u][0] = ldg_stream16(W0 + kc + 32 * u);
-                b[u][1] = ldg_stream16(W1 + kc + 32 * u);
-            }
-        }
-    };
+    const auto load_w = [&](int kc, int clen) { gemm32_load_w(b, W0, W1, kc, clen, active); };
     // the first chunk's weights do not depend on the previous kernel: requested before the PDL wait
     if (kbeg < kend) load_w(kbeg, min(GEMM_KC, kend - kbeg));
     pdl_trigger(FAM_GEMM);
@@ -71,17 +63,7 @@ __device__ __forceinline__ void gemm32_body(const bf16_t* __restrict__ A, int ld
     }
     if (!active) return;
     if (MODE == GEMM_ATOMIC) {
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int col = nw + j * 8 + 2 * t;
-                const int r0 = mi * 16 + g;
-                atomicAdd(C + (size_t)r0 * ldc + col, acc[mi][j][0]);
-                atomicAdd(C + (size_t)r0 * ldc + col + 1, acc[mi][j][1]);
-                atomicAdd(C + (size_t)(r0 + 8) * ldc + col, acc[mi][j][2]);
-                atomicAdd(C + (size_t)(r0 + 8) * ldc + col + 1, acc[mi][j][3]);
-            }
+        gemm32_add_tile(C, ldc, nw, g, t, acc);
     } else {
         // rows are interleaved at load: tile j=0 = gate rows 8b..8b+7, tile j=1 = the matching up rows
         const int I = N >> 1;
