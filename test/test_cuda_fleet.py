@@ -73,19 +73,14 @@ def test_the_batched_pass_launches_match_the_table(geometry, n):
     signature, grids are positive, per-member launches span the n members, the GEMMs pick the few-row GEMV for a
     decode step of <= 16 robots and the 32-row tiles for the prefill, each decode step's first launch is serial, and
     the gate/up buffer is zeroed before every gate/up GEMM."""
-    from test_cuda_plan import cfg_of
+    from test_cuda_plan import cfg_of, check_launch
     from vla_edge_ros.engine.cuda import fleet_forward
-    from vla_edge_ros.engine.cuda.kernels import BY_NAME
     cfg = cfg_of(geometry)
     e = _fake_engine(cfg, max_robots=16)
     rec, zeros = [], []
 
     def k(launch, *args, serial=False):
-        sig = BY_NAME[launch.kernel].sig
-        assert len(args) == len(sig), launch.kernel
-        for c, v in zip(sig, args):
-            assert isinstance(v, float) if c == "f" else isinstance(v, int), (launch.kernel, c, v)
-        assert all(g >= 1 for g in launch.grid), launch
+        check_launch(launch, args)
         rec.append((launch.kernel, launch.grid, serial, args))
 
     zero = lambda ptr, count: zeros.append((len(rec), ptr, count))  # noqa: E731

@@ -436,6 +436,16 @@ def _fake_buffers(cfg: ModelConfig, slots: int, quantized: bool = False):
     return w, a, kv
 
 
+def check_launch(launch, args) -> None:
+    """One recorded launch against the kernel table: as many arguments as its signature, each of its type (P / i:
+    int, f: float), every grid dimension >= 1."""
+    sig = BY_NAME[launch.kernel].sig
+    assert len(args) == len(sig), launch.kernel
+    for c, v in zip(sig, args):
+        assert isinstance(v, float) if c == "f" else isinstance(v, int), (launch.kernel, c, v)
+    assert all(g >= 1 for g in launch.grid), launch
+
+
 def _record_chunk(cfg: ModelConfig, p, slots: int, quantized: bool = False, parallel_slots: int = 0,
                   with_args: bool = False) -> list[tuple]:
     """(kernel, grid, serial[, args]) of every launch of a chunk (parallel_slots > 0: the prefill and the parallel
@@ -444,11 +454,7 @@ def _record_chunk(cfg: ModelConfig, p, slots: int, quantized: bool = False, para
     rec = []
 
     def k(launch, *args, serial=False):
-        sig = BY_NAME[launch.kernel].sig
-        assert len(args) == len(sig), launch.kernel
-        for c, v in zip(sig, args):
-            assert isinstance(v, float) if c == "f" else isinstance(v, int), (launch.kernel, c, v)
-        assert all(g >= 1 for g in launch.grid), launch
+        check_launch(launch, args)
         rec.append((launch.kernel, tuple(launch.grid), serial) + ((args, a) if with_args else ()))
     if parallel_slots:
         forward.prefill(k, p, cfg, w, a, kv)
