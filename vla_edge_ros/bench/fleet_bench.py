@@ -25,6 +25,28 @@ from vla_edge_ros.engine.fleet_numpy import BatchRequest, FleetNumpyEngine
 from vla_edge_ros.engine.geometry import prefix_token_ids
 
 
+class BatchTimer:
+    """``timer(members) -> (wall ms, engine.last_batch_timing)`` of one run_batch over the same frames for any fleet
+    engine: every batch gets a new frame id (a robot's KV cache refuses an id it holds), member i of it frame
+    (id + i) % len(frames); a failed chunk ends the benchmark with the tool's name and the failures."""
+
+    def __init__(self, engine, frames: list, tool: str):
+        self.engine, self.frames, self.tool, self.frame_id = engine, frames, tool, 0
+
+    def __call__(self, members: list[str]) -> tuple[float, dict]:
+        n = len(self.frames)
+        reqs = {name: BatchRequest(self.frames[(self.frame_id + i) % n], self.frame_id)
+                for i, name in enumerate(members)}
+        self.frame_id += 1
+        t0 = time.perf_counter()
+        results = self.engine.run_batch(reqs)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        failed = {k: v for k, v in results.items() if isinstance(v, Exception)}
+        if failed:
+            raise SystemExit(f"{self.tool}: chunks failed: {failed}")
+        return wall_ms, dict(self.engine.last_batch_timing)
+
+
 def robot_counts(text: str) -> list[int]:
     try:
         counts = sorted({int(part) for part in text.split(",") if part.strip()})
@@ -64,19 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.add_robot(name)
     rng = np.random.default_rng(0)
     frames = [engine.encode_frame(rng.integers(0, 256, (240, 320, 3), dtype=np.uint8)) for _ in range(16)]
-    frame_id = 0
-
-    def batch(members: list[str]) -> tuple[float, dict]:
-        nonlocal frame_id
-        reqs = {name: BatchRequest(frames[(frame_id + i) % len(frames)], frame_id) for i, name in enumerate(members)}
-        frame_id += 1
-        t0 = time.perf_counter()
-        results = engine.run_batch(reqs)
-        wall_ms = (time.perf_counter() - t0) * 1e3
-        failed = {k: v for k, v in results.items() if isinstance(v, Exception)}
-        if failed:
-            raise SystemExit(f"fleet_bench: chunks failed: {failed}")
-        return wall_ms, dict(engine.last_batch_timing)
+    batch = BatchTimer(engine, frames, "fleet_bench")
 
     capacity = engine.robot(names[0]).kv.capacity_frames
     for _ in range(capacity + 2):  # fill every cache: the timed chunks attend to a full context and evict

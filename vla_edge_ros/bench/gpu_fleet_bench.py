@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from vla_edge_ros.bench.fleet_bench import robot_counts
+from vla_edge_ros.bench.fleet_bench import BatchTimer, robot_counts
 from vla_edge_ros.bench.gpu_chunk_bench import INSTRUCTION, copy_bandwidth, pct, random_weights
 from vla_edge_ros.engine.config import ModelConfig, qwen2_5_0_5b_dict, qwen2_5_1_5b_dict
 
@@ -65,7 +65,6 @@ def _main(args, torch, cuda) -> int:
     from vla_edge_ros.core.kv.manager import KVManager
     from vla_edge_ros.engine.cuda import CudaEngine
     from vla_edge_ros.engine.cuda.fleet import FleetCudaEngine
-    from vla_edge_ros.engine.fleet_numpy import BatchRequest
     cfg = ModelConfig.from_json(qwen2_5_1_5b_dict() if args.geometry == "1.5b" else qwen2_5_0_5b_dict())
     tpf, prefix = cfg.n_patches, len(INSTRUCTION.encode())
     bw = copy_bandwidth()
@@ -110,19 +109,7 @@ def _main(args, torch, cuda) -> int:
     for name in names:
         eng.add_robot(name)
     print(f"fleet engine ready in {time.perf_counter() - t0:.1f} s; filling {M} caches", flush=True)
-    fid = 0
-
-    def batch(members):
-        nonlocal fid
-        reqs = {nm: BatchRequest(frames[(fid + i) % 16], fid) for i, nm in enumerate(members)}
-        fid += 1
-        t = time.perf_counter()
-        res = eng.run_batch(reqs)
-        wall = (time.perf_counter() - t) * 1e3
-        bad = {k: v for k, v in res.items() if isinstance(v, Exception)}
-        if bad:
-            raise SystemExit(f"gpu_fleet_bench: chunks failed: {bad}")
-        return wall, eng.last_batch_timing["prefill_ms"], eng.last_batch_timing["decode_ms"]
+    batch = BatchTimer(eng, frames, "gpu_fleet_bench")
 
     while eng.robot(names[0]).kv.occupancy_tokens + tpf <= args.budget:
         batch(names)
@@ -131,12 +118,13 @@ def _main(args, torch, cuda) -> int:
     for n in args.robots:
         batch(names[:n])  # the size's graphs are captured here, untimed
         samples = [batch(names[:n]) for _ in range(args.batches)]
-        gpu = [p + d for _, p, d in samples]
+        gpu = [t["prefill_ms"] + t["decode_ms"] for _, t in samples]
         med = pct(gpu, 50)
         floor = floor_bytes(cfg, n, n_ctx, steps) / bw * 1e3
         row = {"n": n, "gpu_median_ms": med, "gpu_p99_ms": pct(gpu, 99),
-               "prefill_median_ms": pct([p for _, p, _ in samples], 50),
-               "decode_median_ms": pct([d for _, _, d in samples], 50), "wall_median_ms": pct([w for w, _, _ in samples], 50),
+               "prefill_median_ms": pct([t["prefill_ms"] for _, t in samples], 50),
+               "decode_median_ms": pct([t["decode_ms"] for _, t in samples], 50),
+               "wall_median_ms": pct([w for w, _ in samples], 50),
                "per_robot_ms": med / n, "vs_single": med / one, "floor_ms": floor,
                "vram_gib": eng.memory()["peak_bytes"] / 2**30}
         out["rows"].append(row)
