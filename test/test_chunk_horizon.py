@@ -155,15 +155,16 @@ class _CudaConfigOnly(CudaEngine):
 
 
 @pytest.mark.parametrize("backend", [_NumpyConfigOnly, _CudaConfigOnly])
-def test_both_backends_accept_chunks_and_only_cuda_refuses_parallel_past_one_pass_by_name(backend):
+def test_both_backends_accept_chunks_and_only_cuda_refuses_parallel_past_eight_row_tiles_by_name(backend):
     assert backend(cfg_for(4, "token")).chunk_support_problem() is None
     assert backend(cfg_for(1, "token")).chunk_support_problem() is None
     assert backend(cfg_for(4, "token", chunk_decode="parallel")).chunk_support_problem() is None  # 28 slots
-    problem = backend(cfg_for(5, "token", chunk_decode="parallel")).chunk_support_problem()  # 35 slots
+    assert backend(cfg_for(8, "token", chunk_decode="parallel")).chunk_support_problem() is None  # 56: two tiles
+    problem = backend(cfg_for(37, "token", chunk_decode="parallel")).chunk_support_problem()  # 259 slots
     if backend is _NumpyConfigOnly:
         assert problem is None  # issue 22: numpy decodes parallel chunks of any width
     else:
-        assert problem and "vla.chunk_decode='parallel' with 35 action slots" in problem and backend.name in problem
+        assert problem and "vla.chunk_decode='parallel' with 259 action slots" in problem and backend.name in problem
     assert unsupported_reason(cfg_for(4, "token")) is None  # the CUDA backend builds H > 1 "token" chunks
 
 

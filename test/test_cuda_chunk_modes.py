@@ -2,7 +2,8 @@
 
 Parallel (``vla.chunk_decode: parallel``): after the frame's prefill, one prefill-shaped pass over the A = H x 7
 action slots (bidirectional among them: cuda/rope_attention.cu meta[4]), gen[1 + r] = slot r's argmax; more than
-32 slots (one pass's rows) are refused by name, before anything is allocated. Forced prefix
+32 slots run in 32-row tiles (forward._layers), more than plan.PARALLEL_MAX_TILES tiles are refused by name, before
+anything is allocated. Forced prefix
 (``run_chunk(forced_bins=(d, 7))``): the forced ids go to the device with the meta copy and every argmax writes them
 where given, so the decode chain is teacher-forced and the parallel choices replaced, as numpy does.
 
@@ -32,14 +33,14 @@ class _CudaConfigOnly(CudaEngine):
 
 # ---- CPU -------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("horizon", [1, 4])
-def test_cuda_accepts_parallel_chunks_of_one_pass(horizon):
+@pytest.mark.parametrize("horizon", [1, 4, 5, 8, 36])  # 7 .. 252 slots: 1 .. 8 row tiles
+def test_cuda_accepts_parallel_chunks_of_up_to_eight_row_tiles(horizon):
     cfg = cfg_for(horizon, "token", chunk_decode="parallel")
     assert _CudaConfigOnly(cfg).chunk_support_problem() is None and unsupported_reason(cfg) is None
 
 
-@pytest.mark.parametrize("horizon", [5, 8])  # 35, 56 slots
-def test_cuda_refuses_a_parallel_chunk_wider_than_one_pass_by_name_before_allocating(horizon):
+@pytest.mark.parametrize("horizon", [37, 50])  # 259, 350 slots
+def test_cuda_refuses_a_parallel_chunk_wider_than_eight_tiles_by_name_before_allocating(horizon):
     cfg = cfg_for(horizon, "token", chunk_decode="parallel")
     problem = _CudaConfigOnly(cfg).chunk_support_problem()
     assert problem and "cuda" in problem and f"vla.chunk_decode='parallel' with {7 * horizon} action slots" in problem
@@ -132,6 +133,33 @@ def test_parallel_chunks_match_the_numpy_engine(torch_cuda, tmp_path, use_graphs
             np.testing.assert_array_equal(got.chunk_bins.ravel(), got.token_ids[1:29] - cfg.action_token_offset)
             assert got.decode_ms > 0 and got.prefill_ms > 0 and got.forced_steps == 0
         assert evicted == 3 and ties <= 6 * 29 // 20, (evicted, ties)  # near-ties flipped in at most 5 % of rows
+    finally:
+        eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("horizon, use_graphs", [(8, True), (8, False), (10, True)])
+def test_tiled_parallel_chunks_match_the_numpy_engine(torch_cuda, tmp_path, horizon, use_graphs):
+    """H = 8 (56 slots: two row tiles) and H = 10 (70: three, the last of 6 rows), with eviction, graphs on and off:
+    the tiles' attention sees every slot's key (tile 0 stores them, later tiles stage them from the cache), so
+    every slot's logits equal numpy's."""
+    cfg, eng, ref = _pair(torch_cuda, tmp_path, horizon=horizon, use_graphs=use_graphs)
+    a = 7 * horizon
+    try:
+        assert (eng.decode_steps, eng.scratch_slots, eng.act.tiles) == (1, a, -(-a // 32))
+        evicted = ties = 0
+        for f, x in enumerate(_frames(5, cfg.hidden_size, seed=horizon)):
+            got, want = eng.run_chunk(x, f), ref.run_chunk(x, f)
+            ties += _compare(eng, ref, got, want, f"frame {f}", chained=False)
+            evicted += len(want.evicted_frames)
+            assert got.token_ids.shape == (a + 1,) and got.chunk_bins.shape == (horizon, DIMS)
+        assert evicted == 2 and ties <= 5 * (a + 1) // 20, (evicted, ties)
+        # a forced prefix replaces the first steps' choices of the tiled pass too
+        x = _frames(1, cfg.hidden_size, seed=99)[0]
+        forced = np.arange(2 * DIMS, dtype=np.int64).reshape(2, DIMS)
+        got, want = eng.run_chunk(x, 5, forced_bins=forced), ref.run_chunk(x, 5, forced_bins=forced)
+        np.testing.assert_array_equal(got.chunk_bins[:2], forced)
+        ties += _compare(eng, ref, got, want, "forced", chained=False)
     finally:
         eng.close()
 

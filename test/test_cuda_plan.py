@@ -16,10 +16,11 @@ import pytest
 from vla_edge_ros.engine.config import ModelConfig, qwen2_5_0_5b_dict, qwen2_5_1_5b_dict, tiny_default_dict
 from vla_edge_ros.engine.cuda import forward
 from vla_edge_ros.engine.cuda.kernels import (BENCH_KERNELS, BY_NAME, KERNEL_FILES, KERNELS, LAUNCH_CONSTANTS)
-from vla_edge_ros.engine.cuda.plan import (FORCED_AT, LATE_TRIGGER_FAMILIES, META_INTS, PARALLEL_RECORD, T_CHUNK,
-                                           DeviceLimits, LaunchConstants, Tuning, check_geometry, chunk_meta,
-                                           gemm4_grid, late_trigger_mask, memory_plan, meta_record, padded_intermediate,
-                                           parallel_record, parallel_slots_problem, plan, split_len)
+from vla_edge_ros.engine.cuda.plan import (FORCED_AT, LATE_TRIGGER_FAMILIES, META_INTS, PARALLEL_MAX_TILES,
+                                           PARALLEL_RECORD, T_CHUNK, DeviceLimits, LaunchConstants, Tuning,
+                                           check_geometry, chunk_meta, forced_at, gemm4_grid, late_trigger_mask,
+                                           memory_plan, meta_ints, meta_record, padded_intermediate, parallel_record,
+                                           parallel_records, parallel_slots_problem, parallel_tiles, plan, split_len)
 from vla_edge_ros.engine.cuda.probe import CUDA_DIR
 from vla_edge_ros.engine.interface import EngineError
 
@@ -356,19 +357,39 @@ def test_meta_buffer_layout():
         chunk_meta(29, meta_record(1, 0, 1, 0), None, forced[:28])
 
 
-@pytest.mark.parametrize("horizon, decode, problem", [
-    (4, "parallel", False), (1, "parallel", False),  # 28 and 7 slots: one pass
-    (5, "parallel", True), (8, "parallel", True),  # 35 and 56 slots: the GEMMs tile 32 rows
-    (8, "autoregressive", False)])  # the decode steps take any A
-def test_a_parallel_chunk_wider_than_one_pass_is_refused_by_name(horizon, decode, problem):
+@pytest.mark.parametrize("horizon, decode, tiles, problem", [
+    (4, "parallel", 1, False), (1, "parallel", 1, False),  # 28 and 7 slots: one row tile
+    (5, "parallel", 2, False), (8, "parallel", 2, False), (10, "parallel", 3, False),  # 35, 56, 70 slots
+    (36, "parallel", 8, False), (37, "parallel", 9, True),  # 252 slots: 8 tiles, the most; 259: refused
+    (40, "autoregressive", 1, False)])  # the decode steps take any A
+def test_a_parallel_chunk_is_tiled_and_one_wider_than_the_most_tiles_is_refused_by_name(horizon, decode, tiles,
+                                                                                        problem):
     cfg = cfg_of("tiny", vla={**tiny_default_dict()["vla"], "action_horizon": horizon, "chunk_decode": decode})
+    assert parallel_tiles(cfg) == tiles
     why = parallel_slots_problem(cfg)
     if not problem:
         assert why is None
         return
     a = 7 * horizon
+    assert PARALLEL_MAX_TILES == 8
     assert f"vla.chunk_decode='parallel' with {a} action slots (vla.action_horizon {horizon} x 7" in why
-    assert "at most 32 slots" in why and "action_horizon of at most 4" in why
+    assert "at most 256 slots (8 row tiles of 32)" in why and "action_horizon of at most 36" in why
+
+
+def test_the_parallel_records_of_a_tiled_pass_and_the_meta_buffer_that_holds_them():
+    """56 slots: two tiles, every tile sees all n_ctx + 56 keys (bidirectional), tile 1's rows start at slot 32
+    (position n_ctx + 32) and are 24; the meta buffer holds the frame's record, both tiles' and then forced."""
+    recs = parallel_records(160, 56)
+    assert recs == [[216, 160, 32, 160, 1, 0, 0, 0], [216, 192, 24, 160, 1, 0, 0, 0]]
+    assert parallel_records(160, 28) == [parallel_record(160, 28)]  # one tile: the single record
+    assert forced_at(2) == 24 and meta_ints(57, 2) == 24 + 57
+    forced = np.full(57, -1, np.int64)
+    forced[1:8] = 300 + np.arange(7)
+    m = chunk_meta(57, meta_record(160, 128, 32, 160), recs, forced, tiles=2)
+    assert m.shape == (24 + 57,) and list(m[8:16]) == recs[0] and list(m[16:24]) == recs[1]
+    np.testing.assert_array_equal(m[24:], forced)
+    with pytest.raises(EngineError, match="2 parallel records, the meta buffer holds 1"):
+        chunk_meta(57, meta_record(1, 0, 1, 0), recs)
 
 
 # ------------------------------------------------------------------------------------------------- kernel table
@@ -429,6 +450,7 @@ def _fake_buffers(cfg: ModelConfig, slots: int, quantized: bool = False):
            quantized=quantized)
     a = NS(**{n: next(ptr) for n in ("x_pre h_bf qkv attn_bf act_bf final_h x_dec q_dec attn_dec act_dec "
                                      "final_h_dec logits tok_buf meta meta_parallel forced").split()})
+    a.meta_tile = lambda t: a.meta_parallel + 4 * META_INTS * t  # buffers.Activations.meta_tile
     kc, vc = next(ptr), next(ptr)
     kv = NS(nsplit=math.ceil(slots / 64), key_slots=next(ptr), rope=next(ptr), part_o_pf=next(ptr),
             part_ml_pf=next(ptr), part_o_dec=next(ptr), part_ml_dec=next(ptr),
@@ -509,6 +531,50 @@ def test_the_parallel_pass_is_the_prefill_layers_on_its_own_record_with_one_head
     assert am_args[0] == a.logits + 4 * n_bins and am_args[3:] == (a.tok_buf, 1, a.forced)
     assert pre[-1][3][3:] == (a.tok_buf, 0, a.forced) and pre[-2][3][2] == 2  # the frame's head: its last row
     assert [i for i, r in enumerate(rec) if r[2]] == [0, n]
+
+
+@pytest.mark.parametrize("geometry, quantized", [("1.5b", False), ("tiny", False), ("1.5b", True)])
+def test_a_parallel_pass_of_two_tiles_runs_each_gemm_attention_and_merge_per_tile(geometry, quantized):
+    """56 slots (H = 8): the norms take all 64 rows at once; every GEMM runs twice, on tile t's rows (A and C offset
+    by 32 t rows); the attention and its merge run per tile on that tile's record, tile 0's attention then merge
+    before tile 1's attention, which is serial (it stages the keys tile 0 stored); the head covers the 56 slots."""
+    cfg = cfg_of(geometry)
+    p = plan(cfg, Tuning(), limits(H200, cfg))
+    if quantized:
+        from vla_edge_ros.engine.cuda.plan import for_weight_dtype
+        p = for_weight_dtype(p, "int8", cfg)
+    rec = _record_chunk(cfg, p, 4104, quantized=quantized, parallel_slots=56, with_args=True)
+    L, H, HD = cfg.num_hidden_layers, cfg.hidden_size, cfg.head_dim
+    nq = cfg.num_attention_heads * HD
+    nqkv = nq + 2 * cfg.num_key_value_heads * HD
+    par = rec[8 * L + 3:]  # after the frame's prefill
+    a = rec[0][4]
+    per_layer = 1 + 2 + 4 + 2 + 1 + 2 + 2  # norm, 2 qkv, (attn, merge) x 2, 2 o, norm, 2 gate/up, 2 down
+    assert len(par) == per_layer * L + 3
+    layer = par[:per_layer]
+    names = [r[0] for r in layer]
+    attn_name = f"attn_prefill_hd{HD}"
+    assert names[0] == names[9] == "rmsnorm_rows_bf16" and all(r[1][0] == 64 for r in (layer[0], layer[9]))
+    assert names[3:7] == [attn_name, p.merge_prefill.kernel, attn_name, p.merge_prefill.kernel]
+    (at0, at1), (mg0, mg1) = (layer[3], layer[5]), (layer[4], layer[6])
+    assert at0[3][0] == a.qkv and at1[3][0] == a.qkv + 4 * 32 * nqkv
+    assert at0[3][5] == a.meta_parallel and at1[3][5] == a.meta_parallel + 4 * META_INTS
+    assert (at0[2], at1[2]) == (False, True)  # tile 1 launched after tile 0's attention and merge completed
+    assert mg0[3][6] == a.meta_parallel and mg1[3][6] == a.meta_tile(1)
+    assert mg0[3][-1] == a.attn_bf and mg1[3][-1] == a.attn_bf + 2 * 32 * nq
+    gemms = [r for r in layer if r[0].startswith("gemm")]
+    assert len(gemms) == 8 and [r[0] for r in gemms[::2]] == [r[0] for r in gemms[1::2]]
+    qkv0, qkv1 = gemms[0][3], gemms[1][3]
+    assert (qkv0[0], qkv1[0]) == (a.h_bf, a.h_bf + 2 * 32 * H)
+    gu0, gu1 = gemms[4][3], gemms[5][3]
+    assert gu1[0] == a.h_bf + 2 * 32 * H and gu1[5] == gu0[5] + 2 * 32 * padded_intermediate(cfg)
+    down1 = gemms[7][3]
+    assert down1[0] == a.act_bf + 2 * 32 * padded_intermediate(cfg)
+    assert par[-3][0] == "rmsnorm_rows_f32" and par[-3][1][0] == 64
+    (lg, lg_grid, _, _, _), (am, am_grid, _, am_args, _) = par[-2:]
+    assert lg_grid[1] == 56 and am_grid == (56, 1) and am_args[3:] == (a.tok_buf, 1, a.forced)
+    serial = [i for i, r in enumerate(par) if r[2]]
+    assert serial == [0] + [i * per_layer + 5 for i in range(L)]
 
 
 @pytest.mark.parametrize("weight_dtype", ["int8", "fp8", "int4"])

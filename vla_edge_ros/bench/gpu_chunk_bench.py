@@ -11,11 +11,13 @@ here), our fraction of that floor, per-kernel time shares and peak VRAM. Tuning 
 
 ``--horizon-compare H`` (issue 22) also times an H-step action chunk (A = 7H action tokens) of the same geometry
 and cache both ways: autoregressive (max(decode_tokens, A + 1) decode steps) and parallel (one pass over the A
-slots, A <= 32); the prediction is parallel decode ~ one prefill pass (docs/KERNEL_NOTES.md, "Action chunks").
+slots, in 32-row tiles); the prediction is parallel decode ~ one prefill pass per tile (docs/KERNEL_NOTES.md,
+"Action chunks"); ``--horizon-hf compiled`` (the default) also times HF StaticCache + torch.compile generating the
+same A + 1 tokens autoregressively in the same run (``eager``: HF eager; ``none``: skip).
 
 Usage (on the GPU machine):
     python -m vla_edge_ros.bench.gpu_chunk_bench [--chunks 200] [--parts ours,eager,compiled] [--json out.json]
-    python -m vla_edge_ros.bench.gpu_chunk_bench --parts ours --no-variants --chunks 50 --horizon-compare 4
+    python -m vla_edge_ros.bench.gpu_chunk_bench --parts ours --no-variants --chunks 50 --horizon-compare 8
 """
 from __future__ import annotations
 
@@ -346,9 +348,10 @@ def run_hf(torch, cfg_dict, tensors, n_ctx, args, compiled: bool) -> dict:
         else:
             from transformers import StaticCache
             try:
-                cache = StaticCache(config=conf, max_cache_len=n_ctx + 64)
+                cache = StaticCache(config=conf, max_cache_len=n_ctx + max(64, dec + 8))
             except TypeError:
-                cache = StaticCache(config=conf, max_batch_size=1, max_cache_len=n_ctx + 64, device="cuda",
+                cache = StaticCache(config=conf, max_batch_size=1, max_cache_len=n_ctx + max(64, dec + 8),
+                                    device="cuda",
                                     dtype=torch.bfloat16)
             ctx_pos = torch.arange(n_ctx - 32, device="cuda")
             inner(inputs_embeds=ctx, past_key_values=cache, use_cache=True, cache_position=ctx_pos,
@@ -417,7 +420,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", default="", help='JSON tuning applied before the main figure, e.g. {"pdl": false}')
     ap.add_argument("--json", default="")
     ap.add_argument("--horizon-compare", type=int, default=0, metavar="H",
-                    help="also time an H-step action chunk autoregressive vs parallel (A = 7H <= 32; issue 22)")
+                    help="also time an H-step action chunk autoregressive vs parallel (A = 7H slots; issue 22)")
+    ap.add_argument("--horizon-hf", choices=["compiled", "eager", "none"], default="compiled",
+                    help="with --horizon-compare: HF generating the same A + 1 tokens autoregressively, same run")
     ap.add_argument("--loop-seconds", type=float, default=0.0,
                     help="also run core.inference_loop.InferenceLoop this long with a 60 Hz synthetic camera")
     args = ap.parse_args(argv)
@@ -463,6 +468,20 @@ def _main(args, parts, torch, cuda) -> int:
                 print(f"horizon compare failed: {res['horizon_compare']['error']}")
         del weights_np
     res["n_ctx"] = n_ctx
+    hc = res.get("ours", {}) and res.get("horizon_compare", {})
+    if hc and "parallel" in hc and args.horizon_hf != "none":
+        steps = hc["autoregressive"]["decode_steps"]
+        try:
+            hf = run_hf(torch, cfg_dict, tensors, n_ctx, argparse.Namespace(**{**vars(args), "decode_tokens": steps}),
+                        compiled=args.horizon_hf == "compiled")
+            hc["hf_" + args.horizon_hf] = hf
+            par = hc["parallel"]["gpu_median_ms"]
+            print(f"H={args.horizon_compare} HF {args.horizon_hf} autoregressive ({steps} steps after the frame): "
+                  f"median {hf['median_ms']:.3f} ms (wall) -> parallel {par:.3f} ms is {hf['median_ms'] / par:.1f}x "
+                  f"faster; our autoregressive {hc['autoregressive']['gpu_median_ms']:.3f} ms")
+        except Exception as exc:
+            hc["hf_" + args.horizon_hf] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"horizon HF failed: {exc}")
     res["bytes"] = bytes_per_chunk(cfg, n_ctx, args.decode_tokens)
     res["floor_ms"] = res["bytes"]["chunk"] / bw * 1e3
     for part, compiled in (("eager", False), ("compiled", True)):

@@ -39,7 +39,7 @@ both backends force (the CUDA one writes the forced ids from its device argmax: 
 Results: ``ChunkResult.chunk`` is the (H, action_dims) float32 array of actions, ``chunk_bins`` its (H,
 action_dims) bins, ``action`` / ``action_bins`` their first row (what a single-step caller reads; a result built
 with ``action`` alone gets ``chunk = action[None]``), ``token_ids`` all of gen. Both backends decode H >= 1
-autoregressively and in parallel; the CUDA backend's parallel pass takes at most 32 slots (one prefill pass) and
+autoregressively and in parallel; the CUDA backend's parallel pass takes up to 256 slots (in 32-row tiles) and
 refuses a wider chunk at configure by name (``Engine.chunk_support_problem``). The inference loop sets
 ``frame_stamp_ns``: the executor times the chunk's steps from it.
 """
@@ -139,7 +139,7 @@ class Engine(abc.ABC):
         """Why this backend cannot decode the chunks its checkpoint asks for (None: it can). The inference node
         refuses to configure with this reason. The rule here is the numpy backend's (and its fleet's): any
         action_horizon H >= 1, autoregressive or parallel (module docstring). A backend that differs (CUDA:
-        parallel up to 32 slots) overrides this. A per-call refusal (bad forced_bins) is run_chunk's, not this."""
+        parallel up to 256 slots) overrides this. A per-call refusal (bad forced_bins) is run_chunk's, not this."""
         return None
 
     @property

@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.cuda.plan import (FORCED_AT, PARALLEL_RECORD, T_CHUNK, chunk_meta, meta_ints, meta_record,
-                                           padded_intermediate)
+from vla_edge_ros.engine.cuda.plan import (META_INTS, PARALLEL_RECORD, T_CHUNK, chunk_meta, forced_at, meta_ints,
+                                           meta_record, padded_intermediate, parallel_tiles)
 from vla_edge_ros.engine.cuda.vram import VramTracker
 from vla_edge_ros.engine.geometry import chunk_action_tokens, is_parallel, parallel_slot_token
 from vla_edge_ros.engine.interface import EngineError
@@ -190,11 +190,11 @@ class Weights:
         bias_pos[:cfg.n_patches] = self.vision.bias_pos
         self.vis_bias_pos = mem.alloc("vision.bias_pos", bias_pos.nbytes, bias_pos)
         # the parallel pass's input (vla.chunk_decode "parallel"): every slot is the embedding of one constant token,
-        # so its 32 rows (the A slots', then zeros: padding rows must stay finite) are built once and copied into the
+        # so its rows (the A slots', then zeros to the last tile's end) are built once and copied into the
         # prefill rows on the device before each pass (a dtod copy inside its graph, no host data per chunk)
         self.parallel_rows = 0
         if is_parallel(cfg):
-            rows = np.zeros((T_CHUNK, H), np.float32)
+            rows = np.zeros((T_CHUNK * parallel_tiles(cfg), H), np.float32)  # whole tiles: padding rows finite
             rows[:chunk_action_tokens(cfg)] = bf16_bits_to_f32(emb[parallel_slot_token(cfg)])
             self.parallel_rows = mem.alloc("parallel_rows", rows.nbytes, rows)
 
@@ -206,10 +206,13 @@ class Activations:
         """scratch_slots: the chunk's decode tokens (engine/geometry.chunk_scratch_slots): S autoregressive decode
         steps, or the A parallel slots; logits / tok_buf hold one row more (gen[0], the prefill's)."""
         cuda = mem.cuda
-        H, I, T, n_bins = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK, cfg.n_action_bins
+        # rows of a pass: one tile (the frame's), or the parallel pass's tiles (plan.parallel_tiles)
+        self.tiles = parallel_tiles(cfg)
+        H, I, T, n_bins = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK * self.tiles, cfg.n_action_bins
         nq = cfg.num_attention_heads * cfg.head_dim
         nqkv = nq + 2 * cfg.num_key_value_heads * cfg.head_dim
-        # prefill: the residual stream of the 32 rows (fp32), its normed bf16 copy, QKV, attention, MLP activations
+        # prefill-shaped passes: the residual stream of the T rows (fp32), its normed bf16 copy, QKV, attention,
+        # MLP activations
         self.x_pre = mem.zeros("x_pre", (T, H), np.float32)
         self.h_bf = mem.zeros("h_bf", (T, H), np.uint16)
         self.qkv = mem.zeros("qkv", (T, nqkv), np.float32)
@@ -227,17 +230,22 @@ class Activations:
         self.tok_buf = mem.alloc("tok_buf", 4 * (scratch_slots + 1))
         # host-written ints (plan.chunk_meta): the frame prefill's record [L keys seen, p0, T rows, n_ctx,
         # bidirectional, ...] (the decode reads it too), the parallel pass's record, forced[gen] (-1 = free)
-        n_meta = meta_ints(scratch_slots + 1)
-        empty = chunk_meta(scratch_slots + 1, meta_record(0, 0, 0, 0))  # nothing forced until the host writes it
+        n_meta = meta_ints(scratch_slots + 1, self.tiles)
+        empty = chunk_meta(scratch_slots + 1, meta_record(0, 0, 0, 0), tiles=self.tiles)  # nothing forced yet
         self.meta = mem.alloc("meta", empty.nbytes, empty)
-        self.meta_parallel = self.meta + 4 * PARALLEL_RECORD
-        self.forced = self.meta + 4 * FORCED_AT
-        self.vis_in = mem.zeros("vision.patches", (T, cfg.patch_dim), np.uint16)
-        self.vis_out = mem.alloc("vision.out", 4 * T * H)
-        self.h_x = cuda.pagelocked_zeros((T, H), np.float32)
+        self.meta_parallel = self.meta + 4 * PARALLEL_RECORD  # tile 0's; tile t's: meta_tile(t)
+        self.forced = self.meta + 4 * forced_at(self.tiles)
+        self.vis_in = mem.zeros("vision.patches", (T_CHUNK, cfg.patch_dim), np.uint16)
+        self.vis_out = mem.alloc("vision.out", 4 * T_CHUNK * H)
+        self.h_x = cuda.pagelocked_zeros((T_CHUNK, H), np.float32)  # a frame's rows (x_pre's first tile)
         self.h_meta = cuda.pagelocked_zeros(n_meta, np.int32)
         self.h_tok = cuda.pagelocked_zeros(scratch_slots + 1, np.int32)
         self.h_logits = cuda.pagelocked_zeros((scratch_slots + 1, n_bins), np.float32)
+
+
+    def meta_tile(self, t: int) -> int:
+        """Device pointer of the parallel pass's record of row tile t (plan.parallel_records)."""
+        return self.meta_parallel + 4 * META_INTS * int(t)
 
 
 class KVCache:

@@ -21,9 +21,9 @@ device-to-device copy captured at the head of its graph; its meta record (positi
 scratch slots, bidirectional) is written with the frame's in the one meta copy before the replays. Why a graph of
 its own rather than the prefill graph replayed with other meta: the head differs (all A rows, not the last one), the
 record differs, and the event between the two graphs times it as ``decode_ms`` (the cost model counts the pass as
-one decode step: ``decode_steps`` = 1; ``scratch_slots`` = A sizes the buffers). Cost: about one prefill pass (it
-reads every weight once, like the frame's prefill; 32-row GEMM tiles with A <= 32 rows). More than T_CHUNK = 32
-slots (e.g. H = 8 x 7) would take a second pass: refused by name (plan.parallel_slots_problem).
+one decode step: ``decode_steps`` = 1; ``scratch_slots`` = A sizes the buffers). Cost: about one prefill pass per
+32-row tile of slots (plan.parallel_tiles: H = 4 x 7 is one tile, H = 8 x 7 two; each tile's GEMMs read every
+weight, forward._layers); more than plan.PARALLEL_MAX_TILES tiles are refused by name (plan.parallel_slots_problem).
 
 Forced prefix (``run_chunk(forced_bins=...)``, geometry.forced_gen): the forced ids go to the device in the meta
 copy, and every argmax writes the forced id where there is one (the logits stay the computed ones). In the decode
@@ -46,7 +46,7 @@ from vla_edge_ros.engine.cuda.device import DeviceEngine
 from vla_edge_ros.engine.cuda.kernels import Launcher
 from vla_edge_ros.engine.cuda.plan import (BLOCK, KERNEL_SUFFIX, T_CHUNK, Launch, Tuning, chunk_meta,
                                            for_weight_dtype, memory_plan, meta_record, padded_intermediate,
-                                           parallel_record, parallel_slots_problem, plan)
+                                           parallel_records, parallel_slots_problem, plan)
 from vla_edge_ros.engine.cuda.probe import cuda_status
 from vla_edge_ros.engine.cuda.vram import check_budget, quantized_model_bytes
 from vla_edge_ros.engine.geometry import (check_chunk_geometry, check_forced_bins, chunk_actions, chunk_bins,
@@ -59,8 +59,8 @@ def unsupported_reason(cfg: ModelConfig, weight_dtype: str = "bf16") -> str | No
     """Why the CUDA backend refuses this model / weight type at configure (None: it does not). Pure, so the
     refusal is tested without a GPU. The kernels take every weight type of engine/quant.py (plan.KERNEL_SUFFIX);
     both chunk shapes (vla.action_start token / prefill) run: the graphs are sized by geometry.chunk_scratch_slots
-    and the bins read by geometry.chunk_bins; parallel chunks of at most T_CHUNK slots run (more: refused here, by
-    name, as by ``chunk_support_problem``)."""
+    and the bins read by geometry.chunk_bins; parallel chunks of up to PARALLEL_MAX_TILES x T_CHUNK slots run (more:
+    refused here, by name, as by ``chunk_support_problem``)."""
     if weight_dtype not in WEIGHT_DTYPES:
         return f"weight_dtype={weight_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}"
     if weight_dtype not in KERNEL_SUFFIX:  # a type engine/quant.py gained and cuda/wtype.cuh has not
@@ -179,8 +179,8 @@ class CudaEngine(DeviceEngine, Engine):
     def enqueue_parallel(self, k=None) -> None:
         """The parallel pass: the slots' constant input rows copied into the prefill rows (on the stream, so a graph
         capture records the copy as its first node: the frame prefill has overwritten them), then its launches."""
-        self._cuda.memcpy_dtod_async(self.act.x_pre, self.weights.parallel_rows, 4 * T_CHUNK * self.cfg.hidden_size,
-                                     self.stream)
+        self._cuda.memcpy_dtod_async(self.act.x_pre, self.weights.parallel_rows,
+                                     4 * T_CHUNK * self.act.tiles * self.cfg.hidden_size, self.stream)
         forward.parallel(k or self.launcher, self.plan, self.cfg, self.weights, self.act, self.kvc, self.scratch_slots)
 
     def _second_pass(self) -> tuple[str, Callable[..., None]]:
@@ -221,7 +221,7 @@ class CudaEngine(DeviceEngine, Engine):
         n = len(slots)
         kv.h_slots[:n] = slots
         a.h_meta[:] = chunk_meta(len(a.h_tok), meta_record(L, p0, T, n_ctx),
-                                 parallel_record(n_ctx, self.scratch_slots) if parallel else None, forced)
+                                 parallel_records(n_ctx, self.scratch_slots) if parallel else None, forced, a.tiles)
         cuda.memcpy_htod_async(a.x_pre, a.h_x, self.stream)
         cuda.memcpy_htod_async(kv.key_slots, kv.h_slots[:max(n, 1)], self.stream)
         cuda.memcpy_htod_async(a.meta, a.h_meta, self.stream)
@@ -283,8 +283,8 @@ class CudaEngine(DeviceEngine, Engine):
         return out[:n]
 
     def chunk_support_problem(self) -> str | None:
-        """Autoregressive chunks of any H are decoded, parallel ones of at most T_CHUNK = 32 action slots (one
-        prefill-shaped pass); a wider parallel chunk is refused by name (plan.parallel_slots_problem)."""
+        """Autoregressive chunks of any H are decoded, parallel ones of up to PARALLEL_MAX_TILES x T_CHUNK action
+        slots (one prefill-shaped pass in row tiles); a wider one is refused by name (plan.parallel_slots_problem)."""
         problem = parallel_slots_problem(self.cfg)
         return None if problem is None else f"the {self.name} backend refuses {problem}"
 
@@ -348,7 +348,7 @@ class CudaEngine(DeviceEngine, Engine):
     # ---- read-back for tests and benchmarks --------------------------------------------------------------
     def read_final_hidden(self) -> tuple[np.ndarray, np.ndarray]:
         """(prefill rows (32, H), decode steps (decode_steps, H)) of the final-normed hidden state. With parallel
-        decoding the 32 rows are the last prefill-shaped pass's: the parallel pass (its A slots first)."""
+        decoding the 32 rows are the last prefill-shaped pass's first tile: the parallel pass's first 32 slots."""
         H = self.cfg.hidden_size
         with self._active():
             self.stream.synchronize()

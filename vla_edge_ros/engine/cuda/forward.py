@@ -10,8 +10,8 @@ store) -> attention -> split merge -> o_proj GEMV (+residual) -> RMSNorm + gate/
 bidirectional, ...] (the frame prefill's at a.meta, the parallel pass's at a.meta_parallel), then forced[gen]
 (a.forced: every argmax writes the forced id where it is >= 0, so a forced prefix feeds the next decode step).
 The parallel pass (vla.chunk_decode "parallel", ``parallel``) is the prefill's layers over the A slot rows with its
-own record (bidirectional), then ONE head launch over all A rows (gemv_logits with grid.y = A, argmax_tokens with
-grid.x = A) instead of the prefill's head of the last row.
+own record (bidirectional; in 32-row tiles when A > 32, ``_layers``), then ONE head launch over all A rows
+(gemv_logits with grid.y = A, argmax_tokens with grid.x = A) instead of the prefill's head of the last row.
 """
 from __future__ import annotations
 
@@ -50,39 +50,67 @@ def prefill(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: 
 def parallel(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, slots: int) -> None:
     """The parallel pass over the ``slots`` rows of a.x_pre (the caller has put the slot inputs there) -> final_h,
     logits[1 .. slots], tok_buf[1 .. slots]: gen[1 + r] is slot r's choice, the layout of numpy_decode.decode_parallel.
-    The rows are independent after the attention, so the head of all of them is one launch of each kernel (grid.y /
-    grid.x = slots) rather than ``slots`` launches of the decode's."""
+    More than T_CHUNK slots: the layers run tile by tile (``_layers``). The rows are independent after the attention,
+    so the head of all of them is one launch of each kernel (grid.y / grid.x = slots) rather than ``slots`` launches
+    of the decode's."""
     n_bins = cfg.n_action_bins
-    _layers(k, p, cfg, w, a, kv, a.meta_parallel)
+    _layers(k, p, cfg, w, a, kv, a.meta_parallel, tiles=math.ceil(slots / T_CHUNK))
     rows = a.logits + 4 * n_bins  # logits[1]
     k(p.logits._replace(grid=(p.logits.grid[0], slots)), a.final_h, a.meta_parallel, -1, 0, cfg.rms_norm_eps,
       w.head_rows, n_bins, cfg.hidden_size, rows, 0)
     k(p.argmax._replace(grid=(slots, 1)), rows, n_bins, cfg.action_token_offset, a.tok_buf, 1, a.forced)
 
 
-def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, meta: int) -> None:
+def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, meta: int,
+            tiles: int = 1) -> None:
     """The layers and the final norm of a prefill-shaped pass over a.x_pre -> final_h, reading the pass's record
-    ``meta`` (the frame's causal one, or the parallel pass's bidirectional one)."""
+    ``meta`` (the frame's causal one, or the parallel pass's bidirectional one).
+
+    ``tiles`` > 1 (a parallel pass of more than T_CHUNK slots): the row-wise kernels take every row at once; each
+    GEMM runs once per 32-row tile (the measured 32-row kernels, weights read once per tile), and the attention and
+    its merge once per tile with that tile's record (a.meta_tile(t), plan.parallel_records) and query rows. Tile 0's
+    attention stores every slot's K/V (it reads each key of the pass fresh from the QKV rows); tile t > 0 finds the
+    keys of the rows before its own in the cache, staged before its PDL wait, so it is launched serially (after tile
+    0's attention and merge are complete); the keys from its own row on it reads fresh, like tile 0. The split
+    partials are one tile's, reused: each tile's merge runs before the next tile's attention."""
     H, I, T, eps = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK, cfg.rms_norm_eps
     G, n_kvh, HD = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads, cfg.head_dim
     nq = cfg.num_attention_heads * HD
     nqkv = nq + 2 * n_kvh * HD
     attn = p.attn_prefill._replace(grid=(kv.nsplit,) + p.attn_prefill.grid[1:])  # (splits, n_kvh[, head groups])
+    norm, final_norm = p.norm_rows, p.final_norm
+    if tiles > 1:
+        norm = norm._replace(grid=(T * tiles,) + norm.grid[1:])
+        final_norm = final_norm._replace(grid=(T * tiles,) + final_norm.grid[1:])
+    recs = [meta] if tiles == 1 else [a.meta_tile(t) for t in range(tiles)]
+
+    def rows(ptr: int, width: int, nbytes: int, t: int) -> int:  # tile t's first row of a [rows][width] buffer
+        return ptr + t * T * width * nbytes
+
     for i, L in enumerate(w.layers):
         kc, vc = kv.layer(i)
         # serial at layer 0: the attention stages cache rows of older keys before its PDL wait, so whatever ran
         # before the prefill (the last chunk, K/V moves) must be complete (a graph boundary does that too)
-        k(p.norm_rows, a.x_pre, L.ln1, a.h_bf, H, eps, L.bqkv, a.qkv, nqkv, serial=i == 0)
-        _gemm(k, p.gemm_qkv, a.h_bf, H, L.wqkv, nqkv, H, a.qkv, nqkv, scales=_s(w, L.sqkv, L.zqkv))
-        k(attn, a.qkv, nqkv, kc, vc, kv.key_slots, meta, kv.rope, G, n_kvh, _qscale(cfg), kv.part_o_pf,
-          kv.part_ml_pf)  # also stores this chunk's K/V in the cache
-        k(p.merge_prefill, kv.part_o_pf, kv.part_ml_pf, cfg.num_attention_heads * T, HD, T,
-          cfg.num_attention_heads, meta, 0, 0, p.keys_per_split, 0, a.attn_bf)
-        _gemm(k, p.gemm_o, a.attn_bf, nq, L.wo, H, nq, a.x_pre, H, scales=_s(w, L.so, L.zo))
-        k(p.norm_rows, a.x_pre, L.ln2, a.h_bf, H, eps, 0, 0, 0)
-        k(p.gemm_gateup, a.h_bf, H, L.wgu, 2 * I, H, a.act_bf, *_s(w, L.sgu, L.zgu))
-        _gemm(k, p.gemm_down, a.act_bf, I, L.wd, H, I, a.x_pre, H, scales=_s(w, L.sd, L.zd))
-    k(p.final_norm, a.x_pre, w.final_norm, a.final_h, H, eps)
+        k(norm, a.x_pre, L.ln1, a.h_bf, H, eps, L.bqkv, a.qkv, nqkv, serial=i == 0)
+        for t in range(tiles):
+            _gemm(k, p.gemm_qkv, rows(a.h_bf, H, 2, t), H, L.wqkv, nqkv, H, rows(a.qkv, nqkv, 4, t), nqkv,
+                  scales=_s(w, L.sqkv, L.zqkv))
+        for t in range(tiles):
+            k(attn, rows(a.qkv, nqkv, 4, t), nqkv, kc, vc, kv.key_slots, recs[t], kv.rope, G, n_kvh, _qscale(cfg),
+              kv.part_o_pf, kv.part_ml_pf, serial=t > 0)  # tile 0 also stores the pass's K/V in the cache
+            k(p.merge_prefill, kv.part_o_pf, kv.part_ml_pf, cfg.num_attention_heads * T, HD, T,
+              cfg.num_attention_heads, recs[t], 0, 0, p.keys_per_split, 0, rows(a.attn_bf, nq, 2, t))
+        for t in range(tiles):
+            _gemm(k, p.gemm_o, rows(a.attn_bf, nq, 2, t), nq, L.wo, H, nq, rows(a.x_pre, H, 4, t), H,
+                  scales=_s(w, L.so, L.zo))
+        k(norm, a.x_pre, L.ln2, a.h_bf, H, eps, 0, 0, 0)
+        for t in range(tiles):
+            k(p.gemm_gateup, rows(a.h_bf, H, 2, t), H, L.wgu, 2 * I, H, rows(a.act_bf, I, 2, t),
+              *_s(w, L.sgu, L.zgu))
+        for t in range(tiles):
+            _gemm(k, p.gemm_down, rows(a.act_bf, I, 2, t), I, L.wd, H, I, rows(a.x_pre, H, 4, t), H,
+                  scales=_s(w, L.sd, L.zd))
+    k(final_norm, a.x_pre, w.final_norm, a.final_h, H, eps)
 
 
 def decode(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, steps: int) -> None:
