@@ -57,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMM_WARPS, 2) gemm32t_atomic(
                 if (32 * u < clen) mma_k32(acc, b[u], sA, GEMM_SA, 4 * u + t, g);
             }
             float* Ct = C + (size_t)tile * 32 * ldc;
-            gemm32_add_tile(Ct, ldc, nw, g, t, acc);
+            gemm32_add_tile_v4(Ct, ldc, nw, g, t, acc);  // once per tile: a quarter of the atomics
         }
     }
 }
@@ -136,6 +136,98 @@ extern "C" __global__ void __launch_bounds__(32 * GR_WARPS) gemv_rows_atomic(con
                 atomicAdd(C + (size_t)m * ldc + n0, s0);
                 atomicAdd(C + (size_t)m * ldc + n0 + 1, s1);
             }
+        }
+    }
+}
+
+// gemv_rows_mma: gemv_rows_atomic's C[rows][ldc] += A W^T (same arguments, rows <= GR_MAXM) on the tensor cores,
+// gemm32's operands swapped: the WEIGHTS are the m16 side of mma.m16n8k16 (a warp owns weight rows nw .. nw + 15)
+// and the robots the n8 side (one n8 tile for <= 8 rows, two for <= 16), so each bf16 weight feeds the mma as
+// loaded, with no per-robot unpacking and no fp32 dot products (gemv_rows_atomic at 8 rows: ~1.1 TB/s, bound by
+// its FMAs and shared-memory reads). The K order inside a k32 step is permuted, identically for both operands
+// (a dot product does not care): lane (g, t) holds the 16-byte words of physical columns [32u + 8t, +8) of weight
+// rows g and g + 8 (gemm32_load_w), and in k16 half h the words {2h, 2h + 1} of them are its A fragment's
+// k {2t, 2t + 1} and {2t + 8, 2t + 9}; its B fragment (robot g of the tile) is the same two words of that robot's
+// row, the word mma_k32 reads. Memory-level parallelism as gemm32: a warp requests a whole GEMM_KC chunk of its
+// two row groups (8 KiB) before using any of it, the first before the PDL wait. Measured slower (H200, gate/up at
+// 8 rows): a ring re-requesting each k32 step as soon as its mma has read it (1.7 TB/s against 2.8: ptxas puts
+// every load on one scoreboard and waits for all of them at each step, so one step was in flight), and an L2
+// prefetch of the next chunk (2.5). The block's K slice of the robots' rows is staged once
+// (bf16, cp.async; rows past `rows` up to the tile zero-filled: NaN * 0 is NaN), 16-byte word q of row r at
+// q ^ 4 (r & 1): the two rows a quarter-warp reads then sit in different bank halves. fp32 atomics for the robots
+// < rows only. grid = (ceil(N / (16 GEMM_WARPS)), K splits of ks_len); dynamic shared memory
+// 2 * (rows <= 8 ? 8 : 16) * ks_len bytes, ks_len rounded up to 64. N a multiple of 16, K of 32
+// (engine/cuda/fleet_forward.py).
+template <int TILES>
+__device__ __forceinline__ void grm_chunks(uint4 (&b)[GEMM_KC / 32][2], float (&acc)[2][4], const uint4* sA, int sa,
+                                           const bf16_t* W0, const bf16_t* W1, int klen, int g, int t) {
+    const int swz = (g & 1) << 2;  // rows g and g + 8 have the same parity
+    for (int kc = 0; kc < klen; kc += GEMM_KC) {
+        const int clen = min(GEMM_KC, klen - kc);  // a multiple of 32
+        if (kc != 0) gemm32_load_w(b, W0, W1, kc, clen, true);
+#pragma unroll
+        for (int u = 0; u < GEMM_KC / 32; ++u) {
+            if (32 * u < clen) {
+                const int q = ((kc >> 3) + 4 * u + t) ^ swz;
+                uint4 x[TILES];
+#pragma unroll
+                for (int j = 0; j < TILES; ++j) x[j] = sA[(g + 8 * j) * sa + q];
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int j = 0; j < TILES; ++j)
+                        mma_bf16_16816(acc[j], u4_word(b[u][0], 2 * h), u4_word(b[u][1], 2 * h),
+                                       u4_word(b[u][0], 2 * h + 1), u4_word(b[u][1], 2 * h + 1),
+                                       u4_word(x[j], 2 * h), u4_word(x[j], 2 * h + 1));
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * GEMM_WARPS, 2) gemv_rows_mma(const bf16_t* __restrict__ A, int lda,
+        const bf16_t* __restrict__ W, int N, int K, int ks_len, float* __restrict__ C, int ldc, int rows) {
+    extern __shared__ uint4 grm_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int nw = (blockIdx.x * GEMM_WARPS + warp) * 16;
+    const bool active = nw < N;  // N is a multiple of 16
+    const int kbeg = blockIdx.y * ks_len;
+    const int klen = min(ks_len, K - kbeg);  // a multiple of 32
+    const bf16_t* W0 = W + (size_t)(active ? nw + g : 0) * K + kbeg + t * 8;
+    const bf16_t* W1 = W0 + (size_t)8 * K;
+    uint4 b[GEMM_KC / 32][2];
+    if (klen > 0) gemm32_load_w(b, W0, W1, 0, min(GEMM_KC, klen), active);  // weights: before the PDL wait
+    pdl_trigger(FAM_GEMM);
+    pdl_wait(FAM_GEMM);
+    if (klen <= 0) return;  // uniform over the block
+    const int tiles = rows > 8 ? 2 : 1;
+    const int sa = ((ks_len >> 3) + 7) & ~7;  // 16-byte words per staged row: whole groups of 8 (the swizzle)
+    const int nq = klen >> 3;
+    for (int i = threadIdx.x; i < 8 * tiles * nq; i += 32 * GEMM_WARPS) {
+        const int r = i / nq, q = i - r * nq;
+        uint4* d = grm_smem + r * sa + (q ^ ((r & 1) << 2));
+        if (r < rows) cp_async16(d, A + (size_t)r * lda + kbeg + q * 8);
+        else *d = make_uint4(0u, 0u, 0u, 0u);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    if (!active) return;
+    float acc[2][4] = {};
+    if (tiles == 2) grm_chunks<2>(b, acc, grm_smem, sa, W0, W1, klen, g, t);
+    else grm_chunks<1>(b, acc, grm_smem, sa, W0, W1, klen, g, t);
+    // acc[j] = rows g, g + 8 of the warp's 16 x robots 8j + 2t, 8j + 2t + 1 (the mma's C fragment)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int r0 = 8 * j + 2 * t;
+        float* c = C + (size_t)r0 * ldc + nw + g;
+        if (r0 < rows) {
+            atomicAdd(c, acc[j][0]);
+            atomicAdd(c + 8, acc[j][2]);
+        }
+        if (r0 + 1 < rows) {
+            atomicAdd(c + ldc, acc[j][1]);
+            atomicAdd(c + ldc + 8, acc[j][3]);
         }
     }
 }

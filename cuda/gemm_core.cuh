@@ -45,6 +45,34 @@ __device__ __forceinline__ void gemm32_add_tile(float* __restrict__ C, int ldc, 
         }
 }
 
+// gemm32_add_tile with a quarter of the atomics (the fleet's multi-tile GEMM, whose split-K partial sums are added
+// once per tile): lanes t and t ^ 1 swap a pair of values so that the even lane holds four consecutive columns of
+// row r0 and the odd lane four of row r0 + 8, added by one 16-byte vector atomic (sm_90; before it, four scalar
+// ones). ldc and nw are multiples of 4, so the four columns are 16-byte aligned.
+__device__ __forceinline__ void gemm32_add_tile_v4(float* __restrict__ C, int ldc, int nw, int g, int t,
+                                                   const float (&acc)[2][2][4]) {
+    const bool odd = t & 1;
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const float* a = acc[mi][j];
+            const float rx = __shfl_xor_sync(0xffffffffu, odd ? a[0] : a[2], 1);
+            const float ry = __shfl_xor_sync(0xffffffffu, odd ? a[1] : a[3], 1);
+            const float4 v = odd ? make_float4(rx, ry, a[2], a[3]) : make_float4(a[0], a[1], rx, ry);
+            const int row = mi * 16 + g + (odd ? 8 : 0);
+            float* c = C + (size_t)row * ldc + nw + j * 8 + 2 * (t & ~1);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            atomicAdd(reinterpret_cast<float4*>(c), v);
+#else
+            atomicAdd(c, v.x);
+            atomicAdd(c + 1, v.y);
+            atomicAdd(c + 2, v.z);
+            atomicAdd(c + 3, v.w);
+#endif
+        }
+}
+
 // A K chunk's bf16 weights of a gemm32 warp (rows W0 and W1 = W0 + 8 K, 16-byte streaming loads, all in flight
 // before any is used): b[u] = k32 step u of the chunk starting at column kc, clen columns long.
 __device__ __forceinline__ void gemm32_load_w(uint4 (&b)[GEMM_KC / 32][2], const bf16_t* W0, const bf16_t* W1,

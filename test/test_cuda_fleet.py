@@ -1,9 +1,11 @@
 """The batched CUDA fleet engine (issue 24, engine/cuda/fleet.py).
 
-CPU: what it refuses, by name, before touching a GPU.
+CPU: what it refuses, by name, before touching a GPU; its passes recorded (launches against the kernel table, the
+few-row GEMM tuning.fleet_gemv names, gemv_rows_mma's grids).
 GPU (marked ``gpu``): a batch equals each robot run alone by the numpy engine (the oracle) on the tiny geometry
-with eviction, changing memberships (subsets, a late joiner, a leaver), graphs on and off; bad members rejected
-alone; and on the Qwen2.5-1.5B geometry (head_dim 128) a batch equals each robot's single CUDA engine.
+with eviction, changing memberships (subsets, a late joiner, a leaver), graphs on and off, either few-row GEMM; bad
+members rejected alone; on the Qwen2.5-1.5B geometry (head_dim 128) a batch equals each robot's single CUDA engine;
+gemv_rows_mma alone against numpy for 1..16 rows.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from vla_edge_ros.engine.cuda.fleet import fleet_unsupported_reason
 
 INSTRUCTION = "pick up the red block"  # 21 prefix tokens
 TPF = 32
+I32 = np.int32
 
 
 # ---------------------------------------------------------------------------------------------------- CPU
@@ -47,13 +50,13 @@ class _FakeWeights:
         self.embed, self.final_norm, self.head_rows = 11, 12, 13
 
 
-def _fake_engine(cfg, max_robots=8, budget=4096):
+def _fake_engine(cfg, max_robots=8, budget=4096, tuning=None):
     """A FleetCudaEngine with the plan of an H200 and made-up device pointers: its pass recorded without a GPU."""
     from test_cuda_plan import H200, limits
     from vla_edge_ros.engine.cuda.fleet import FleetCudaEngine
     from vla_edge_ros.engine.cuda.plan import Tuning, plan
     e = FleetCudaEngine.__new__(FleetCudaEngine)
-    e.cfg, e.tuning, e.limits = cfg, Tuning(), limits(H200, cfg)
+    e.cfg, e.tuning, e.limits = cfg, tuning or Tuning(), limits(H200, cfg)
     e.plan, e.weights = plan(cfg, e.tuning, e.limits), _FakeWeights(cfg)
     e.max_robots, e.tpf, e.decode_steps, e.budget_tokens = max_robots, cfg.n_patches, 8, budget
     e.region = budget + 8
@@ -66,17 +69,19 @@ def _fake_engine(cfg, max_robots=8, budget=4096):
     return e
 
 
+@pytest.mark.parametrize("fleet_gemv", ["rows", "mma"])
 @pytest.mark.parametrize("geometry", ["1.5b", "tiny"])
 @pytest.mark.parametrize("n", [1, 3, 8, 16])
-def test_the_batched_pass_launches_match_the_table(geometry, n):
+def test_the_batched_pass_launches_match_the_table(geometry, n, fleet_gemv):
     """The prefill and decode graphs of n robots as recorded launches: every argument list matches the kernel's
-    signature, grids are positive, per-member launches span the n members, the GEMMs pick the few-row GEMV for a
-    decode step of <= 16 robots and the 32-row tiles for the prefill, each decode step's first launch is serial, and
-    the gate/up buffer is zeroed before every gate/up GEMM."""
+    signature, grids are positive, per-member launches span the n members, the GEMMs pick the few-row GEMM that
+    tuning.fleet_gemv names for a decode step of <= 16 robots and the 32-row tiles for the prefill, each decode
+    step's first launch is serial, and the gate/up buffer is zeroed before every gate/up GEMM."""
     from test_cuda_plan import cfg_of, check_launch
     from vla_edge_ros.engine.cuda import fleet_forward
+    from vla_edge_ros.engine.cuda.plan import Tuning
     cfg = cfg_of(geometry)
-    e = _fake_engine(cfg, max_robots=16)
+    e = _fake_engine(cfg, max_robots=16, tuning=Tuning(fleet_gemv=fleet_gemv))
     rec, zeros = [], []
 
     def k(launch, *args, serial=False):
@@ -105,13 +110,56 @@ def test_the_batched_pass_launches_match_the_table(geometry, n):
     assert len(rec) == 8 * step
     names = [r[0] for r in rec[:step]]
     assert names[0] == "embed_gather" and rec[0][1][1] == n and rec[0][2]
-    assert names[1:11] == ["rmsnorm_rows_bf16", "gemv_rows_atomic" if n <= 16 else "gemm32t_atomic",
+    few = {"rows": "gemv_rows_atomic", "mma": "gemv_rows_mma"}[fleet_gemv]
+    assert names[1:11] == ["rmsnorm_rows_bf16", few if n <= 16 else "gemm32t_atomic",
                            "kv_store_rows", f"attn_decode_batch_hd{cfg.head_dim}", "attn_combine_batch",
                            names[2], "rmsnorm_rows_bf16", names[2], "silu_rows", names[2]]
     assert [i for i, r in enumerate(rec) if r[2]] == [s * step + j for s in range(8) for j in (0, 1)]
     attn = [r for r in rec if r[0].startswith("attn_decode_batch")]
     assert [r[3][6] for r in attn[::L]] == list(range(1, 9))  # each step's attention is told its step
     assert all(r[3][5] == fleet_forward.rec_ptr(e, r[3][6]) for r in attn)  # ... and reads that step's records
+    assert all(r[3][-1] == n for r in rec if r[0] == few)  # the few-row GEMMs take the rows themselves
+    assert not any(r[0].startswith("gemv_rows") for r in rec if r[0] != few)
+
+
+def test_the_fleet_gemv_knob_is_checked_by_name():
+    from test_cuda_plan import cfg_of
+    from vla_edge_ros.engine.cuda import fleet_forward
+    from vla_edge_ros.engine.cuda.plan import Tuning
+    from vla_edge_ros.engine.interface import EngineError
+    with pytest.raises(EngineError, match="tuning fleet_gemv must be one of mma, rows, got 'tensor'"):
+        Tuning(fleet_gemv="tensor")  # at the tuning's construction, before any engine
+    e = _fake_engine(cfg_of("tiny"), tuning=Tuning())
+    object.__setattr__(e.tuning, "fleet_gemv", "tensor")  # past the check: the launch refuses it too
+    with pytest.raises(EngineError, match="fleet_gemv must be one of 'rows', 'mma', got 'tensor'"):
+        fleet_forward.linear(e, 512, 256, 3)
+    fleet_forward.linear(e, 512, 256, 17)  # past the few rows the knob does not matter: gemm32t tiles
+
+
+@pytest.mark.parametrize("geometry", ["1.5b", "0.5b", "tiny"])
+@pytest.mark.parametrize("rows", [1, 8, 9, 16])
+def test_gemv_rows_mma_launches(geometry, rows):
+    """Every linear layer of a decode step on gemv_rows_mma: GEMM_WARPS x 16 weight rows per block cover N, the K
+    splits (multiples of 64, at least one 256-column chunk, at most GR_MAX_KS) cover K with none empty, at most
+    gemv_target_blocks blocks where the row blocks alone do not exceed it, and the staged rows (8 or 16 of them,
+    bf16) fit the default 48 KiB of shared memory."""
+    from test_cuda_plan import cfg_of
+    from vla_edge_ros.engine.cuda import fleet_forward
+    from vla_edge_ros.engine.cuda.plan import SMEM_DEFAULT, Tuning, padded_intermediate
+    cfg = cfg_of(geometry)
+    e = _fake_engine(cfg, tuning=Tuning(fleet_gemv="mma"))
+    c, target = e.limits.constants, e.tuning.gemv_target_blocks
+    H, I, HD = cfg.hidden_size, padded_intermediate(cfg), cfg.head_dim
+    nq = cfg.num_attention_heads * HD
+    for N, K in ((nq + 2 * cfg.num_key_value_heads * HD, H), (H, nq), (2 * I, H), (H, I)):
+        launch = fleet_forward.linear(e, N, K, rows)
+        rb, splits = launch.grid
+        assert launch.kernel == "gemv_rows_mma" and launch.block == (32 * c.GEMM_WARPS, 1, 1)
+        assert rb * 16 * c.GEMM_WARPS >= N > (rb - 1) * 16 * c.GEMM_WARPS
+        assert launch.ks % 64 == 0 and 256 <= launch.ks <= fleet_forward.GR_MAX_KS
+        assert splits * launch.ks >= K > (splits - 1) * launch.ks
+        assert rb * splits <= target or splits == 1 or launch.ks == 256, (N, K, launch)
+        assert launch.smem == 2 * (8 if rows <= 8 else 16) * launch.ks <= SMEM_DEFAULT
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -129,7 +177,8 @@ def _cosine(a, b) -> float:
 class _Twins:
     """A FleetCudaEngine and, per robot, a reference engine fed the same frames one by one."""
 
-    def __init__(self, torch, tmp_path, cfg_dict, budgets, reference="numpy", use_graphs=True, seed=3, tie=1e-2):
+    def __init__(self, torch, tmp_path, cfg_dict, budgets, reference="numpy", use_graphs=True, seed=3, tie=1e-2,
+                 tuning=None):
         from test_cuda_model import random_checkpoint
         from vla_edge_ros.core.kv.manager import KVManager
         from vla_edge_ros.engine.checkpoint import load_checkpoint
@@ -141,7 +190,7 @@ class _Twins:
                                                         policy=policy, embed_dim=cfg.hidden_size)
         self.engine = FleetCudaEngine(cfg, self.ckpt, lambda name: self.kv(name), instruction=INSTRUCTION,
                                       decode_tokens=8, max_robots=4, budget_tokens=max(self.budgets.values()),
-                                      max_vram_gb=16.0, log=lambda m: None, use_graphs=use_graphs)
+                                      max_vram_gb=16.0, log=lambda m: None, use_graphs=use_graphs, tuning=tuning)
         self.weights = load_checkpoint(self.ckpt, cfg) if reference == "numpy" else None
         self.twins, self.rng, self.fid, self.checked, self.ties = {}, np.random.default_rng(seed), 0, 0, 0
         self.tie = tie
@@ -202,12 +251,15 @@ def _budget(frames):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fleet_gemv", ["rows", "mma"])
 @pytest.mark.parametrize("use_graphs", [True, False])
-def test_a_batch_equals_each_robot_run_alone_by_numpy(torch_cuda, tmp_path, use_graphs):
+def test_a_batch_equals_each_robot_run_alone_by_numpy(torch_cuda, tmp_path, use_graphs, fleet_gemv):
     """Tiny geometry (head_dim 64): three robots with budgets of 3, 2 and 4 frames (FIFO eviction mid-run), full
-    batches, subsets, a robot silent for cycles, a late joiner and a leaver."""
+    batches, subsets, a robot silent for cycles, a late joiner and a leaver; the decode steps' GEMMs on either
+    few-row kernel (tuning.fleet_gemv)."""
     t = _Twins(torch_cuda, tmp_path, tiny_default_dict(), {"a": _budget(3), "b": _budget(2), "c": _budget(4),
-                                                            "d": _budget(2)}, use_graphs=use_graphs)
+                                                            "d": _budget(2)}, use_graphs=use_graphs,
+               tuning={"fleet_gemv": fleet_gemv})
     try:
         for name in "abc":
             t.add(name)
@@ -252,11 +304,12 @@ def test_bad_members_are_rejected_alone(torch_cuda, tmp_path):
 
 
 @pytest.mark.gpu
-def test_the_1_5b_geometry_batch_equals_each_single_cuda_engine(torch_cuda, tmp_path):
+@pytest.mark.parametrize("fleet_gemv", ["rows", "mma"])
+def test_the_1_5b_geometry_batch_equals_each_single_cuda_engine(torch_cuda, tmp_path, fleet_gemv):
     """head_dim 128, 28 layers: three robots, eviction on; the single-robot CUDA engine is the reference. Random
     weights give flat logits: a token the two engines choose differently must be within 0.1 std of the best."""
     t = _Twins(torch_cuda, tmp_path, qwen2_5_1_5b_dict(), {n: _budget(3) for n in "abc"}, reference="cuda", seed=1,
-               tie=0.1)
+               tie=0.1, tuning={"fleet_gemv": fleet_gemv})
     try:
         for name in "abc":
             t.add(name)
@@ -266,3 +319,66 @@ def test_the_1_5b_geometry_batch_equals_each_single_cuda_engine(torch_cuda, tmp_
         assert t.checked == 15 and t.ties <= 8, t.ties
     finally:
         t.close()
+
+
+# ---------------------------------------------------------------------------------- gemv_rows_mma alone (GPU)
+@pytest.fixture(scope="module")
+def fleet_kernels():
+    """cuda/fleet.cu alone, compiled for the GPU present (test_cuda_kernels.Dev: uploads, poisoned buffers)."""
+    from test_cuda_kernels import Dev
+    from vla_edge_ros.engine.cuda.probe import CUDA_DIR, cuda_status
+    ok, why = cuda_status()
+    if not ok:
+        pytest.skip(f"no usable GPU: {why}")
+    import pycuda.driver as cuda
+    from pycuda.compiler import SourceModule
+    ctx = cuda.Device(0).retain_primary_context()
+    ctx.push()
+    try:
+        d = Dev(cuda, {"fleet.cu": SourceModule((CUDA_DIR / "fleet.cu").read_text(), no_extern_c=True,
+                                                include_dirs=[str(CUDA_DIR)], options=["-O3", "-std=c++17"])})
+        yield d
+        d.free()
+    finally:
+        ctx.pop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K,ks", [
+    (16, 32, 0), (48, 96, 64), (272, 704, 256), (272, 704, 0),  # one step, a split of 1.5 chunks' steps, tails
+    (2048, 1536, 0), (1536, 1536, 0), (17920, 1536, 0), (1536, 8960, 0),  # the 1.5B decode step (engine grids)
+    (1152, 896, 0), (896, 896, 0), (9728, 896, 0), (896, 4864, 0),  # 0.5B: K = 896 is 3.5 chunks
+    (1536, 8960, 1536), (2048, 1536, 192)])  # split-K grids of other lengths (ks = 192: a tail step per split)
+def test_gemv_rows_mma_against_numpy(fleet_kernels, N, K, ks):
+    """C[rows] += A W^T for every row count 1..16 on the engine's grids (ks = 0: fleet_forward.linear) and chosen
+    split lengths, against float64 numpy on the same bf16 inputs. The rows of A past `rows` are NaN (they must not
+    be read), C's rows past `rows` must keep their values, lda / ldc wider than K / N."""
+    import types
+
+    from test_cuda_kernels import rand_bf16, rel_err
+    from test_cuda_plan import H200, cfg_of, limits
+    from vla_edge_ros.engine.cuda import fleet_forward
+    from vla_edge_ros.engine.cuda.plan import Tuning
+    d, rng = fleet_kernels, np.random.default_rng(N + K + ks)
+    lda, ldc = K + 64, N + 16
+    a_b, a = rand_bf16(rng, (16, K))
+    w_b, w = rand_bf16(rng, (N, K), 0.05)
+    A = np.full((17, lda), 0x7FC0, np.uint16)  # bf16 NaN everywhere, the rows' K columns overwritten per case
+    W = d.up(w_b)
+    ref = a @ w.T
+    e = types.SimpleNamespace(limits=limits(H200, cfg_of("1.5b")), tuning=Tuning(fleet_gemv="mma"))
+    f = d.fn("gemv_rows_mma")
+    for rows in range(1, 17):
+        launch = fleet_forward.linear(e, N, K, rows)
+        if ks:
+            launch = launch._replace(grid=(launch.grid[0], -(-K // ks)), ks=ks,
+                                     smem=2 * (8 if rows <= 8 else 16) * (-(-ks // 64) * 64))
+        A[:] = 0x7FC0
+        A[:rows, :K] = a_b[:rows]
+        c0 = rng.standard_normal((17, ldc)).astype(np.float32)
+        C = d.up(c0)
+        f(d.up(A), I32(lda), W, I32(N), I32(K), I32(launch.ks), C, I32(ldc), I32(rows), block=launch.block,
+          grid=launch.grid, shared=launch.smem)
+        out = d.down(C, (17, ldc), np.float32)
+        assert rel_err(out[:rows, :N], c0[:rows, :N] + ref[:rows]) < 1e-5, (rows, launch)
+        assert np.array_equal(out[rows:], c0[rows:]) and np.array_equal(out[:rows, N:], c0[:rows, N:]), rows

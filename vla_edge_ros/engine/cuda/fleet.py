@@ -15,9 +15,10 @@ only the K/V and the arithmetic grow with N. The layout:
   every member in one launch (grid.z / grid.y = member), each with its own record [L keys, p0, T rows, n_ctx, 0,
   base row, 0, 0] per pass (``_records``: the prefill's, then every decode step's: all written in one copy before
   the replays), its own slot list and split partials (cuda/rope_attention.cu, the *_batch kernels);
-* a decode step is a prefill-shaped pass of one row per member (T = 1, keys = its context + the steps so far): the
-  same kernels, no GEMV path; each step's first launch is serial (the attention stages older keys before its PDL
-  wait, and the step before wrote one of them);
+* a decode step is a pass of one row per member (keys = its context + the steps so far): its linear maps on
+  gemv_rows_mma (the weights the m16 side of the tensor cores, the robots the n8 side; tuning fleet_gemv "rows": the
+  CUDA-core gemv_rows_atomic), the step's own K/V stored by kv_store_rows, then attn_decode_batch; each step's first
+  launch is serial (the attention stages older keys before its PDL wait, and the step before wrote one of them);
 * the head: each member's last row gathered (rows_gather), gemv_logits over the members (grid.y), argmax_tokens
   (grid.x) into tok[step][member]; the next step's embed_gather reads them (grid.y = members): the greedy chain
   stays on the device.

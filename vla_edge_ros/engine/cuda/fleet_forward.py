@@ -15,23 +15,57 @@ import math
 from typing import Any, Callable
 
 from vla_edge_ros.engine.cuda.forward import _qscale
-from vla_edge_ros.engine.cuda.plan import BLOCK, Launch, padded_intermediate, split_len
+from vla_edge_ros.engine.cuda.plan import BLOCK, SMEM_DEFAULT, Launch, padded_intermediate, split_len
+from vla_edge_ros.engine.interface import EngineError
 
 REC = 8  # ints per member record (plan.META_INTS; index 5 = the member's first row in the pass)
 GR_MAX_KS = 1536  # gemv_rows_atomic's K slice: 16 rows x 1536 fp32 = 96 KiB of shared memory, two blocks per SM
+# the few-row decode GEMM by tuning.fleet_gemv (cuda/fleet.cu): fp32 dot products on the CUDA cores, or mma with
+# the weights as the m16 side
+FLEET_GEMV = {"rows": "gemv_rows_atomic", "mma": "gemv_rows_mma"}
+GRM_KS_QUANTUM = 64  # gemv_rows_mma's K split: whole groups of 8 16-byte words per staged row (its bank swizzle)
+
+
+def fleet_gemv_kernel(tuning: Any) -> str:
+    """The kernel tuning.fleet_gemv names; EngineError naming the knob for any other value."""
+    v = tuning.fleet_gemv
+    if v not in FLEET_GEMV:
+        raise EngineError(f"tuning fleet_gemv must be one of {', '.join(map(repr, FLEET_GEMV))}, got {v!r}")
+    return FLEET_GEMV[v]
 
 
 def linear(e: Any, N: int, K: int, rows: int) -> Launch:
-    """C[rows] += A W^T: gemv_rows_atomic for a few rows (a decode pass of <= GR_MAXM robots), else the 32-row
-    tiles of gemm32t_atomic (cuda/fleet.cu says why). The launch's ks is its K split length."""
+    """C[rows] += A W^T: a few-row GEMM for a few rows (a decode pass of <= GR_MAXM robots: gemv_rows_atomic or
+    gemv_rows_mma, tuning.fleet_gemv), else the 32-row tiles of gemm32t_atomic (cuda/fleet.cu says why). The
+    launch's ks is its K split length."""
     c, t = e.limits.constants, e.tuning
     if rows <= c.GR_MAXM:
+        if fleet_gemv_kernel(t) == "gemv_rows_mma":
+            return _gemv_rows_mma(e, N, K, rows)
         rb = math.ceil(N / (2 * c.GR_WARPS))
         ks = min(split_len(K, rb, t.gemv_target_blocks, 256, 256), GR_MAX_KS)
         return Launch("gemv_rows_atomic", (rb, math.ceil(K / ks)), (32 * c.GR_WARPS, 1, 1), 4 * rows * ks, ks)
     rb = math.ceil(N / (16 * c.GEMM_WARPS))
     ks = split_len(K, rb, t.gemm_target_blocks, 32, t.gemm_min_ks)
     return Launch("gemm32t_atomic", (rb, math.ceil(K / ks)), (32 * c.GEMM_WARPS, 1, 1), 0, ks)
+
+
+def _gemv_rows_mma(e: Any, N: int, K: int, rows: int) -> Launch:
+    """gemv_rows_mma's launch: GEMM_WARPS warps of 16 weight rows per block, K split into at most
+    tuning.gemv_target_blocks blocks (264: two per SM on the H200, all resident at once; 528 and 1056, i.e. more
+    K splits of gate/up and down, measured no faster), each warp's split at least one GEMM_KC chunk (its 8 KiB of
+    weights in flight from the start), at most GR_MAX_KS (the staged rows fit the default 48 KiB of shared memory:
+    no limit to raise)."""
+    c, t = e.limits.constants, e.tuning
+    if N % 16 or K % 32:
+        raise EngineError(f"gemv_rows_mma: N={N} must be a multiple of 16 and K={K} of 32")
+    rb = math.ceil(N / (16 * c.GEMM_WARPS))
+    splits = max(1, t.gemv_target_blocks // rb)
+    q = GRM_KS_QUANTUM
+    ks = min(max(-(-K // (splits * q)) * q, 256), GR_MAX_KS)  # 256: GEMM_KC columns
+    smem = 2 * (8 if rows <= 8 else 16) * ks
+    assert ks % q == 0 and smem <= SMEM_DEFAULT, (ks, smem)
+    return Launch("gemv_rows_mma", (rb, math.ceil(K / ks)), (32 * c.GEMM_WARPS, 1, 1), smem, ks)
 
 
 def rec_ptr(e: Any, step: int) -> int:
@@ -70,7 +104,7 @@ def batched_pass(e: Any, k: Callable, zero: Callable[[int, int], None], n: int, 
     G, nq, nkv = Hq // n_kvh, Hq * HD, n_kvh * HD
     nqkv = nq + 2 * nkv
     tiles = math.ceil(rows / 32)
-    few = rows <= e.limits.constants.GR_MAXM  # gemv_rows_atomic reads exactly the rows; gemm32t whole tiles
+    few = rows <= e.limits.constants.GR_MAXM  # the few-row GEMMs read exactly the rows; gemm32t whole tiles
     R = rows if few else 32 * tiles
     norm = p.norm_rows._replace(grid=(R, 1))
     if step:
@@ -85,7 +119,7 @@ def batched_pass(e: Any, k: Callable, zero: Callable[[int, int], None], n: int, 
         rows_per_head = 32
     silu = Launch("silu_rows", (math.ceil(I / BLOCK), R), (BLOCK, 1, 1))
     g_qkv, g_o, g_gu, g_d = (linear(e, N, K, rows) for N, K in ((nqkv, H), (H, nq), (2 * I, H), (H, I)))
-    arg = rows if few else tiles  # gemv_rows: rows; gemm32t: 32-row tiles
+    arg = rows if few else tiles  # gemv_rows_*: rows; gemm32t: 32-row tiles
     layer_bytes = 2 * e.slots_total * e.nkv
     for i, L in enumerate(w.layers):
         kc, vc = e.kc + i * layer_bytes, e.vc + i * layer_bytes

@@ -63,6 +63,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("kv_store_rows", "fleet.cu", "PiiiPPPiPi", "kv_store"),
     Kernel("gemm32t_atomic", "fleet.cu", "PiPiiiPii", "gemm32_atomic"),
     Kernel("gemv_rows_atomic", "fleet.cu", "PiPiiiPii", "gemv_rows"),
+    Kernel("gemv_rows_mma", "fleet.cu", "PiPiiiPii", "gemv_rows"),  # the same on the tensor cores
     Kernel("silu_rows", "fleet.cu", "PiP", "silu"),
     Kernel("rows_gather", "fleet.cu", "PiPiP", "gather"),
 )

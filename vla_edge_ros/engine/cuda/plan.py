@@ -60,6 +60,9 @@ class LaunchConstants:
     GR_MAXM: int = 16        # ... and the most rows (robots) it takes
 
 
+FLEET_GEMVS = ("mma", "rows")  # engine/cuda/fleet_forward.FLEET_GEMV's kernels
+
+
 @dataclass(frozen=True)
 class Tuning:
     """Launch choices that do not change results. Defaults: the fastest measured on the H200."""
@@ -72,6 +75,7 @@ class Tuning:
     gemm_min_ks: int = 256         # ... and the shortest K split
     gemv_target_blocks: int = 264  # split-K decode GEMVs (o_proj, down)
     gemv_min_ks: int = 512
+    fleet_gemv: str = "mma"  # the fleet's decode GEMMs (<= 16 robots): mma (gemv_rows_mma) | rows (gemv_rows_atomic)
 
     def __post_init__(self) -> None:
         for name in ("gemm_v4", "late_trigger"):
@@ -85,6 +89,8 @@ class Tuning:
                 raise EngineError(f"tuning {name}: unknown {', '.join(map(repr, bad))} (known: {', '.join(known)})")
         if not isinstance(self.pdl, bool):
             raise EngineError(f"tuning pdl must be true or false, got {self.pdl!r}")
+        if self.fleet_gemv not in FLEET_GEMVS:
+            raise EngineError(f"tuning fleet_gemv must be one of {', '.join(FLEET_GEMVS)}, got {self.fleet_gemv!r}")
         for f in ("gemm_target_blocks", "gemm_min_ks", "gemv_target_blocks", "gemv_min_ks"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
