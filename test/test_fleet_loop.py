@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from vla_edge_ros.core.double_buffer import DoubleBuffer
-from vla_edge_ros.core.fleet_loop import BAD_FRAME, DELIVERED, ERROR, LATE, FleetLoop
+from vla_edge_ros.core.fleet_loop import (BAD_FRAME, DELIVERED, ERROR, LATE, CumulativeHistogram, FleetLoop,
+                                          window_percentiles)
+from vla_edge_ros.core.image_convert import ImageRejected
 from vla_edge_ros.core.fleet_scheduler import CAPACITY, DEADLINE, FleetScheduler
 from vla_edge_ros.engine.interface import ChunkResult
 
@@ -62,6 +64,7 @@ class FakeBatchEngine:
         self.resets = 0
         self.fail_add: set = set()
         self.bad_timing = False
+        self.encode_ms = 0.0  # host time per encoded frame (on the fake clock)
         self.last_batch_timing: dict = {}
 
     def _spend(self, ms):
@@ -80,6 +83,8 @@ class FakeBatchEngine:
         self.robots.remove(name)
 
     def encode_frame(self, image):
+        if self.encode_ms:
+            self._spend(self.encode_ms)
         image = np.asarray(image)
         if image.ndim != 3 or image.shape[2] != 3:
             raise ValueError(f"image must be (H, W, 3), got {image.shape}")
@@ -162,10 +167,11 @@ def test_three_fresh_frames_run_as_one_batch_and_each_robot_gets_its_own_result(
         assert {k: s["robots"][n][k] for k in ("frames_run", "admitted", "actions_delivered", "deadline_misses")} \
             == {"frames_run": 1, "admitted": 1, "actions_delivered": 1, "deadline_misses": 0}
         assert s["robots"][n]["latency_ms"]["p50"] == pytest.approx(8.0)  # 5 + 3 robots
-    # the scheduler learned the pass: decode from the engine's timing, the rest of the wall time is prefill
+    # the scheduler learned the pass as the engine timed it; nothing else took time on the fake clock
     cost = s["scheduler"]["cost"]["by_batch_size"]["3"]
     assert cost["prefill_ema_ms"] == pytest.approx(8.0 - DECODE_MS)
     assert cost["decode_ema_ms_per_step"] == pytest.approx(DECODE_MS / STEPS)
+    assert cost["host_ema_ms"] == 0.0 and s["last_batch_timing"]["host_ms"] == 0.0
     json.dumps(s)  # JSON-able for /diagnostics
 
 
@@ -272,15 +278,114 @@ def test_whole_batch_failure_is_counted_for_every_member_and_the_next_cycle_runs
     assert sorted(r.frame_id for _, r in h.got) == [4, 5, 6]
 
 
-def test_missing_batch_timing_is_counted_and_the_whole_pass_is_learned_as_prefill():
+def test_missing_batch_timing_is_counted_and_the_whole_pass_is_learned_as_host():
     h = harness(names=("a", "b"))
     h.engine.bad_timing = True
     cycle(h, {"a": 1, "b": 2})
     s = h.loop.stats()
     assert s["timing_invalid"] == 1 and len(h.got) == 2
     cost = s["scheduler"]["cost"]["by_batch_size"]["2"]
-    assert cost["prefill_ema_ms"] == pytest.approx(7.0) and cost["decode_ema_ms_per_step"] == 0.0
+    assert cost["prefill_ema_ms"] == 0.0 and cost["decode_ema_ms_per_step"] == 0.0
+    assert cost["host_ema_ms"] == pytest.approx(7.0)  # nothing lost: the estimate still covers the 7 ms
+    assert h.sched.cost_model.mean_ms(2, STEPS) == pytest.approx(7.0)
     assert any(k == "batch_timing_invalid" for _, k, _ in h.events)
+
+
+def test_host_time_from_the_decision_to_the_results_is_learned_apart_from_the_pass_and_admitted_against():
+    """What the engine times (its pass) is learned as prefill / decode; everything else between the scheduler's
+    decision and the results (here: encoding on the host, a join applied before the plan) as host. The next
+    decision adds both: an estimate of the engine's pass alone would admit a batch that then misses."""
+    h = harness(names=("a", "b"), deadline_ms=30.0)
+    h.engine.encode_ms = 3.0  # 2 robots: 6 ms of host work before the pass
+    cycle(h, {"a": 1, "b": 2})  # engine: 5 + 2 = 7 ms, 4 of them decode
+    cost = h.loop.stats()["scheduler"]["cost"]["by_batch_size"]["2"]
+    assert cost["prefill_ema_ms"] == pytest.approx(3.0) and cost["decode_ema_ms_per_step"] == pytest.approx(0.5)
+    assert cost["host_ema_ms"] == pytest.approx(6.0)
+    assert h.sched.cost_model.mean_ms(2, STEPS) == pytest.approx(13.0)
+    s = h.loop.stats()
+    assert s["robots"]["a"]["latency_ms"]["p50"] == pytest.approx(13.0)  # conversion + encode + pass
+    assert s["host_ms"]["p50"] == pytest.approx(6.0) and s["last_batch_timing"]["host_ms"] == pytest.approx(6.0)
+
+    # time spent after the decision's clock reading but before the pass starts is host time too
+    h.engine.encode_ms = 0.0
+    engine_add = h.engine.add_robot
+
+    def slow_add(name):
+        h.clock.advance_ms(4.0)  # e.g. allocating a joining robot's KV cache
+        engine_add(name)
+
+    h.engine.add_robot = slow_add
+    add(h, "c")
+    cycle(h, {"a": 3, "b": 4})
+    # sample: engine 7 (3 + 4), host 4 -> host EMA 6 + 0.2 * (4 - 6)
+    cost = h.loop.stats()["scheduler"]["cost"]["by_batch_size"]["2"]
+    assert cost["host_ema_ms"] == pytest.approx(5.6) and cost["prefill_ema_ms"] == pytest.approx(3.0)
+
+    # what the next decision adds up: the engine's pass and the host's part (a pass of 7 ms would fit anything)
+    assert h.sched.cost_model.estimate_ms(2, STEPS) >= h.sched.cost_model.mean_ms(2, STEPS) == pytest.approx(12.6)
+
+
+@dataclass
+class DeferredFrame:
+    """A frame whose camera left the conversion to the taker (ros/fleet_node.py's JPEG / YUV frames)."""
+    raw: object
+    stamp_ns: int
+    frame_id: int
+    clock: object = None
+    convert_ms: float = 0.0
+    converted: int = 0
+
+    def convert(self):
+        self.converted += 1
+        if self.clock is not None:
+            self.clock.advance_ms(self.convert_ms)
+        if isinstance(self.raw, Exception):
+            raise self.raw
+        return self.raw
+
+
+def test_deferred_frames_are_converted_only_when_admitted_and_a_bad_one_is_that_robots_bad_frame():
+    h = harness(max_batch=1)
+    frames = {n: DeferredFrame(frame(i).image, i * 33 * MS, i, h.clock, 2.5) for i, n in enumerate("abc", 1)}
+    out = cycle(h, frames)
+    assert out.ran == ("a",) and [f.converted for f in frames.values()] == [1, 0, 0]  # b, c refused: not decoded
+    assert h.got[0][1].frame_id == 1 and h.got[0][1].frame_stamp_ns == 33 * MS
+    assert h.loop.stats()["scheduler"]["cost"]["by_batch_size"]["1"]["host_ema_ms"] == pytest.approx(2.5)
+
+    bad = DeferredFrame(ImageRejected("bad_compressed", "not a decodable JPEG/PNG"), 0, 9)
+    out = cycle(h, {"a": bad})
+    assert out.outcomes["a"] == BAD_FRAME and bad.converted == 1 and out.ran == ()
+    a = robot(h, "a")
+    assert a["bad_frames"] == 1 and a["errors"] == 0 and "bad_compressed" in a["last_error"]
+    assert [(n, d["frame_id"]) for n, k, d in h.events if k == "bad_frame"] == [("a", 9)]
+
+
+def test_window_percentiles_from_two_cumulative_histogram_snapshots():
+    hist = CumulativeHistogram()
+    for ms in [100.0] * 50:  # before the window
+        hist.add(ms)
+    start = hist.snapshot()
+    for ms in [1.0] * 98 + [10.0, 20.0]:
+        hist.add(ms)
+    w = window_percentiles(hist.snapshot(), start)
+    assert w["count"] == 100
+    assert 1.0 <= w["p50"] < 1.0 * 1.022 and 10.0 <= w["p99"] < 10.0 * 1.022 and 20.0 <= w["max"] < 20.5
+    whole = window_percentiles(hist.snapshot())
+    assert whole["count"] == 150 and whole["p99"] >= 100.0  # the run, not the window
+    assert window_percentiles(start, start) == {"count": 0, "p50": None, "p99": None, "max": None}
+    assert CumulativeHistogram.bucket(0.0) == 0 and window_percentiles({"0": 1})["p50"] == CumulativeHistogram.MIN_MS
+    json.dumps(hist.snapshot())
+
+
+def test_stats_carry_cumulative_histograms_of_the_figures_they_summarise():
+    h = harness(names=("a",))
+    for k in range(1, 4):
+        h.engine.extra_ms = float(k)
+        cycle(h, {"a": k})
+    s = h.loop.stats()
+    lat = window_percentiles(s["robots"]["a"]["latency_hist"])
+    assert lat["count"] == 3 and 9.0 <= lat["max"] < 9.0 * 1.022  # 5 + 1 robot + 3 ms
+    assert window_percentiles(s["pass_hist"])["count"] == 3 and window_percentiles(s["host_hist"])["count"] == 3
 
 
 def test_engine_reset_when_a_failed_pass_left_it_bad():
@@ -403,5 +508,6 @@ def test_threaded_smoke_two_robots_served_until_stop():
     for n in "ab":
         assert s["robots"][n]["actions_delivered"] >= 3
     assert s["batch_sizes"].get("2", 0) >= 1  # both cameras fresh in the same cycle: one pass for both
+    assert s["thread_cpu_s"] > 0.0  # the loop thread's own CPU time, updated every cycle
     kinds = [k for _, k, _ in h.events]
     assert kinds[0] == "started" and kinds[-1] == "stopped"

@@ -24,7 +24,9 @@ def test_defaults_and_bad_options():
     assert (a.robots, a.duration, a.camera_hz, a.backend, a.bag) == (8, 120.0, 60.0, "auto", None)
     assert fr.namespaces(3) == ["r1", "r2", "r3"]
     for bad in (["--robots", "0"], ["--duration", "0"], ["--camera-hz", "-1"], ["--param", "fleet_max_batch"],
-                ["--backend", "tpu"], ["--domain-id", "300"]):
+                ["--backend", "tpu"], ["--domain-id", "300"], ["--param", "cost_quantil:=0.95"],
+                ["--synthetic-size", "640"], ["--synthetic-size", "4x4"], ["--synthetic-size", "480x640", "--bag", "b"],
+                ["--image-transport", "theora"]):
         with pytest.raises(SystemExit) as e:
             fr.parse_args(bad)
         assert e.value.code == 2, bad
@@ -66,11 +68,25 @@ def test_robot_and_replay_commands_are_namespaced():
     assert cmd[cmd.index("--wait-for") + 1] == "/cam0/rgb"  # the replay's own (unremapped) name
     remaps = [cmd[i + 1] for i, x in enumerate(cmd) if x == "-r"]
     assert remaps == ["/cam0/rgb:=/r2/camera/image_raw", "/vla/instruction:=/r2/vla/instruction"]
+    a = fr.parse_args(["--param", "cost_quantile:=0.95", "--synthetic-size", "480x640"])
+    assert a.param == ["cost_quantile:=0.95"] and a.synthetic_size == "480x640" and a.image_transport == "raw"
+
+    # compressed: the bag's JPEGs published as they are, onto <camera_topic>/compressed under the robot's namespace
+    camera, published = fr.replay_topics(topics, "/camera/image_raw", decode=False)
+    assert camera == "/camera/image_raw/compressed"
+    assert published == ["/camera/image_raw/compressed", "/vla/episode_events", "/vla/instruction"]
+    with pytest.raises(ValueError, match="no compressed image topic"):
+        fr.replay_topics([("/cam0/rgb", "sensor_msgs/msg/Image")], "/camera/image_raw", decode=False)
+    cmd = fr.replay_cmd(Path("bag"), "r2", camera, published, "/camera/image_raw", 60.0, 100, Path("s.json"), 30,
+                        decode=False)
+    assert "--decode" not in cmd and cmd[cmd.index("--wait-for") + 1] == "/camera/image_raw/compressed"
+    assert [cmd[i + 1] for i, x in enumerate(cmd) if x == "-r"][0] == \
+        "/camera/image_raw/compressed:=/r2/camera/image_raw/compressed"
 
 
 # ---- figures, table, verdict ------------------------------------------------------------------------------------
 
-def edge_stats(per_robot: dict, backend="numpy", memory=True) -> dict:
+def edge_stats(per_robot: dict, backend="numpy", memory=True, batch_sizes=None) -> dict:
     """The fleet edge's --stats-out shape (ros/runtime.py Runtime.stats, ros/fleet_node.py snapshot) for
     ``per_robot``: ns -> (admitted, misses, refused_capacity, frames received)."""
     robots, inner = {}, {}
@@ -86,7 +102,8 @@ def edge_stats(per_robot: dict, backend="numpy", memory=True) -> dict:
     return {"backend": backend, "robots": robots, "kv": {"budget_tokens": 128},
             "memory": {"peak_rss_mb": 150.0, "peak_vram_mb": 0.0},
             "inference": {"robots": inner, "engine_memory": mem, "deadline_ms": 100.0,
-                          "loop": {"batch_sizes": {"1": 3, "2": 500}, "pass_ms": {"p50": 20.0, "p99": 30.0,
+                          "loop": {"batch_sizes": batch_sizes or {"1": 3, "2": 500},
+                                   "pass_ms": {"p50": 20.0, "p99": 30.0,
                                                                                   "max": 40.0},
                                    "cycle_overruns": 0, "batch_failures": 0}}}
 
@@ -97,8 +114,8 @@ def robot_stats(fresh, repeat=0, hold=0) -> dict:
 
 def test_window_figures_table_and_a_met_verdict():
     ns = ["r1", "r2"]
-    start = edge_stats({"r1": (10, 1, 0, 20), "r2": (10, 0, 0, 20)})
-    end = edge_stats({"r1": (1010, 2, 5, 2020), "r2": (1010, 0, 0, 2020)})
+    start = edge_stats({"r1": (10, 1, 0, 20), "r2": (10, 0, 0, 20)}, batch_sizes={"1": 3, "2": 5})
+    end = edge_stats({"r1": (1010, 2, 5, 2020), "r2": (1010, 0, 0, 2020)}, batch_sizes={"1": 3, "2": 505})
     r = fr.summarise(ns, start, end, {"r1": robot_stats(0, 0, 300), "r2": robot_stats(0, 0, 300)},
                      {"r1": robot_stats(900, 100, 300), "r2": robot_stats(1000, 0, 300)},
                      {"r1": {"camera_ticks": 2100}, "r2": {"camera_ticks": 2050}}, {"r1": 1 << 20})
@@ -112,8 +129,62 @@ def test_window_figures_table_and_a_met_verdict():
     assert r["verdict"] == {"met": True, "reasons": []}
     text = fr.table({**r, "meta": {"duration_s": 8.0, "camera_hz": 60.0, "bag_description": "synthetic"}})
     assert "| r1 | 2100 / 2020 | 1000 | 5 | 1 | 0.100% | 20.0 / 30.0 | 900 / 100 / 0 | 90.0% | 1.00 MiB |" in text
-    assert "VERDICT: MET" in text and "weights 2.00 MiB" in text and "{'1': 3, '2': 500}" in text
+    assert "VERDICT: MET" in text and "weights 2.00 MiB" in text and "{'2': 500}" in text  # the window's passes
+    assert r1["latency_ms"]["whole_run"] and "it has no histograms" in text  # an edge without them: said so
     json.dumps(r)  # written as fleet_replay.json
+
+
+def test_latency_pass_time_and_counters_cover_the_window_only():
+    """The edge's chunks before the window (a slow start) must not reach the window's percentiles; counters
+    come from the edge's stats as the window closed, not from its final stats after the stop; the edge's CPU
+    time and the cost model's parts are reported."""
+    from vla_edge_ros.core.fleet_loop import CumulativeHistogram
+
+    def hist(samples):
+        h = CumulativeHistogram()
+        for ms in samples:
+            h.add(ms)
+        return h
+
+    slow_start, window = [300.0] * 40, [20.0] * 990 + [30.0] * 10
+    start = edge_stats({"r1": (40, 40, 0, 100)})
+    end = edge_stats({"r1": (1040, 41, 0, 2100)})
+    final = edge_stats({"r1": (1100, 60, 0, 2300)})  # after the replays stopped: not the window
+    lat_start, lat_end = hist(slow_start), hist(slow_start + window)
+    for st, lat, wall, cpu in ((start, lat_start, 10.0, 1.0), (end, lat_end, 40.0, 10.0)):
+        st["wall_s"] = wall
+        st["inference"]["robots"]["r1"]["loop"]["latency_hist"] = lat.snapshot()
+        loop = st["inference"]["loop"]
+        loop.update(pass_hist=lat.snapshot(), host_hist=hist([2.0] * len(lat.snapshot())).snapshot(),
+                    thread_cpu_s=cpu, scheduler={"fleet": {"decode_steps": 8}, "cost": {"by_batch_size": {"1": {
+                        "prefill_ema_ms": 3.0, "decode_ema_ms_per_step": 2.0, "host_ema_ms": 4.0,
+                        "spread_ms": 1.5, "samples": 900}}}})
+    r = fr.summarise(["r1"], start, end, {"r1": robot_stats(0)}, {"r1": robot_stats(900, 100)}, edge_final=final,
+                     edge_cpu={"cpu_s": 18.0, "window_s": 30.0})
+    r1, e = r["robots"]["r1"], r["edge"]
+    assert (r1["admitted"], r1["deadline_misses"]) == (1000, 1) and r1["frames_received_total"] == 2300
+    assert r1["latency_ms"]["count"] == 1000 and not r1["latency_ms"]["whole_run"]
+    assert 20.0 <= r1["latency_ms"]["p50"] < 20.5 and 30.0 <= r1["latency_ms"]["max"] < 30.7  # no 300 ms in it
+    assert 20.0 <= e["pass_ms"]["p99"] < 20.5 and e["pass_ms"]["count"] == 1000
+    assert e["cpu"]["cpu_s_per_s"] == pytest.approx(0.6) and e["cpu"]["loop_thread_cpu_s_per_s"] == pytest.approx(0.3)
+    assert e["cost_model"]["1"]["estimate_ms"] == pytest.approx(3.0 + 16.0 + 4.0 + 1.5)
+    text = fr.table(r)
+    assert "| r1 | n/a / 2300 | 1000 | 0 | 1 | 0.100% | 20.0 / 20.0 |" in text and "no histograms" not in text
+    assert "edge process CPU 0.600 s per s over the window (the fleet loop's thread 0.300" in text
+    assert "prefill 3.0 + decode 2.00 per step + host 4.0 + spread 1.5 = estimate 24.5 ms (900 samples)" in text
+    json.dumps(r)
+
+
+def test_proc_cpu_reads_this_process_and_none_for_a_missing_one():
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc is Linux's")
+    t0 = fr.proc_cpu_s(os.getpid())
+    sum(i * i for i in range(2_000_000))  # burn some CPU
+    assert t0 is not None and fr.proc_cpu_s(os.getpid()) > t0
+    assert fr.proc_cpu_s(2 ** 31 - 1) is None
 
 
 def test_one_robot_over_the_miss_limit_or_without_fresh_actions_fails_the_verdict():
@@ -152,3 +223,20 @@ def test_real_fleet_replay_two_robots(tmp_path, ros_processes):
         assert s["miss_rate"] is not None and s["kv_bytes"] > 0, (ns, s)
     assert r["edge"]["backend"] == "numpy" and r["edge"]["weight_bytes"] > 0 and r["edge"]["batch_sizes"]
     assert "VERDICT:" in (out / "fleet_replay.md").read_text() and "| r2 |" in p.stdout
+
+
+def test_synthetic_clip_has_frames_of_the_size_asked(tmp_path):
+    pytest.importorskip("rosbags")
+    from rosbags.highlevel import AnyReader
+    from rosbags.typesys import Stores, get_typestore
+
+    from vla_edge_ros.ros.tools.bag_sources import decode_jpeg
+
+    bag, desc = fr.synthetic_bag(tmp_path, "48x80")
+    with AnyReader([bag], default_typestore=get_typestore(Stores.ROS2_JAZZY)) as reader:
+        camera, _ = fr.replay_topics([(c.topic, c.msgtype) for c in reader.connections], "/camera/image_raw",
+                                     decode=False)
+        conn = next(c for c in reader.connections if c.topic == camera)
+        _, _, raw = next(reader.messages(connections=[conn]))
+        msg = reader.deserialize(raw, conn.msgtype)
+    assert decode_jpeg(msg.data).shape == (48, 80, 3) and "80x48" in desc

@@ -254,3 +254,104 @@ def test_robot_status_depends_on_its_own_figures_only():
     assert D.fleet_robot_status("r3", robot(error="chunk_error: boom", age=20.0), "active").level == D.WARN
     assert D.fleet_robot_status("r4", robot(served=False), "active").level == D.ERROR
     assert D.fleet_robot_status("r1", robot(), "inactive").level == D.WARN
+
+
+def _jpeg(rgb) -> bytes:
+    import io
+
+    from PIL import Image as PILImage
+
+    buf = io.BytesIO()
+    PILImage.fromarray(rgb).save(buf, "JPEG", quality=95)
+    return buf.getvalue()
+
+
+def test_fleet_camera_defers_jpeg_and_yuv_decoding_to_the_taker_and_counts_a_late_rejection(ros_context):
+    """A FleetCameraNode (the fleet edge's per-robot camera) called as its subscription would be: RGB frames are
+    converted on receipt as before; JPEG and YUYV frames are stored as received and decoded by ``convert()`` (the
+    fleet loop's call when a pass takes the frame), to the same pixels; frames overwritten unread are never
+    decoded; a JPEG that cannot be decoded is rejected then, counted by the camera under its reason and as
+    found at take; receipt-time checks (the stamp) still reject on receipt."""
+    import numpy as np
+    from rclpy.parameter import Parameter
+    from sensor_msgs.msg import CompressedImage, Image
+
+    from vla_edge_ros.core import image_convert
+    from vla_edge_ros.core.double_buffer import DoubleBuffer
+    from vla_edge_ros.ros.camera_node import CameraFrame
+    from vla_edge_ros.ros.conversions import ns_to_stamp
+    from vla_edge_ros.ros.fleet_node import DeferredFrame, FleetCameraNode
+
+    rng = np.random.default_rng(3)
+    rgb = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    buf = DoubleBuffer()
+    cam = FleetCameraNode(buf, namespace="/r1", context=ros_context,
+                          parameter_overrides=[Parameter("camera_topic", value="/r1/camera/image_raw"),
+                                               Parameter("image_transport", value="compressed")])
+    now_ns = cam.get_clock().now().nanoseconds
+    try:
+        def header(m, stamp=now_ns):
+            m.header.stamp = ns_to_stamp(stamp)
+            m.header.frame_id = "cam"
+            return m
+
+        def jpeg_msg(data):
+            m = header(CompressedImage())
+            m.format, m.data = "jpeg", data
+            return m
+
+        def raw_msg(enc, step, data):
+            m = header(Image())
+            m.height, m.width, m.encoding, m.step, m.data = 48, 64, enc, step, data
+            return m
+
+        cam._on_image(raw_msg("rgb8", 64 * 3, rgb.tobytes()))  # a view: made on receipt, as CameraNode does
+        f = buf.read_latest()
+        assert type(f) is CameraFrame and np.array_equal(f.image, rgb)
+
+        good = _jpeg(rgb)
+        cam._on_compressed(jpeg_msg(good))
+        cam._on_compressed(jpeg_msg(good))  # overwrites the first unread: never decoded
+        first_unread = buf._slot[1]
+        cam._on_compressed(jpeg_msg(good))
+        assert buf.stats()["overwritten"] == 2
+        f = buf.read_latest()
+        assert isinstance(f, DeferredFrame) and f.image is None and f.stamp_ns == now_ns and f.frame_id == 4
+        img = f.convert()
+        assert np.array_equal(img, image_convert.compressed_to_rgb("jpeg", good)) and f.convert() is img
+        assert first_unread.image is None  # the overwritten frame was never decoded
+
+        yuyv = rng.integers(16, 240, (48, 64 * 2), dtype=np.uint8).tobytes()
+        cam._on_image(raw_msg("yuyv", 64 * 2, yuyv))
+        f = buf.read_latest()
+        assert isinstance(f, DeferredFrame)
+        assert np.array_equal(f.convert(), image_convert.image_to_rgb(48, 64, "yuyv", 128, yuyv))
+
+        cam._on_compressed(jpeg_msg(b"\xff\xd8 not a jpeg at all"))  # passes the receipt checks ...
+        s = cam.snapshot()
+        assert s["accepted"] == 6 and s["rejected"] == 0 and s["deferred_frames"] == 5
+        bad = buf.read_latest()
+        with pytest.raises(image_convert.ImageRejected):  # ... and is rejected when the fleet loop takes it
+            bad.convert()
+        s = cam.snapshot()
+        assert s["rejected_by_reason"] == {"bad_compressed": 1} and s["rejected_at_take"] == 1
+        assert "fleet loop took the frame" in s["last_rejection"]
+        cam._on_compressed(header(jpeg_msg(good), stamp=now_ns + 60 * 10**9))  # a minute ahead: on receipt
+        s = cam.snapshot()
+        assert s["rejected_by_reason"] == {"bad_compressed": 1, "bad_stamp": 1} and s["rejected_at_take"] == 1
+        assert s["received"] == 7 and s["accepted"] == 6 and buf.read_latest() is None
+    finally:
+        cam.destroy_node()
+
+
+def test_the_fleet_cameras_share_one_executor_thread_and_every_other_node_has_its_own():
+    """runtime.executor_groups: the inference node alone on its thread, the fleet's camera nodes together on one
+    (fewer threads for the inference thread to lose the GIL to), every node in exactly one group."""
+    from types import SimpleNamespace
+    from vla_edge_ros.ros.runtime import executor_groups
+    node = lambda name: SimpleNamespace(get_name=lambda: name)  # noqa: E731
+    inference, cams = node("vla_inference"), [node(f"vla_camera_r{i}") for i in range(3)]
+    groups = executor_groups([inference] + cams, cams, "fleet_cameras")
+    assert [(name, [n.get_name() for n in nodes]) for name, nodes in groups] == [
+        ("vla_inference", ["vla_inference"]), ("fleet_cameras", ["vla_camera_r0", "vla_camera_r1", "vla_camera_r2"])]
+    assert executor_groups([inference], [], "fleet_cameras") == [("vla_inference", [inference])]

@@ -193,6 +193,56 @@ def test_cost_model_emas_spread_and_clipping():
     assert BatchCostModel(cost_quantile=0.0).estimate_ms(2, STEPS) == 0.0
 
 
+def test_cost_model_keeps_the_host_part_apart_and_admits_against_the_sum():
+    m = BatchCostModel(ema_alpha=0.5, cost_quantile=1.0)
+    m.record(1, 3.0, 16.0, STEPS, host_ms=5.0)  # engine 19 ms (GPU), host 5 ms: 24 ms from decision to results
+    s = m.stats()["by_batch_size"]["1"]
+    assert (s["prefill_ema_ms"], s["decode_ema_ms_per_step"], s["host_ema_ms"]) == (3.0, 2.0, 5.0)
+    assert m.mean_ms(1, STEPS) == pytest.approx(24.0)
+    m.record(1, 3.0, 16.0, STEPS, host_ms=15.0)  # the same pass, 10 ms more waiting on the host
+    s = m.stats()["by_batch_size"]["1"]
+    assert s["prefill_ema_ms"] == 3.0 and s["decode_ema_ms_per_step"] == 2.0  # the pass did not get slower
+    assert s["host_ema_ms"] == pytest.approx(10.0) and s["spread_ms"] == pytest.approx(10.0)
+    assert m.estimate_ms(1, STEPS) == pytest.approx(29.0 + 10.0)
+    m.record(1, 3.0, 16.0, STEPS, host_ms=1000.0)  # one hung host: the EMA clipped at 3x, as the others
+    assert m.stats()["by_batch_size"]["1"]["host_ema_ms"] == pytest.approx(10.0 + 0.5 * (30.0 - 10.0))
+    # the scheduler admits against the sum: 19 ms of engine fits a 30 ms deadline, 19 + host does not
+    fs = FleetScheduler(2, safety_margin_ms=2.0, cost_model=model({1: (3.0, 16.0)}, quantile=1.0),
+                        decode_steps=STEPS)
+    fs.join("a")
+    assert fs.plan(NOW, {"a": NOW + 30 * MS}).batch == ("a",)
+    fs.record(1, 3.0, 16.0, STEPS, host_ms=12.0)  # the admitted pass took 31 ms from the decision
+    assert fs.plan(NOW, {"a": NOW + 30 * MS}).refused == {"a": DEADLINE}
+    with pytest.raises(ValueError):
+        fs.record(1, 3.0, 16.0, STEPS, host_ms=-1.0)
+
+
+def relaxing_fleet(samples_host_ms, quantile=0.95) -> FleetScheduler:
+    """One robot, probes off, a cost model fed one-robot passes of 20 ms on the engine plus the given host ms."""
+    m = BatchCostModel(cost_quantile=quantile)
+    for h in samples_host_ms:
+        m.record(1, 4.0, 16.0, STEPS, host_ms=h)
+    fs = FleetScheduler(2, safety_margin_ms=2.0, cost_model=m, decode_steps=STEPS, probe_after_cycles=0)
+    fs.join("a")
+    return fs
+
+
+def test_a_burst_of_slow_passes_expires_while_refused_a_lasting_slowness_does_not():
+    """A refused pass is never measured, so without relaxation a burst of three slow passes would keep a high
+    quantile's spread (and every robot refused) until 256 newer samples came, which only probes give."""
+    fs = relaxing_fleet([0.0] * 20 + [20.0] * 3)  # 20 ms passes, then three with 20 ms more on the host
+    assert fs.cost_model.estimate_ms(1, STEPS) > 28.0  # the spread holds the burst: nothing fits 30 - 2 ms
+    plans = [fs.plan(NOW, {"a": NOW + 30 * MS}) for _ in range(6)]
+    first = next(i for i, p in enumerate(plans) if p.batch)
+    assert first <= 3 and plans[0].refused == {"a": DEADLINE} and not any(p.probe for p in plans)
+    assert fs.cost_model.stats()["relaxations"] == first
+    assert fs.cost_model.estimate_ms(1, STEPS) <= 28.0
+
+    lasting = relaxing_fleet([20.0] * 20)  # every pass 40 ms: no burst to expire, the median is the cost
+    assert all(not lasting.plan(NOW, {"a": NOW + 30 * MS}).batch for _ in range(100))
+    assert lasting.cost_model.mean_ms(1, STEPS) == pytest.approx(40.0)
+
+
 def test_probe_relearns_a_cost_that_got_too_high():
     fs = fleet("ab", {1: (96.0, 4.0)}, max_batch=2, probe_after_cycles=3)  # 100 ms alone, 30 ms deadlines
     plans = [fs.plan(NOW, {"a": NOW + 31 * MS, "b": NOW + 30 * MS}) for _ in range(4)]

@@ -6,6 +6,7 @@
 # also gives each robot's fresh share and KV bytes (its VRAM), the weights and the batch sizes.
 #
 #   device:  bash tools/h200_fleet_replay.sh            (files under $OUT; needs .whl/ carried along)
+#            EDGE_PARAMS="cost_quantile:=0.95" OUT=/tmp/fleet_q95 bash tools/h200_fleet_replay.sh   (another -p)
 #   local :  PY=.venv/bin/python bash tools/h200_fleet_replay.sh --local
 #            (numpy backend, the tiny default model, 3 robots, 15 s, deadline 100 ms, kv_budget_tokens 128: a
 #            2-core machine cannot serve 3 robots in 33 ms; test/test_fleet_ros.py uses the same values)
@@ -14,7 +15,10 @@
 # .whl/, the same PREFIX and CKPT: a warm machine keeps them between calls), then tools/device_ros_env.sh for
 # this script's own environment.
 # Env overrides: PY, OUT, DURATION (s measured), ROBOTS, CAMERA_HZ, PREFIX, DOMAIN_ID, BAG, CKPT, WEIGHT_DTYPE,
-# DEADLINE_MS, KV_BUDGET (tokens per robot; default: the registry's), STARTUP_TIMEOUT (s).
+# DEADLINE_MS, KV_BUDGET (tokens per robot; default: the registry's), STARTUP_TIMEOUT (s), EDGE_PARAMS (more edge
+# parameters, space-separated NAME:=VALUE, each passed as -p; e.g. EDGE_PARAMS="cost_quantile:=0.95"),
+# SYNTHETIC_SIZE (HxW: a synthetic clip of that frame size instead of BAG, e.g. 480x640), IMAGE_TRANSPORT
+# (raw: the replays publish decoded rgb8 Images, the default; compressed: the JPEGs, decoded by the edge).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 MODE=device
@@ -50,7 +54,10 @@ source tools/device_ros_env.sh || exit 1
 ARGS=(--robots "$ROBOTS" --duration "$DURATION" --camera-hz "$CAMERA_HZ" --domain-id "$DOMAIN_ID"
       --startup-timeout "$STARTUP_TIMEOUT" --out "$OUT/fleet")
 if [ "$MODE" = device ]; then ARGS+=(--backend cuda --checkpoint "$CKPT"); else ARGS+=(--backend numpy); fi
-[ -e "$BAG" ] && ARGS+=(--bag "$BAG")
+if [ -n "${SYNTHETIC_SIZE:-}" ]; then ARGS+=(--synthetic-size "$SYNTHETIC_SIZE")
+elif [ -e "$BAG" ]; then ARGS+=(--bag "$BAG"); fi
+[ -n "${IMAGE_TRANSPORT:-}" ] && ARGS+=(--image-transport "$IMAGE_TRANSPORT")
+for p in ${EDGE_PARAMS:-}; do ARGS+=(--param "$p"); done
 [ -n "$DEADLINE_MS" ] && ARGS+=(--deadline-ms "$DEADLINE_MS")
 [ -n "$KV_BUDGET" ] && ARGS+=(--kv-budget-tokens "$KV_BUDGET")
 [ -n "${WEIGHT_DTYPE:-}" ] && ARGS+=(--weight-dtype "$WEIGHT_DTYPE")

@@ -12,10 +12,14 @@ and N ``vla_bag_replay`` (the clip re-timed to ``--camera-hz``, looped, its came
 every robot's frames reach the edge, for ``--duration`` s; then replays, edge and robots are stopped, in that
 order, with SIGINT (killed when they do not exit).
 
-Figures over that window, per robot: chunks admitted / refused / deadline misses and the miss rate (the edge's
-per-robot fleet-loop counters), chunk latency p50 / p99 (whole run), ticks fresh / repeat / hold and the fresh
-share (the robot process's own stats), frames published / received, its KV cache bytes (VRAM with backend
-cuda, host memory with numpy). For the edge: batch sizes, pass time, weights and engine peak bytes. Verdict:
+Figures over that window (every process's stats as the window closes, before anything stops), per robot: chunks
+admitted / refused / deadline misses and the miss rate (the edge's per-robot fleet-loop counters), chunk latency
+p50 / p99 (from the edge's cumulative histograms: the window's chunks only), ticks fresh / repeat / hold and the
+fresh share (the robot process's own stats), its KV cache bytes (VRAM with backend cuda, host memory with
+numpy); frames published / received are the whole replay's. For the edge: batch sizes, pass time and the host
+part of each decision-to-results time (core/fleet_scheduler.py's cost model: its parts per batch size as the
+window ended), the edge process's CPU time per second (Linux /proc) and its fleet loop thread's share, weights
+and engine peak bytes. Verdict:
 every robot's miss rate <= 0.1 % and every robot got fresh actions. Output: a table on stdout and in
 ``<out>/fleet_replay.md``, everything in ``<out>/fleet_replay.json``, logs in ``<out>/logs``. Exit code 0 when
 the run worked (the verdict is reported, not returned); 1 when a process crashed or wrote no stats; 2 for bad
@@ -36,6 +40,7 @@ from typing import Any, Iterable, Optional
 from vla_edge_ros import params as registry
 from vla_edge_ros.bench.procs import Child, ros_child_env, wait_active
 from vla_edge_ros.bench.sweep import _get, _rate, _read_json, default_bag, first_instruction
+from vla_edge_ros.core.fleet_loop import window_percentiles
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DOMAIN_ID = 58
@@ -55,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of replay measured")
     ap.add_argument("--camera-hz", type=float, default=60.0, help="each robot's camera rate (the clip re-timed)")
     ap.add_argument("--bag", default=None, help="bag to replay (default: sweep.py's clip)")
+    ap.add_argument("--synthetic-size", default=None, metavar="HxW",
+                    help="replay a synthetic clip of HxW JPEG frames instead (e.g. 480x640: VGA cameras)")
+    ap.add_argument("--image-transport", default="raw", choices=("raw", "compressed"),
+                    help="raw: the replays decode the JPEGs and publish rgb8 Images; compressed: they publish "
+                         "the CompressedImages as they are and the edge's cameras decode them")
     ap.add_argument("--out", default="results/fleet_replay")
     ap.add_argument("--backend", default="auto", choices=registry.BACKENDS)
     ap.add_argument("--checkpoint", default="", help="checkpoint directory (default: the tiny built-in model)")
@@ -80,6 +90,17 @@ def parse_args(argv: Optional[Iterable[str]] = None) -> argparse.Namespace:
                                  ("--domain-id must be in 0..232", not 0 <= args.domain_id <= 232))
                 if bad]
     problems += [f"--param expects NAME:=VALUE, got {p!r}" for p in args.param if ":=" not in p]
+    problems += [f"--param {p!r}: no such parameter" for p in args.param
+                 if ":=" in p and p.split(":=", 1)[0] not in registry.BY_NAME]
+    if args.synthetic_size is not None:
+        try:
+            h, w = (int(x) for x in args.synthetic_size.lower().split("x"))
+            if not (8 <= h <= 4096 and 8 <= w <= 4096):
+                raise ValueError
+        except ValueError:
+            problems.append(f"--synthetic-size expects HxW (8..4096 each), got {args.synthetic_size!r}")
+        if args.bag:
+            problems.append("--synthetic-size and --bag exclude each other")
     if problems:
         ap.error("; ".join(problems))
     return args
@@ -130,28 +151,46 @@ def robot_cmd(ns: str, stats: Path, run_s: float, stats_every_s: float) -> list[
             "-p", f"action_trajectory_topic:=/{ns}/vla/action_trajectory"]
 
 
-def replay_topics(bag_topics: list[tuple[str, str]], camera_topic: str) -> tuple[str, list[str]]:
-    """(the replay's camera topic, every topic it publishes) for ``--decode``: a compressed image topic is
-    published without ``/compressed``. The camera is ``camera_topic`` when the bag has it, else its first image."""
+def replay_topics(bag_topics: list[tuple[str, str]], camera_topic: str,
+                  decode: bool = True) -> tuple[str, list[str]]:
+    """(the replay's camera topic, every topic it publishes). ``decode`` (``--decode``): a compressed image topic
+    is published as raw images without ``/compressed``, the camera is ``camera_topic`` when the bag has it, else
+    its first image; without: the bag's topics as they are, the camera ``camera_topic``/compressed when the bag has
+    it, else its first compressed image."""
     out = []
     for topic, msgtype in bag_topics:
-        if msgtype.endswith("CompressedImage"):
+        if decode and msgtype.endswith("CompressedImage"):
             topic = topic[:-len("/compressed")] if topic.endswith("/compressed") else topic + "/decoded"
         out.append(topic)
-    images = [o for o, (_, t) in zip(out, bag_topics) if t.endswith(("/Image", "/CompressedImage"))]
+    kinds = ("/Image", "/CompressedImage") if decode else ("/CompressedImage",)
+    images = [o for o, (_, t) in zip(out, bag_topics) if t.endswith(kinds)]
     if not images:
-        raise ValueError(f"the bag has no image topic: {bag_topics}")
-    return (camera_topic if camera_topic in images else images[0]), sorted(set(out))
+        raise ValueError(f"the bag has no {'image' if decode else 'compressed image'} topic: {bag_topics}")
+    wanted = camera_topic if decode else camera_topic.rstrip("/") + "/compressed"
+    return (wanted if wanted in images else images[0]), sorted(set(out))
 
 
 def replay_cmd(bag: Path, ns: str, camera: str, published: list[str], camera_topic: str, hz: float, run_s: float,
-               stats: Path, wait_s: float) -> list[str]:
-    """vla_bag_replay as sweep.py runs it (re-timed, decoded, looped), each topic remapped under ``/<ns>``: the
-    camera onto the topic the edge subscribes for this robot."""
-    remaps = [x for t in published for x in ("-r", f"{t}:={robot_topic(ns, camera_topic if t == camera else t)}")]
-    return [sys.executable, "-m", REPLAY, str(bag), "--camera-hz", f"{hz:g}", "--decode", "--loop", "--duration-s",
-            f"{run_s:g}", "--wait-for", camera, "--wait-timeout-s", f"{wait_s:g}", "--stats-out", str(stats),
-            "--ros-args", *remaps]
+               stats: Path, wait_s: float, decode: bool = True) -> list[str]:
+    """vla_bag_replay as sweep.py runs it (re-timed, looped, decoded unless ``decode`` is false), each topic
+    remapped under ``/<ns>``: the camera onto the topic the edge subscribes for this robot (``/compressed``
+    appended when the frames stay compressed)."""
+    target = camera_topic if decode else camera_topic.rstrip("/") + "/compressed"
+    remaps = [x for t in published for x in ("-r", f"{t}:={robot_topic(ns, target if t == camera else t)}")]
+    return [sys.executable, "-m", REPLAY, str(bag), "--camera-hz", f"{hz:g}", *(["--decode"] if decode else []),
+            "--loop", "--duration-s", f"{run_s:g}", "--wait-for", camera, "--wait-timeout-s", f"{wait_s:g}",
+            "--stats-out", str(stats), "--ros-args", *remaps]
+
+
+def synthetic_bag(work: Path, size: str) -> tuple[Path, str]:
+    """A synthetic clip (RLDS -> bag, as sweep.default_bag without the Bridge sample) of ``size`` = "HxW" frames."""
+    from vla_edge_ros.data import oxe_to_bag, rlds
+
+    h, w = (int(x) for x in size.lower().split("x"))
+    src = rlds.write_synthetic_dataset(work / "synthetic_rlds", "bridge_dataset", episodes=4, steps=20,
+                                       image_hw=(h, w))
+    s = oxe_to_bag.convert(src, work / "clip_bag", progress=False, overwrite=True)
+    return work / "clip_bag", f"synthetic clip ({s.episodes} episodes, {s.frames} JPEG frames of {w}x{h} at 5 Hz)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -171,6 +210,15 @@ def edge_robot(edge: dict, ns: str) -> dict[str, Any]:
             "frames_received": int(top.get("frames_received", 0) or 0)}
 
 
+def proc_cpu_s(pid: int) -> Optional[float]:
+    """CPU time (user + system, s) of process ``pid`` so far, from Linux /proc; None elsewhere or once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _minus(end: dict, start: Optional[dict]) -> dict:
     return {k: v - int((start or {}).get(k, 0) or 0) for k, v in end.items()}
 
@@ -180,38 +228,90 @@ def _ticks(robot_stats: Optional[dict]) -> dict[str, int]:
     return {k: int(t.get(k, 0) or 0) for k in TICK_KINDS}
 
 
+def _window_ms(end: Optional[dict], start: Optional[dict], hist: str, ring: str) -> dict[str, Any]:
+    """p50 / p99 / max (and the sample count) of the window from the edge's cumulative histogram ``hist``
+    (core/fleet_loop.window_percentiles); an edge without it: its ring ``ring`` of recent samples, marked
+    ``"whole_run": True``."""
+    if isinstance((end or {}).get(hist), dict):
+        return {**window_percentiles(end[hist], (start or {}).get(hist)), "whole_run": False}
+    r = (end or {}).get(ring) or {}
+    return {"count": r.get("count"), "p50": r.get("p50"), "p99": r.get("p99"), "max": r.get("max"), "whole_run": True}
+
+
+def _batch_sizes(end: Optional[dict], start: Optional[dict]) -> dict[str, int]:
+    got = _minus({k: int(v or 0) for k, v in ((end or {}).get("batch_sizes") or {}).items()},
+                 (start or {}).get("batch_sizes"))
+    return {k: v for k, v in sorted(got.items(), key=lambda kv: int(kv[0])) if v}
+
+
+def _cost_model(edge: dict, steps: Optional[int]) -> dict[str, Any]:
+    """The cost model's parts per batch size as the window ended (core/fleet_scheduler.BatchCostModel)."""
+    sizes = _get(edge, "inference", "loop", "scheduler", "cost", "by_batch_size", default={}) or {}
+    out = {}
+    for k, c in sizes.items():
+        parts = {"prefill_ms": c.get("prefill_ema_ms"), "decode_ms_per_step": c.get("decode_ema_ms_per_step"),
+                 "host_ms": c.get("host_ema_ms"), "spread_ms": c.get("spread_ms"), "samples": c.get("samples")}
+        if steps and None not in (parts["prefill_ms"], parts["decode_ms_per_step"], parts["spread_ms"]):
+            parts["estimate_ms"] = (parts["prefill_ms"] + steps * parts["decode_ms_per_step"]
+                                    + (parts["host_ms"] or 0.0) + parts["spread_ms"])
+        out[k] = parts
+    return out
+
+
 def summarise(ns: list[str], edge_start: dict, edge_end: dict, robots_start: dict, robots_end: dict,
-              replays: Optional[dict] = None, kv_peak: Optional[dict] = None) -> dict[str, Any]:
-    """Per robot and edge figures over the window: counters are ``end - start``; ``robots_*``: ns -> the robot
-    process's stats; ``replays``: ns -> the replay's stats; ``kv_peak``: ns -> the largest KV bytes sampled."""
-    mem = _get(edge_end, "inference", "engine_memory", default={}) or {}
+              replays: Optional[dict] = None, kv_peak: Optional[dict] = None, edge_final: Optional[dict] = None,
+              edge_cpu: Optional[dict] = None) -> dict[str, Any]:
+    """Per robot and edge figures over the window. ``edge_start`` / ``edge_end``: the edge's stats as the window
+    opened / closed: counters are ``end - start``, latencies and pass times the window's percentiles (from the
+    edge's cumulative histograms). ``edge_final``: its last stats, after it stopped (memory figures, whole-run
+    totals; default ``edge_end``). ``robots_*``: ns -> the robot process's stats at the window's start / end;
+    ``replays``: ns -> the replay's stats; ``kv_peak``: ns -> the largest KV bytes sampled; ``edge_cpu``: the edge
+    process's CPU time over the window (``cpu_s``, ``window_s``)."""
+    final = edge_final if edge_final else edge_end
+    mem = _get(final, "inference", "engine_memory", default={}) or {}
     per_kv = mem.get("per_robot_kv_bytes") or {}
-    backend = edge_end.get("backend")
+    backend = final.get("backend") or edge_end.get("backend")
     robots = {}
     for name in ns:
         c = _minus(edge_robot(edge_end, name), edge_robot(edge_start, name))
         t = _minus(_ticks(robots_end.get(name)), _ticks(robots_start.get(name)))
         n_ticks = sum(t.values())
-        lat = _get(edge_end, "inference", "robots", name, "loop", "latency_ms", default={}) or {}
+        loop_path = ("inference", "robots", name, "loop")
+        lat = _window_ms(_get(edge_end, *loop_path, default={}), _get(edge_start, *loop_path, default={}),
+                         "latency_hist", "latency_ms")
         kv = [x for x in ((kv_peak or {}).get(name), per_kv.get(name)) if x is not None]
         robots[name] = {**c, "miss_rate": _rate(c["deadline_misses"], c["admitted"]),
-                        "latency_ms": {k: lat.get(k) for k in ("p50", "p99")}, "ticks": t,
+                        "latency_ms": lat, "ticks": t,
                         "fresh_share": _rate(t["fresh"], n_ticks),
                         "missed_ticks": _get(robots_end.get(name), "action", "missed_ticks"),
                         "frames_published": _get((replays or {}).get(name), "camera_ticks"),  # whole replay
-                        "frames_received_total": edge_robot(edge_end, name)["frames_received"],  # whole run
+                        "frames_received_total": edge_robot(final, name)["frames_received"],  # whole run
                         "kv_bytes": max(kv) if kv else None, "kv_max_occupancy_tokens":
-                            _get(edge_end, "inference", "robots", name, "kv", "max_occupancy_tokens")}
+                            _get(final, "inference", "robots", name, "kv", "max_occupancy_tokens")}
     loop = _get(edge_end, "inference", "loop", default={}) or {}
+    loop0 = _get(edge_start, "inference", "loop", default={}) or {}
+    cpu = dict(edge_cpu) if edge_cpu else {}
+    if cpu.get("window_s"):
+        cpu["cpu_s_per_s"] = cpu["cpu_s"] / cpu["window_s"]
+    wall = (edge_end.get("wall_s") or 0.0) - (edge_start.get("wall_s") or 0.0)
+    if "thread_cpu_s" in loop and wall > 0:  # the loop thread's own share (the rest: executors, DDS, main)
+        cpu["loop_thread_cpu_s_per_s"] = (loop["thread_cpu_s"] - (loop0.get("thread_cpu_s") or 0.0)) / wall
+    steps = _get(edge_end, "inference", "loop", "scheduler", "fleet", "decode_steps")
     edge = {"backend": backend,
             "memory_kind": "VRAM" if backend == "cuda" else f"host memory ({backend or '?'} backend, no VRAM)",
             "weight_bytes": mem.get("weight_bytes"), "engine_peak_bytes": mem.get("peak_bytes"),
-            "kv_bytes": mem.get("kv_bytes"), "peak_vram_mb": _get(edge_end, "memory", "peak_vram_mb"),
-            "peak_rss_mb": _get(edge_end, "memory", "peak_rss_mb"), "batch_sizes": loop.get("batch_sizes"),
-            "pass_ms": {k: _get(loop, "pass_ms", k) for k in ("p50", "p99", "max")},
-            "cycle_overruns": loop.get("cycle_overruns"), "batch_failures": loop.get("batch_failures"),
-            "kv_budget_tokens": _get(edge_end, "kv", "budget_tokens"),
-            "deadline_ms": _get(edge_end, "inference", "deadline_ms"),
+            "kv_bytes": mem.get("kv_bytes"), "peak_vram_mb": _get(final, "memory", "peak_vram_mb"),
+            "peak_rss_mb": _get(final, "memory", "peak_rss_mb"), "batch_sizes": _batch_sizes(loop, loop0),
+            "pass_ms": _window_ms(loop, loop0, "pass_hist", "pass_ms"),
+            "host_ms": _window_ms(loop, loop0, "host_hist", "host_ms"),
+            "cycle_overruns": _minus({"n": int(loop.get("cycle_overruns") or 0)},
+                                     {"n": loop0.get("cycle_overruns")})["n"],
+            "batch_failures": _minus({"n": int(loop.get("batch_failures") or 0)},
+                                     {"n": loop0.get("batch_failures")})["n"],
+            "cost_model": _cost_model(edge_end, steps),
+            "cpu": cpu or None,
+            "kv_budget_tokens": _get(final, "kv", "budget_tokens"),
+            "deadline_ms": _get(final, "inference", "deadline_ms"),
             "missing": [k for k in ("per_robot_kv_bytes", "weight_bytes", "peak_bytes") if k not in mem]}
     return {"robots": robots, "edge": edge, "verdict": verdict(robots)}
 
@@ -242,9 +342,13 @@ def table(result: dict[str, Any]) -> str:
     e, m = result["edge"], result.get("meta", {})
     lines = [f"# Fleet replay: {len(result['robots'])} robots, one edge", ""]
     if m:
-        lines += [f"{m.get('duration_s', 0):g} s at {m.get('camera_hz', 0):g} Hz per camera, backend "
+        extra = m.get("extra_params") or []
+        lines += [f"{m.get('duration_s', 0):g} s at {m.get('camera_hz', 0):g} Hz per camera"
+                  f"{' (compressed)' if m.get('image_transport') == 'compressed' else ''}, backend "
                   f"{e['backend']}, deadline {_f(e['deadline_ms'], '{:g}')} ms, KV budget "
-                  f"{_f(e['kv_budget_tokens'], '{:d}')} tokens per robot; bag: {m.get('bag_description', '?')}", ""]
+                  f"{_f(e['kv_budget_tokens'], '{:d}')} tokens per robot"
+                  f"{'; edge ' + ' '.join('-p ' + x for x in extra) if extra else ''}; "
+                  f"bag: {m.get('bag_description', '?')}", ""]
     kind = "VRAM" if e["memory_kind"] == "VRAM" else "KV (host)"
     lines += [f"| robot | frames pub / recv | admitted | refused | misses | miss rate | chunk p50 / p99 ms | "
               f"ticks fresh / repeat / hold | fresh share | {kind} |", "|" + "---|" * 10]
@@ -255,13 +359,27 @@ def table(result: dict[str, Any]) -> str:
                      f"{r['refused']} | {r['deadline_misses']} | {_f(r['miss_rate'], '{:.3%}')} | "
                      f"{_f(lat['p50'])} / {_f(lat['p99'])} | {t['fresh']} / {t['repeat']} / {t['hold']} | "
                      f"{_f(r['fresh_share'], '{:.1%}')} | {_mib(r['kv_bytes'])} |")
-    pm = e["pass_ms"]
-    lines += ["", "- frames: whole replay; chunks and ticks: the measured window; chunk latency: whole run",
+    pm, hm = e["pass_ms"], e.get("host_ms") or {}
+    whole = any(r["latency_ms"].get("whole_run") for r in result["robots"].values()) or pm.get("whole_run")
+    lines += ["", "- frames pub / recv: the whole replay; everything else: the measured window"
+              + (" (chunk latency and pass time: the edge's last samples, it has no histograms)" if whole else "")
+              + "; chunk latency: conversion + encode + pass of the batches the robot was in",
               f"- edge {e['memory_kind']}: weights {_mib(e['weight_bytes'])}, engine peak "
               f"{_mib(e['engine_peak_bytes'])}, KV per robot = the last column; peak VRAM "
               f"{_f(e['peak_vram_mb'])} MB, peak RSS {_f(e['peak_rss_mb'])} MB",
               f"- batches by size: {e['batch_sizes']}; pass p50 / p99 / max {_f(pm['p50'])} / {_f(pm['p99'])} / "
-              f"{_f(pm['max'])} ms; cycle overruns {e['cycle_overruns']}, batch failures {e['batch_failures']}"]
+              f"{_f(pm['max'])} ms; host part of decision-to-results p50 / p99 {_f(hm.get('p50'))} / "
+              f"{_f(hm.get('p99'))} ms; cycle overruns {e['cycle_overruns']}, batch failures {e['batch_failures']}"]
+    cpu = e.get("cpu") or {}
+    if cpu.get("cpu_s_per_s") is not None:
+        lines.append(f"- edge process CPU {cpu['cpu_s_per_s']:.3f} s per s over the window"
+                     + (f" (the fleet loop's thread {cpu['loop_thread_cpu_s_per_s']:.3f}; the rest: camera "
+                        f"executors, DDS, main)" if cpu.get("loop_thread_cpu_s_per_s") is not None else ""))
+    for size, c in sorted((e.get("cost_model") or {}).items(), key=lambda kv: int(kv[0])):
+        if c.get("estimate_ms") is not None:
+            lines.append(f"- cost model, batch of {size} at the window's end: prefill {_f(c['prefill_ms'])} + "
+                         f"decode {_f(c['decode_ms_per_step'], '{:.2f}')} per step + host {_f(c['host_ms'])} + "
+                         f"spread {_f(c['spread_ms'])} = estimate {_f(c['estimate_ms'])} ms ({c['samples']} samples)")
     if e["missing"]:
         lines.append(f"- not in the edge's engine memory figures: {', '.join(e['missing'])}")
     v = result["verdict"]
@@ -320,8 +438,11 @@ def run(args: argparse.Namespace) -> int:
         if not bag.exists():
             print(f"vla_fleet_replay: bag {bag} does not exist", file=sys.stderr)
             return 2
+    elif args.synthetic_size:
+        bag, desc = synthetic_bag(work, args.synthetic_size)
     else:
         bag, desc = default_bag(work)
+    decode = args.image_transport == "raw"
     from vla_edge_ros.ros.tools.bag_sources import open_bag
 
     camera_topic = registry.BY_NAME["camera_topic"].default
@@ -329,7 +450,7 @@ def run(args: argparse.Namespace) -> int:
         src = open_bag(str(bag))
         bag_topics = list(src.topics)
         src.close()
-        camera, published = replay_topics(bag_topics, camera_topic)
+        camera, published = replay_topics(bag_topics, camera_topic, decode)
     except Exception as exc:  # BagError (unreadable bag) or no image topic: one line, no traceback
         print(f"vla_fleet_replay: cannot replay {bag}: {exc}", file=sys.stderr)
         return 2
@@ -343,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
     params_file.write_text(yaml.safe_dump({
         "vla_inference": {"ros__parameters": {"instruction": instruction} if instruction else {}},
         # the replay repeats each 5 Hz bag frame at 60 Hz on purpose: the frozen-camera check stays off (sweep.py)
-        "vla_camera": {"ros__parameters": {"frozen_frame_limit": 0}}}))
+        "vla_camera": {"ros__parameters": {"frozen_frame_limit": 0, "image_transport": args.image_transport}}}))
     env = ros_child_env(args.domain_id, work / "ros_home")
     run_s = args.startup_timeout + args.duration + 180  # a safety net: every child exits by itself after this
     edge_stats, robot_stats = logs / "edge.stats.json", {n: logs / f"robot_{n}.stats.json" for n in ns}
@@ -360,6 +481,8 @@ def run(args: argparse.Namespace) -> int:
     errors: list[str] = []
     t0 = time.monotonic()
     edge_start: dict = {}
+    edge_cpu: Optional[dict] = None  # the edge process's CPU time over the window (Linux)
+    edge_window_end: dict = {}
     robots_start, robots_end, kv_peak = {}, {}, {}  # ns -> stats at the window's start / end; ns -> KV bytes
     try:
         not_active = wait_edge(edge, args.startup_timeout)
@@ -367,8 +490,8 @@ def run(args: argparse.Namespace) -> int:
             raise RuntimeError(not_active)
         _say(f"edge active after {time.monotonic() - t0:.1f} s; starting {len(ns)} camera replays")
         replays = [Child(replay_cmd(bag, n, camera, published, camera_topic, args.camera_hz, run_s,
-                                    replay_stats[n], 60.0), env, logs / f"replay_{n}.log", name=f"replay_{n}",
-                         cwd=REPO) for n in ns]
+                                    replay_stats[n], 60.0, decode), env, logs / f"replay_{n}.log",
+                         name=f"replay_{n}", cwd=REPO) for n in ns]
         everyone = [edge, *robots, *replays]
 
         def check_alive() -> None:
@@ -391,6 +514,7 @@ def run(args: argparse.Namespace) -> int:
         robots_start = {n: _read_json(robot_stats[n]) or {} for n in ns}
         _say(f"frames flowing; measuring {args.duration:g} s")
         t_start = time.monotonic()
+        cpu_start = proc_cpu_s(edge.p.pid)
         t_end, next_note, last_mtime = t_start + args.duration, t_start + min(10.0, args.duration / 4), 0.0
         while time.monotonic() < t_end:
             time.sleep(0.25)
@@ -406,14 +530,20 @@ def run(args: argparse.Namespace) -> int:
                 now = {n: _minus(edge_robot(st, n), edge_robot(edge_start, n)) for n in ns}
                 _say(f"t={time.monotonic() - t_start:5.1f} s  admitted " + " ".join(
                     f"{n}:{c['admitted']}/{c['deadline_misses']}m" for n, c in now.items()))
-        robots_end = {n: _read_json(robot_stats[n]) for n in ns}  # before the edge stops: no shutdown holds
+        # the window closes here for every figure: the robots' and the edge's stats as last written (at most
+        # --stats-every-s old), the edge's CPU time now; before anything stops (no shutdown holds or drains)
+        cpu_end, t_window = proc_cpu_s(edge.p.pid), time.monotonic() - t_start
+        robots_end = {n: _read_json(robot_stats[n]) for n in ns}
+        edge_window_end = _read_json(edge_stats) or {}
+        if cpu_start is not None and cpu_end is not None:
+            edge_cpu = {"cpu_s": cpu_end - cpu_start, "window_s": t_window}
     except RuntimeError as exc:
         errors.append(str(exc))
     except KeyboardInterrupt:
         errors.append("interrupted")
     finally:
-        # cameras first: the edge's final counters then end with the window, and its frames received compare
-        # with what the replays published; the robots last (their window figures are already read)
+        # cameras first: the edge's final frames received then compare with what the replays published; the
+        # robots last (the window's figures are already read)
         _say("stopping (SIGINT: replays, then the edge, then the robots)")
         codes = _stop_all([(replays, 15.0), ([edge], 60.0), (robots, 15.0)])
     edge_end = _read_json(edge_stats)
@@ -423,9 +553,11 @@ def run(args: argparse.Namespace) -> int:
                if not errors and robots_end.get(n) is None]
     errors += [f"{name} did not exit cleanly on SIGINT (exit code {c}; see {logs / (name + '.log')})"
                for name, c in codes.items() if c != 0 and not name.startswith("replay_") and not errors]
-    result = summarise(ns, edge_start, edge_end or {}, robots_start, {n: v or {} for n, v in robots_end.items()},
-                       {n: _read_json(p) for n, p in replay_stats.items()}, kv_peak)
+    result = summarise(ns, edge_start, edge_window_end or edge_end or {}, robots_start,
+                       {n: v or {} for n, v in robots_end.items()}, {n: _read_json(p) for n, p in replay_stats.items()},
+                       kv_peak, edge_final=edge_end, edge_cpu=edge_cpu)
     result["meta"] = {"robots": len(ns), "duration_s": args.duration, "camera_hz": args.camera_hz,
+                      "image_transport": args.image_transport,
                       "bag": str(bag), "bag_description": desc, "instruction": instruction,
                       "edge_values": values, "extra_params": args.param, "domain_id": args.domain_id,
                       "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, Python "

@@ -5,9 +5,10 @@ Why a contract of its own: the loop is pure core code and must not import an eng
 
 Engine contract (``FleetEngine``): ``run_batch({name: BatchRequest}) -> {name: ChunkResult or Exception}`` for
 exactly the names asked, and afterwards ``last_batch_timing = {"prefill_ms": .., "decode_ms": ..}`` of that
-pass (decode: all ``decode_steps`` steps). The scheduler is fed the decode part from the engine and, as prefill,
-the rest of the wall time from encode to results: encode and host work are spent against the deadline too (the
-single loop counts encode as prefill). Timing missing or malformed: counted, the whole wall time is prefill.
+pass (decode: all ``decode_steps`` steps), timing the pass itself (the CUDA engine: device time). The scheduler is
+fed those two and, as host, the rest of the time from its decision to the results (conversion, encode, the
+engine's host work, waiting): spent against the deadline too. Timing missing or malformed: counted, the whole
+time is host.
 """
 from __future__ import annotations
 

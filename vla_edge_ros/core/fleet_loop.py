@@ -11,9 +11,14 @@ Per cycle (a fixed CycleClock grid of ``cycle_period_ms``, as InferenceLoop's):
    so its ``add_robot`` / ``remove_robot`` run here, on the one thread that runs the passes;
 2. a robot whose buffer holds an unread frame is ready, with deadline = cycle start + ``deadline_ms``; a frame
    the scheduler refused is retried once next cycle when no newer frame arrived (InferenceLoop's retry);
-3. ``scheduler.plan``; each admitted frame is encoded (a ValueError: a malformed image, rejected and counted for
-   that robot, out of the batch), tagged salient per robot (cosine distance from that robot's previous frame);
-4. ONE ``engine.run_batch``; its cost is fed to ``scheduler.record``;
+3. ``scheduler.plan``; each admitted frame is converted when its camera left that to the taker (a frame with a
+   ``convert()`` method: ros/fleet_node.py defers JPEG / YUV decoding to here, so the frames no pass takes are
+   never decoded) and encoded (a ValueError or ImageRejected: a malformed image, rejected and counted for that
+   robot, out of the batch), tagged salient per robot (cosine distance from that robot's previous frame);
+4. ONE ``engine.run_batch``; its cost is fed to ``scheduler.record`` in the cost model's three parts: the
+   engine's own timing of the pass (``last_batch_timing``: prefill, decode) and the host's part, the rest of the
+   time from the scheduler's decision (``plan.now_ns``) to the results (conversion, encode, the engine's host
+   work, waiting for a core or the GIL), so that the next decision's estimate covers all of it;
 5. per robot, as InferenceLoop per chunk: past the deadline it is a deadline miss; more than ``late_discard_ms``
    (default one period) past it the action is discarded, else ``on_action(name, result)``. An Exception in the
    result for one robot is that robot's error only; run_batch raising is an error for every member. The engine
@@ -22,6 +27,9 @@ Per cycle (a fixed CycleClock grid of ``cycle_period_ms``, as InferenceLoop's):
 Engine contract: core/fleet_contract.py (``FleetEngine``, ``BatchRequest``).
 
 Events: ``on_event(name, kind, detail)``, name None for fleet-wide ones. ``stats()`` is JSON-able (json.dumps).
+Percentiles in ``stats()`` (``latency_ms``, ``pass_ms``, ``host_ms``) are of the last ``history`` samples; the
+``*_hist`` entries are cumulative histograms (``CumulativeHistogram``) from which a window's percentiles are
+computed exactly to a bucket (``window_percentiles``: bench/fleet_replay.py's measured window).
 """
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ from vla_edge_ros.core.admission import CycleClock
 from vla_edge_ros.core.double_buffer import DoubleBuffer
 from vla_edge_ros.core.fleet_contract import BatchRequest, FleetEngine  # noqa: F401  (re-exported)
 from vla_edge_ros.core.fleet_scheduler import BAD_DEADLINE, CAPACITY, DEADLINE, UNKNOWN, BatchPlan, FleetScheduler
+from vla_edge_ros.core.image_convert import ImageRejected
 from vla_edge_ros.core.inference_loop import cosine_distance
 from vla_edge_ros.core.loop_settings import check_loop_values
 from vla_edge_ros.core.metrics import LatencyStats
@@ -48,6 +57,58 @@ WARMUP_PREFIX = "__warmup"  # names of warm-up's synthetic robots (reserved)
 COUNTERS = ("frames_taken", "admitted", "frames_run", "actions_delivered", "deadline_misses", "late_discarded",
             "errors", "bad_frames", "retried", "dropped_while_paused", "salient_frames", "callback_errors",
             *(f"refused_{reason}" for reason in (DEADLINE, CAPACITY, BAD_DEADLINE, UNKNOWN)))
+
+
+class CumulativeHistogram:
+    """Counts of samples (ms) in geometric buckets since start: bucket b holds (upper(b - 1), upper(b)], upper(b) =
+    ``MIN_MS`` * 2 ** (b / ``PER_OCTAVE``), i.e. 2.2 % wide. Why: a long run's figures over one window (the
+    replay measures from the moment every camera's frames arrive) are the difference of two snapshots, which a
+    ring of recent samples cannot give. One writer, any reader."""
+    MIN_MS = 0.01
+    PER_OCTAVE = 32
+
+    def __init__(self) -> None:
+        self._counts: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def bucket(cls, ms: float) -> int:
+        return 0 if not ms > cls.MIN_MS else math.ceil(cls.PER_OCTAVE * math.log2(ms / cls.MIN_MS))
+
+    @classmethod
+    def upper_ms(cls, bucket: int) -> float:
+        return cls.MIN_MS * 2.0 ** (int(bucket) / cls.PER_OCTAVE)
+
+    def add(self, ms: float) -> None:
+        b = self.bucket(float(ms))
+        with self._lock:
+            self._counts[b] = self._counts.get(b, 0) + 1
+
+    def snapshot(self) -> dict[str, int]:
+        """{bucket: count} (JSON keys are strings)."""
+        with self._lock:
+            return {str(b): n for b, n in sorted(self._counts.items())}
+
+
+def window_percentiles(end: Optional[Mapping], start: Optional[Mapping] = None,
+                       qs: tuple[float, ...] = (50.0, 99.0)) -> dict[str, Any]:
+    """Percentiles (nearest rank) of the samples added between two ``CumulativeHistogram.snapshot``s: each is
+    its bucket's upper edge, so never below the true value and less than 2.2 % above it. ``count`` samples;
+    None figures when the window holds none."""
+    counts = {int(b): int(n) - int((start or {}).get(b, 0) or 0) for b, n in (end or {}).items()}
+    counts = {b: n for b, n in sorted(counts.items()) if n > 0}
+    total = sum(counts.values())
+    out: dict[str, Any] = {"count": total}
+    for q in qs:
+        rank, seen, value = max(1, math.ceil(q / 100.0 * total)), 0, None
+        for b, n in counts.items():
+            seen += n
+            if seen >= rank:
+                value = CumulativeHistogram.upper_ms(b)
+                break
+        out[f"p{q:g}"] = value if total else None
+    out["max"] = CumulativeHistogram.upper_ms(max(counts)) if counts else None
+    return out
 
 
 @dataclass
@@ -66,11 +127,12 @@ class _Robot:
         self.prev_pooled: Optional[np.ndarray] = None
         self.resume_written = 0  # buffer seq at resume(): frames at or below it were written while paused
         self.counts = dict.fromkeys(COUNTERS, 0)
-        self.latency = LatencyStats(history)  # encode + pass of the batches it was in, ms
+        self.latency = LatencyStats(history)  # conversion + encode + pass of the batches it was in, ms
+        self.latency_hist = CumulativeHistogram()  # the same samples, since start
         self.last_error = ""
 
     def stats(self) -> dict:
-        return {**self.counts, "latency_ms": self.latency.summary(),
+        return {**self.counts, "latency_ms": self.latency.summary(), "latency_hist": self.latency_hist.snapshot(),
                 "last_error": self.last_error, "frames": self.buffer.stats()}
 
 
@@ -110,7 +172,11 @@ class FleetLoop:
         self._in_flight_since: Optional[int] = None
         self.totals = dict.fromkeys(COUNTERS, 0)  # every robot ever served, those that left included
         self.batch_sizes: dict[int, int] = {}
-        self.pass_ms = LatencyStats(history)
+        self.pass_ms = LatencyStats(history)  # first conversion / encode to results, ms
+        self.pass_hist = CumulativeHistogram()
+        self.host_ms = LatencyStats(history)  # decision to results minus the engine's pass (the cost model's host)
+        self.host_hist = CumulativeHistogram()
+        self.thread_cpu_s = 0.0  # CPU time of the loop's thread so far (updated after every cycle)
         self.fleet = dict.fromkeys(("cycles", "cycles_paused", "cycle_overruns", "batches", "batch_failures",
                                     "engine_resets", "unexpected_results", "timing_invalid", "loop_errors",
                                     "callback_errors", "robots_added", "robots_removed", "robot_add_failures",
@@ -237,12 +303,23 @@ class FleetLoop:
             robot.retry = None if name in retried else frames[name]
             out.outcomes[name] = f"{REFUSED}:{reason}"
         if plan.batch:
-            self._run_batch(plan, robots, frames, deadline, out)
+            self._run_batch(plan, robots, frames, deadline, out, now)
         if self._clock_ns() > cycle_start + int(round(self.clock.period_ms * 1e6)):
             self.fleet["cycle_overruns"] += 1
         return out
 
-    def _run_batch(self, plan: BatchPlan, robots: dict, frames: dict, deadline: int, out: CycleOutcome) -> None:
+    @staticmethod
+    def _image(frame: Any, frame_id: Any) -> Any:
+        """The frame's pixels: ``convert()`` when its camera deferred the conversion (ImageRejected when they are
+        malformed; the camera counts that rejection), else its ``image``."""
+        convert = getattr(frame, "convert", None)
+        image = convert() if callable(convert) else getattr(frame, "image", None)
+        if image is None:
+            raise ValueError(f"frame {frame_id!r} has no image")
+        return image
+
+    def _run_batch(self, plan: BatchPlan, robots: dict, frames: dict, deadline: int, out: CycleOutcome,
+                   decided_ns: int) -> None:
         t0 = self._in_flight_since = self._clock_ns()
         requests: dict[str, BatchRequest] = {}
         for name in plan.batch:
@@ -250,13 +327,11 @@ class FleetLoop:
             self._count(robot, "admitted")
             frame_id = getattr(frame, "frame_id", None)
             try:
-                image = getattr(frame, "image", None)
-                if image is None:
-                    raise ValueError(f"frame {frame_id!r} has no image")
-                tokens = self.engine.encode_frame(image)
+                tokens = self.engine.encode_frame(self._image(frame, frame_id))
                 salient = self._salient(robot, tokens)
             except Exception as exc:  # its frame is out of the batch; the others run
-                bad = isinstance(exc, ValueError)  # a malformed image: rejected, not an engine failure
+                # a malformed image: rejected, not an engine failure
+                bad = isinstance(exc, (ValueError, ImageRejected))
                 self._robot_error(robot, exc, frame_id, False, False, *(("bad_frames", "bad_frame") if bad else ()))
                 out.outcomes[name] = BAD_FRAME if bad else ERROR
                 continue
@@ -278,7 +353,7 @@ class FleetLoop:
         end = self._clock_ns()
         self._in_flight_since = None
         if failed_pass is None:
-            self._record_pass(len(requests), (end - t0) / 1e6)
+            self._record_pass(len(requests), (end - t0) / 1e6, (end - decided_ns) / 1e6)
         else:
             self.fleet["batch_failures"] += 1
             self.last_error = f"{type(failed_pass).__name__}: {failed_pass}"
@@ -305,26 +380,40 @@ class FleetLoop:
         if failures:
             self._maybe_reset(failures)
 
-    def _record_pass(self, size: int, wall_ms: float) -> None:
-        self.fleet["batches"] += 1
-        self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
-        self.pass_ms.add(wall_ms)
+    def _engine_timing(self, total_ms: float) -> tuple[float, float]:
+        """(prefill, decode) ms of the last pass as the engine timed it, within ``total_ms``; (0, 0) when its
+        timing is missing or malformed (counted and reported: the whole time is then learned as host)."""
         timing = getattr(self.engine, "last_batch_timing", None)
         try:
-            self.last_batch_timing = {k: float(timing[k]) for k in ("prefill_ms", "decode_ms")}
-            if not all(math.isfinite(v) and v >= 0.0 for v in self.last_batch_timing.values()):
+            got = {k: float(timing[k]) for k in ("prefill_ms", "decode_ms")}
+            if not all(math.isfinite(v) and v >= 0.0 for v in got.values()):
                 raise ValueError("not finite and non-negative")
-            decode_ms = min(self.last_batch_timing["decode_ms"], wall_ms)
         except Exception as exc:
             self.fleet["timing_invalid"] += 1
             self._emit(None, "batch_timing_invalid", {"timing": repr(timing)[:200], "error": str(exc)})
-            decode_ms = 0.0
-        self.scheduler.record(size, wall_ms - decode_ms, decode_ms, self.engine.decode_steps)
+            return 0.0, 0.0
+        decode_ms = min(got["decode_ms"], total_ms)
+        return min(got["prefill_ms"], total_ms - decode_ms), decode_ms
+
+    def _record_pass(self, size: int, wall_ms: float, total_ms: float) -> None:
+        """``wall_ms``: first conversion / encode to results; ``total_ms``: the scheduler's decision to results."""
+        self.fleet["batches"] += 1
+        self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
+        self.pass_ms.add(wall_ms)
+        self.pass_hist.add(wall_ms)
+        prefill_ms, decode_ms = self._engine_timing(total_ms)
+        self.last_batch_timing = {"prefill_ms": prefill_ms, "decode_ms": decode_ms}
+        host_ms = max(0.0, total_ms - prefill_ms - decode_ms)
+        self.last_batch_timing["host_ms"] = host_ms
+        self.host_ms.add(host_ms)
+        self.host_hist.add(host_ms)
+        self.scheduler.record(size, prefill_ms, decode_ms, self.engine.decode_steps, host_ms)
 
     def _deliver(self, robot: _Robot, result: Any, frame: Any, req: BatchRequest, chunk_ms: float,
                  late_ms: float) -> str:
         """InferenceLoop.step's handling of a finished chunk, for one member of the pass."""
         robot.latency.add(chunk_ms)
+        robot.latency_hist.add(chunk_ms)
         if late_ms > 0.0:
             self._count(robot, "deadline_misses")
             self._emit(robot.name, "deadline_miss", {"frame_id": req.frame_id, "chunk_ms": chunk_ms,
@@ -410,11 +499,11 @@ class FleetLoop:
                               if results.get(k) is None or isinstance(results.get(k), BaseException)}
                     if failed:
                         raise RuntimeError(f"warm-up batch of {m} failed: {failed}")
-                    decode_ms = min(max(float(self.engine.last_batch_timing["decode_ms"]), 0.0), wall_ms)
-                    passes.append((wall_ms - decode_ms, decode_ms))
-                for prefill_ms, decode_ms in passes[1:] if n >= 2 else passes:
-                    self.scheduler.record(m, prefill_ms, decode_ms, self.engine.decode_steps)
-                figures[str(m)] = {"pass_ms": [p + d for p, d in passes],
+                    prefill_ms, decode_ms = self._engine_timing(wall_ms)
+                    passes.append((prefill_ms, decode_ms, wall_ms - prefill_ms - decode_ms))
+                for prefill_ms, decode_ms, host_ms in passes[1:] if n >= 2 else passes:
+                    self.scheduler.record(m, prefill_ms, decode_ms, self.engine.decode_steps, host_ms)
+                figures[str(m)] = {"pass_ms": [sum(p) for p in passes],
                                    "estimate_ms": self.scheduler.cost_model.estimate_ms(m, self.engine.decode_steps)}
         finally:
             for name in added:
@@ -443,6 +532,7 @@ class FleetLoop:
                     continue
                 served = index
                 self.run_cycle(now)
+                self.thread_cpu_s = time.thread_time()
             except Exception as exc:  # a bug outside the pass: report, back off one period, keep going
                 self.fleet["loop_errors"] += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
@@ -498,7 +588,9 @@ class FleetLoop:
             "running": self.running, "paused": self.paused, **self.fleet,
             "period_ms": self.clock.period_ms, "deadline_ms": self.deadline_ms,
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
-            "pass_ms": self.pass_ms.summary(), "last_batch_timing": dict(self.last_batch_timing),
+            "pass_ms": self.pass_ms.summary(), "pass_hist": self.pass_hist.snapshot(),
+            "host_ms": self.host_ms.summary(), "host_hist": self.host_hist.snapshot(),
+            "thread_cpu_s": self.thread_cpu_s, "last_batch_timing": dict(self.last_batch_timing),
             "in_flight_ms": self.in_flight_ms(), "last_error": self.last_error, "pending_membership": pending,
             "totals": dict(self.totals),
             "robots": {name: r.stats() for name, r in robots.items()},

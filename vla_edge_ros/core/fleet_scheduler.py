@@ -21,12 +21,35 @@ miss. Deadline refusals and silent cycles neither add to nor reset that count: t
 choice. Robots are state by name only: joining, leaving or going silent (simply absent from ``ready``) touches
 no other robot's counters, and a robot's outcome depends on the others only through the shared batch.
 
-The cost of a batch, ``BatchCostModel``: per batch size M, EMAs of the prefill and of the per-step decode cost
-plus a spread (the ``cost_quantile`` quantile of recent overruns of the mean), as AdmissionController does for
-one robot. A size never measured is estimated from the measured ones, conservatively (``_components``).
-Liveness: refused chunks yield no cost sample, so an estimate that got too high would refuse the fleet forever;
-after ``probe_after_cycles`` cycles in which nobody was admitted although some robot had time left, the
-earliest such robot runs alone as a probe to re-measure (AdmissionController's probe, fleet-wide).
+The cost of a batch, ``BatchCostModel``: per batch size M, EMAs of three parts of what lies between the decision
+and the members' results, plus a spread (the ``cost_quantile`` quantile of recent overruns of their sum), as
+AdmissionController does for one robot:
+
+* ``prefill`` and ``decode`` (per step): the pass as the engine times it (``last_batch_timing``; the CUDA engine's
+  events: device time), what the engine's speed decides;
+* ``host``: the rest, measured by the caller (core/fleet_loop.py) from the decision to the results: frame
+  conversion and encoding, the engine's host work (KV bookkeeping, uploads, results), waiting for a core or the
+  GIL. Kept apart so that the figures say which one grew; the estimate adds all three, so admission still covers
+  everything until a member's result exists.
+
+A size never measured is estimated from the measured ones, conservatively (``_components``).
+Liveness: refused chunks yield no cost sample, so an estimate that got too high would refuse the fleet forever.
+Every cycle in which nobody was admitted although some robot had time left relaxes the one-robot estimate
+(``BatchCostModel.relax``: AdmissionController's rule, so a burst of slow passes expires after about as many
+refused cycles while a lasting rise of the cost or of its noise keeps refusing), and after
+``probe_after_cycles`` such cycles the earliest such robot runs alone as a probe to re-measure
+(AdmissionController's probe, fleet-wide).
+
+``cost_quantile`` (the same parameter as the single robot's, default 0.5): a pass admitted with the least slack
+(estimate = the time left) misses when its overrun exceeds the spread, i.e. with probability up to 1 - q; EDF
+packs every batch until the next member would not fit, so with many robots ready the admitted passes sit near
+that margin and the bound is approached (at q = 0.5 the 8-robot H200 replay missed 4-8 %). Issue 24's <= 0.1 %
+then needs q >= 0.999 (the largest of the last 256 overruns) or slack. What a higher q costs: one robot fewer
+in a pass of several (it waits a cycle; starvation promotion bounds how many), but when even one robot's pass
+only just fits a cycle every robot is refused every cycle (no fresh actions but probes) for as long as the noise
+lasts (relaxing expires bursts only), as for the single robot on a CPU (docs/FIGURES.md). So the default stays
+0.5 and a fleet whose one-robot pass fits with room to spare may set a higher q (``-p cost_quantile:=0.95``;
+tools/h200_fleet_replay.sh ``EDGE_PARAMS``).
 """
 from __future__ import annotations
 
@@ -38,7 +61,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from vla_edge_ros import params
-from vla_edge_ros.core.admission import SPREAD_MIN_SAMPLES, SPREAD_WINDOW, upper_quantile
+from vla_edge_ros.core.admission import (_NORMAL, RECENT_SAMPLES, RELAX_PER_REFUSAL, SPREAD_MIN_SAMPLES,
+                                         SPREAD_WINDOW, _median, upper_quantile)
 
 DEADLINE, CAPACITY, BAD_DEADLINE, UNKNOWN = "deadline", "capacity", "bad_deadline", "unknown_robot"
 UNKNOWN_NAMES_KEPT = 8  # recent unknown names shown in stats (bounded: a caller bug must not grow memory)
@@ -70,12 +94,16 @@ def _ms_to_ns(ms: float) -> int:
 
 class _SizeCost:
     """Cost figures of one measured batch size."""
-    __slots__ = ("prefill_ms", "decode_ms_per_step", "overruns", "samples")
+    __slots__ = ("prefill_ms", "decode_ms_per_step", "host_ms", "overruns", "samples", "spread", "recent")
 
-    def __init__(self, prefill_ms: float, decode_ms_per_step: float) -> None:
-        self.prefill_ms, self.decode_ms_per_step = prefill_ms, decode_ms_per_step
+    def __init__(self, prefill_ms: float, decode_ms_per_step: float, host_ms: float) -> None:
+        self.prefill_ms, self.decode_ms_per_step, self.host_ms = prefill_ms, decode_ms_per_step, host_ms
         self.overruns: deque[float] = deque(maxlen=SPREAD_WINDOW)  # real - mean estimate, ms
         self.samples = 1
+        # real (prefill, decode per step, host) samples: the medians ``relax`` moves the EMAs toward
+        self.recent: deque[tuple[float, float, float]] = deque([(prefill_ms, decode_ms_per_step, host_ms)],
+                                                               maxlen=RECENT_SAMPLES)
+        self.spread: Optional[float] = None  # the quantile of ``overruns``, cached until the next record
 
 
 class BatchCostModel:
@@ -97,37 +125,80 @@ class BatchCostModel:
         self._lock = threading.Lock()
         self._sizes: dict[int, _SizeCost] = {}
         self.clipped_samples = 0
+        self.relaxations = 0
 
-    def record(self, batch_size: int, prefill_ms: float, decode_ms_total: float, decode_steps: int) -> None:
-        """Feed back one real pass of ``batch_size`` robots (prefill = everything that is not decode)."""
+    def record(self, batch_size: int, prefill_ms: float, decode_ms_total: float, decode_steps: int,
+               host_ms: float = 0.0) -> None:
+        """Feed back one real pass of ``batch_size`` robots: the engine's ``prefill_ms`` and ``decode_ms_total``
+        (its own timing of the pass) and ``host_ms``, the rest of the time from the decision to the results
+        (module docstring). The three add up to what the estimate must cover."""
         m = _int_at_least("batch_size", batch_size, 1)
         p = _finite_nonneg("prefill_ms", prefill_ms)
         d_total = _finite_nonneg("decode_ms_total", decode_ms_total)
         steps = _int_at_least("decode_steps", decode_steps, 1)
+        h = _finite_nonneg("host_ms", host_ms)
         d = d_total / steps
         with self._lock:
             s = self._sizes.get(m)
             if s is None:
-                self._sizes[m] = _SizeCost(p, d)
+                self._sizes[m] = _SizeCost(p, d, h)
                 return
-            mean = s.prefill_ms + steps * s.decode_ms_per_step  # the estimate this pass ran against
-            s.overruns.append(min(p + d_total - mean, (self.outlier_factor - 1.0) * mean))
+            mean = s.prefill_ms + steps * s.decode_ms_per_step + s.host_ms  # the estimate this pass ran against
+            s.overruns.append(min(p + d_total + h - mean, (self.outlier_factor - 1.0) * mean))
+            s.spread = None
             a, f = self.ema_alpha, self.outlier_factor
-            p_ema = f * s.prefill_ms if p > f * s.prefill_ms > 0.0 else p
-            d_ema = f * s.decode_ms_per_step if d > f * s.decode_ms_per_step > 0.0 else d
-            self.clipped_samples += (p_ema, d_ema) != (p, d)
-            s.prefill_ms += a * (p_ema - s.prefill_ms)
-            s.decode_ms_per_step += a * (d_ema - s.decode_ms_per_step)
+            clipped = [f * old if new > f * old > 0.0 else new
+                       for new, old in ((p, s.prefill_ms), (d, s.decode_ms_per_step), (h, s.host_ms))]
+            self.clipped_samples += clipped != [p, d, h]
+            s.prefill_ms += a * (clipped[0] - s.prefill_ms)
+            s.decode_ms_per_step += a * (clipped[1] - s.decode_ms_per_step)
+            s.host_ms += a * (clipped[2] - s.host_ms)
+            s.recent.append((p, d, h))
             s.samples += 1
+
+    def relax(self, batch_size: int) -> bool:
+        """A cycle refused for the cost of ``batch_size`` although time was left: refused passes are not measured,
+        so a slow spell would stay in the estimate for good. AdmissionController's rule per refused chunk (its
+        ``_relax_locked`` says why): the largest overrun leaves the spread's window while the spread is above what
+        the bulk of the window predicts (median + z * MAD; with fewer than SPREAD_MIN_SAMPLES overruns, always),
+        and each EMA moves RELAX_PER_REFUSAL of the way to the median of its recent real samples when that is
+        lower. True when something moved."""
+        m = _int_at_least("batch_size", batch_size, 1)
+        with self._lock:
+            s = self._sizes.get(m)
+            if s is None:
+                return False
+            moved = False
+            if s.overruns and self.cost_quantile > 0.0 and (len(s.overruns) < SPREAD_MIN_SAMPLES or
+                                                            self._spread_locked(s) > self._robust_spread_locked(s)):
+                s.overruns.remove(max(s.overruns))
+                s.spread = None
+                moved = True
+            for i, attr in enumerate(("prefill_ms", "decode_ms_per_step", "host_ms")):
+                target, current = _median([r[i] for r in s.recent]), getattr(s, attr)
+                if target < current:
+                    setattr(s, attr, current + RELAX_PER_REFUSAL * (target - current))
+                    moved = True
+            self.relaxations += moved
+            return moved
+
+    def _robust_spread_locked(self, s: _SizeCost) -> float:
+        """The ``cost_quantile`` quantile a normal spread with the window's median and MAD would have."""
+        ordered = sorted(s.overruns)
+        med = _median(ordered)
+        mad = _median([abs(x - med) for x in ordered])
+        return max(0.0, med + _NORMAL.inv_cdf(min(self.cost_quantile, 0.9999)) * 1.4826 * mad)
 
     def _spread_locked(self, s: _SizeCost) -> float:
         if not s.overruns or self.cost_quantile <= 0.0:
             return 0.0
-        q = self.cost_quantile if len(s.overruns) >= SPREAD_MIN_SAMPLES else 1.0
-        return max(0.0, upper_quantile(s.overruns, q))
+        if s.spread is None:  # sorted once per record, not once per estimate (the scheduler asks every cycle)
+            q = self.cost_quantile if len(s.overruns) >= SPREAD_MIN_SAMPLES else 1.0
+            s.spread = max(0.0, upper_quantile(s.overruns, q))
+        return s.spread
 
-    def _components(self, m: int) -> Optional[tuple[float, float, float]]:
-        """(prefill ms, decode ms per step, spread ms) for a batch of ``m``; None before any record.
+    def _components(self, m: int) -> Optional[tuple[float, float, float, float]]:
+        """(prefill ms, decode ms per step, host ms, spread ms) for a batch of ``m``; None before any record.
 
         A size never measured: between two measured sizes, each part is interpolated linearly (exact for an
         affine cost, weights once + work per robot; an over-estimate for a roofline cost, flat while memory-bound
@@ -137,7 +208,7 @@ class BatchCostModel:
         Below the smallest measured size: that size's cost (a smaller batch is not slower)."""
         if m in self._sizes:
             s = self._sizes[m]
-            return s.prefill_ms, s.decode_ms_per_step, self._spread_locked(s)
+            return s.prefill_ms, s.decode_ms_per_step, s.host_ms, self._spread_locked(s)
         below = max((k for k in self._sizes if k < m), default=None)
         above = min((k for k in self._sizes if k > m), default=None)
         if below is None and above is None:
@@ -146,18 +217,21 @@ class BatchCostModel:
             k = above if below is None else below
             scale = 1.0 if below is None else m / k
             s = self._sizes[k]
-            return s.prefill_ms * scale, s.decode_ms_per_step * scale, self._spread_locked(s) * scale
+            return (s.prefill_ms * scale, s.decode_ms_per_step * scale, s.host_ms * scale,
+                    self._spread_locked(s) * scale)
         lo, hi, t = self._sizes[below], self._sizes[above], (m - below) / (above - below)
         return (lo.prefill_ms + t * (hi.prefill_ms - lo.prefill_ms),
                 lo.decode_ms_per_step + t * (hi.decode_ms_per_step - lo.decode_ms_per_step),
+                lo.host_ms + t * (hi.host_ms - lo.host_ms),
                 max(self._spread_locked(lo), self._spread_locked(hi)))
 
     def mean_ms(self, batch_size: int, decode_steps: int) -> float:
-        """Mean pass time for ``batch_size`` robots; 0.0 before any record (the first pass runs to learn it)."""
+        """Mean time from decision to results for ``batch_size`` robots (the engine's pass + the host's part);
+        0.0 before any record (the first pass runs to learn it)."""
         m, steps = _int_at_least("batch_size", batch_size, 1), _int_at_least("decode_steps", decode_steps, 0)
         with self._lock:
             c = self._components(m)
-        return 0.0 if c is None else c[0] + steps * c[1]
+        return 0.0 if c is None else c[0] + steps * c[1] + c[2]
 
     def estimate_ms(self, batch_size: int, decode_steps: int) -> float:
         """Conservative pass time: mean + spread, and never below the estimate of a smaller measured size (a
@@ -168,16 +242,17 @@ class BatchCostModel:
             for k in [k for k in self._sizes if k < m] + [m]:
                 c = self._components(k)
                 if c is not None:
-                    out = max(out, c[0] + steps * c[1] + c[2])
+                    out = max(out, c[0] + steps * c[1] + c[2] + c[3])
         return out
 
     def stats(self) -> dict:
         with self._lock:
             sizes = {str(k): {"prefill_ema_ms": s.prefill_ms, "decode_ema_ms_per_step": s.decode_ms_per_step,
-                              "spread_ms": self._spread_locked(s), "samples": s.samples}
+                              "host_ema_ms": s.host_ms, "spread_ms": self._spread_locked(s), "samples": s.samples}
                      for k, s in sorted(self._sizes.items())}
             return {"ema_alpha": self.ema_alpha, "cost_quantile": self.cost_quantile,
-                    "clipped_samples": self.clipped_samples, "by_batch_size": sizes}
+                    "clipped_samples": self.clipped_samples, "relaxations": self.relaxations,
+                    "by_batch_size": sizes}
 
 
 @dataclass
@@ -249,9 +324,10 @@ class FleetScheduler:
         with self._lock:
             return tuple(self._robots)
 
-    def record(self, batch_size: int, prefill_ms: float, decode_ms_total: float, decode_steps: int) -> None:
+    def record(self, batch_size: int, prefill_ms: float, decode_ms_total: float, decode_steps: int,
+               host_ms: float = 0.0) -> None:
         """The real cost of a pass the plan admitted (BatchCostModel.record)."""
-        self.cost_model.record(batch_size, prefill_ms, decode_ms_total, decode_steps)
+        self.cost_model.record(batch_size, prefill_ms, decode_ms_total, decode_steps, host_ms)
 
     def plan(self, now_ns: int, ready: Mapping[Any, Any]) -> BatchPlan:
         """The batch for this cycle from ``ready``: robot name -> its chunk's deadline (absolute ns)."""
@@ -302,6 +378,7 @@ class FleetScheduler:
                 self._empty_cycles = 0
             else:
                 self._empty_cycles += 1
+                self.cost_model.relax(1)  # the estimate that refused them: a robot alone (module docstring)
                 if self.probe_after_cycles and self._empty_cycles >= self.probe_after_cycles:
                     name = min(short_of_time)[1]
                     del refused[name]
@@ -348,6 +425,7 @@ class FleetScheduler:
                          longest_refusal_streak=max((c["longest_refusal_streak"] for c in robots.values()),
                                                     default=0),  # of the robots present
                          batch_sizes={str(k): v for k, v in sorted(self.batch_sizes.items())},
-                         max_batch=self.max_batch, safety_margin_ms=self.safety_margin_ms,
+                         max_batch=self.max_batch, decode_steps=self.decode_steps,
+                         safety_margin_ms=self.safety_margin_ms,
                          starvation_limit=self.starvation_limit)
         return {"robots": robots, "fleet": fleet, "cost": self.cost_model.stats()}

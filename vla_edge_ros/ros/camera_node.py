@@ -169,7 +169,7 @@ class CameraNode(Node):
             now_ns = self.get_clock().now().nanoseconds
             try:
                 stamp_ns = image_convert.check_stamp(msg.header.stamp.sec, msg.header.stamp.nanosec, now_ns)
-                img = convert(msg, self.params.get("max_image_bytes"))
+                img = self._convert(msg, convert)
             except image_convert.ImageRejected as exc:
                 self._reject(exc.reason, str(exc))
                 return
@@ -185,7 +185,7 @@ class CameraNode(Node):
             self.frozen = frozen
             self._set_stale("camera_frozen", frozen and self.params.get("hold_on_frozen"))
             self._next_frame_id += 1
-            self.buffer.write(CameraFrame(img, stamp_ns, now_ns, self._next_frame_id, msg.header.frame_id))
+            self.buffer.write(self._make_frame(img, msg, convert, stamp_ns, now_ns))
             self.stats.accepted += 1
             self.rate.add()
             if self._arbiter is not None:
@@ -197,6 +197,14 @@ class CameraNode(Node):
             self._reject("internal_error", repr(exc))
         finally:
             self.callback_ms.add((time.perf_counter_ns() - t0) / 1e6)
+
+    def _convert(self, msg, convert) -> np.ndarray:
+        """What the frozen check keys on and the frame carries: the RGB image (ImageRejected when malformed).
+        A hook: the fleet edge's cameras (ros/fleet_node.py) leave costly conversions to the frame's taker."""
+        return convert(msg, self.params.get("max_image_bytes"))
+
+    def _make_frame(self, img: np.ndarray, msg, convert, stamp_ns: int, now_ns: int) -> Any:
+        return CameraFrame(img, stamp_ns, now_ns, self._next_frame_id, msg.header.frame_id)
 
     def _reject(self, reason: str, detail: str) -> None:
         self._rejections.add(reason, detail)
