@@ -343,15 +343,3 @@ def test_fleet_camera_defers_jpeg_and_yuv_decoding_to_the_taker_and_counts_a_lat
     finally:
         cam.destroy_node()
 
-
-def test_the_fleet_cameras_share_one_executor_thread_and_every_other_node_has_its_own():
-    """runtime.executor_groups: the inference node alone on its thread, the fleet's camera nodes together on one
-    (fewer threads for the inference thread to lose the GIL to), every node in exactly one group."""
-    from types import SimpleNamespace
-    from vla_edge_ros.ros.runtime import executor_groups
-    node = lambda name: SimpleNamespace(get_name=lambda: name)  # noqa: E731
-    inference, cams = node("vla_inference"), [node(f"vla_camera_r{i}") for i in range(3)]
-    groups = executor_groups([inference] + cams, cams, "fleet_cameras")
-    assert [(name, [n.get_name() for n in nodes]) for name, nodes in groups] == [
-        ("vla_inference", ["vla_inference"]), ("fleet_cameras", ["vla_camera_r0", "vla_camera_r1", "vla_camera_r2"])]
-    assert executor_groups([inference], [], "fleet_cameras") == [("vla_inference", [inference])]

@@ -14,10 +14,7 @@ Roles (``--role``):
 Threads: one SingleThreadedExecutor per node, each in its own thread, and the inference loop in its own thread.
 Why not rclpy's MultiThreadedExecutor: measured on this 2-core machine it let the 30 Hz timer miss up to 76 % of
 its ticks and stall for up to 2.7 s (its callback scheduling contends on the GIL and one task queue), while one
-SingleThreadedExecutor per node kept the timer's period error p99 <= 1.4 ms. The fleet edge's camera nodes share
-ONE executor thread instead (``executor_groups``): their callbacks only store frames, and every runnable thread is
-one more contender the inference thread may lose the GIL to each time it comes back from a GPU wait (8 camera
-threads at 60 Hz: the host part of a pass p99 38 ms on the H200, session 20).
+SingleThreadedExecutor per node kept the timer's period error p99 <= 1.4 ms.
 
 The inference node is a lifecycle node: by default it is brought to 'active' at start (``--no-autostart``
 leaves it 'unconfigured' for an external lifecycle manager). SIGINT/SIGTERM stop everything in order (inference
@@ -119,15 +116,6 @@ GIL_SWITCH_INTERVAL_S = float(os.environ.get("VLA_SWITCH_INTERVAL_S", "0.001"))
 GC_FREEZE_AFTER_S = float(os.environ.get("VLA_GC_FREEZE_AFTER_S", "3.0"))
 
 
-def executor_groups(nodes: list, shared: list, shared_name: str) -> list[tuple[str, list]]:
-    """(thread name, nodes) per executor thread: one per node (module docstring), except the nodes in ``shared``,
-    which share one thread named ``shared_name`` (the fleet edge's cameras)."""
-    ids = {id(n) for n in shared}
-    groups = [(n.get_name(), [n]) for n in nodes if id(n) not in ids]
-    together = [n for n in nodes if id(n) in ids]
-    return groups + ([(shared_name, together)] if together else [])
-
-
 class Runtime:
     """Builds the nodes of one role, spins them, collects figures. Usable in-process (tests, benches)."""
 
@@ -226,12 +214,11 @@ class Runtime:
 
     # ---- lifecycle of the process ---------------------------------------------------------------------
     def start(self) -> None:
-        shared = list(self.fleet.cameras.values()) if self.fleet is not None else []
-        for name, nodes in executor_groups(self.nodes, shared, "fleet_cameras"):
+        for node in self.nodes:
             ex = SingleThreadedExecutor(context=self.context)
-            for node in nodes:
-                ex.add_node(node)
-            th = threading.Thread(target=self._spin, args=(ex, name), name=f"exec:{name}", daemon=True)
+            ex.add_node(node)
+            th = threading.Thread(target=self._spin, args=(ex, node.get_name()), name=f"exec:{node.get_name()}",
+                                  daemon=True)
             self.executors.append(ex)
             self.threads.append(th)
             th.start()
