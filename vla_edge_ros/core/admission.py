@@ -49,10 +49,19 @@ def upper_quantile(values, q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def _median(values) -> float:
+def median(values) -> float:
     ordered = sorted(values)
     n = len(ordered)
     return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+
+
+def robust_upper_quantile(values, q: float) -> float:
+    """The ``q`` quantile that the median and the median absolute deviation of ``values`` predict for a normal
+    spread: a few large outliers barely move it, a uniformly wider noise does (the relaxation's yardstick, here and
+    in core/fleet_scheduler.py)."""
+    med = median(values)
+    mad = median([abs(x - med) for x in values])
+    return max(0.0, med + _NORMAL.inv_cdf(min(q, 0.9999)) * 1.4826 * mad)
 
 
 @dataclass(frozen=True)
@@ -189,13 +198,7 @@ class AdmissionController:
         return max(0.0, upper_quantile(self._overruns, q))
 
     def _robust_spread_locked(self) -> float:
-        """The ``cost_quantile`` quantile that the median and the median absolute deviation of the window
-        predict for a normal spread: a few large outliers barely move it, a uniformly wider noise does."""
-        ordered = sorted(self._overruns)
-        med = _median(ordered)
-        mad = _median([abs(x - med) for x in ordered])
-        z = _NORMAL.inv_cdf(min(self.cost_quantile, 0.9999))
-        return max(0.0, med + z * 1.4826 * mad)
+        return robust_upper_quantile(self._overruns, self.cost_quantile)
 
     def estimate_ms(self, decode_tokens: int) -> float:
         """Estimated chunk time: mean + spread; 0.0 before any seed or record (the first chunk is admitted to
@@ -245,12 +248,12 @@ class AdmissionController:
             self._overruns.remove(max(self._overruns))
             moved = True
         if self._recent_prefill and self.prefill_ema_ms is not None:
-            target = _median(self._recent_prefill)
+            target = median(self._recent_prefill)
             if target < self.prefill_ema_ms:
                 self.prefill_ema_ms += RELAX_PER_REFUSAL * (target - self.prefill_ema_ms)
                 moved = True
         if self._recent_decode and self.decode_ema_ms_per_token is not None:
-            target = _median(self._recent_decode)
+            target = median(self._recent_decode)
             if target < self.decode_ema_ms_per_token:
                 self.decode_ema_ms_per_token += RELAX_PER_REFUSAL * (target - self.decode_ema_ms_per_token)
                 moved = True

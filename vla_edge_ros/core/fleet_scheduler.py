@@ -61,8 +61,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from vla_edge_ros import params
-from vla_edge_ros.core.admission import (_NORMAL, RECENT_SAMPLES, RELAX_PER_REFUSAL, SPREAD_MIN_SAMPLES,
-                                         SPREAD_WINDOW, _median, upper_quantile)
+from vla_edge_ros.core.admission import (RECENT_SAMPLES, RELAX_PER_REFUSAL, SPREAD_MIN_SAMPLES, SPREAD_WINDOW,
+                                         median, robust_upper_quantile, upper_quantile)
 
 DEADLINE, CAPACITY, BAD_DEADLINE, UNKNOWN = "deadline", "capacity", "bad_deadline", "unknown_robot"
 UNKNOWN_NAMES_KEPT = 8  # recent unknown names shown in stats (bounded: a caller bug must not grow memory)
@@ -175,7 +175,7 @@ class BatchCostModel:
                 s.spread = None
                 moved = True
             for i, attr in enumerate(("prefill_ms", "decode_ms_per_step", "host_ms")):
-                target, current = _median([r[i] for r in s.recent]), getattr(s, attr)
+                target, current = median([r[i] for r in s.recent]), getattr(s, attr)
                 if target < current:
                     setattr(s, attr, current + RELAX_PER_REFUSAL * (target - current))
                     moved = True
@@ -183,11 +183,7 @@ class BatchCostModel:
             return moved
 
     def _robust_spread_locked(self, s: _SizeCost) -> float:
-        """The ``cost_quantile`` quantile a normal spread with the window's median and MAD would have."""
-        ordered = sorted(s.overruns)
-        med = _median(ordered)
-        mad = _median([abs(x - med) for x in ordered])
-        return max(0.0, med + _NORMAL.inv_cdf(min(self.cost_quantile, 0.9999)) * 1.4826 * mad)
+        return robust_upper_quantile(s.overruns, self.cost_quantile)
 
     def _spread_locked(self, s: _SizeCost) -> float:
         if not s.overruns or self.cost_quantile <= 0.0:
