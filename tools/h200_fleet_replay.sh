@@ -18,7 +18,10 @@
 # DEADLINE_MS, KV_BUDGET (tokens per robot; default: the registry's), STARTUP_TIMEOUT (s), EDGE_PARAMS (more edge
 # parameters, space-separated NAME:=VALUE, each passed as -p; e.g. EDGE_PARAMS="cost_quantile:=0.95"),
 # SYNTHETIC_SIZE (HxW: a synthetic clip of that frame size instead of BAG, e.g. 480x640), IMAGE_TRANSPORT
-# (raw: the replays publish decoded rgb8 Images, the default; compressed: the JPEGs, decoded by the edge).
+# (raw: the replays publish decoded rgb8 Images, the default; compressed: the JPEGs, decoded by the edge),
+# PYSPY_S (s: sample every thread of the edge with py-spy for that long, PYSPY_AFTER_S (default 60) s after the edge
+# process appears; raw stacks in $OUT/edge_pyspy.txt, per-thread leaves in $OUT/edge_pyspy_summary.txt by
+# vla_edge_ros.bench.stack_summary; py-spy from PATH or its wheel under .whl/tools/: pip download py-spy -d .whl/tools).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 MODE=device
@@ -68,11 +71,49 @@ if [ "$MODE" = device ]; then
     nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$OUT/smi_timeline.csv" 2>&1 &
     SMI_PID=$!
 fi
+pyspy_bin() {  # py-spy on PATH, else installed from the carried wheel
+    command -v py-spy && return 0
+    local w
+    w=$(ls .whl/tools/py_spy-*.whl 2>/dev/null | head -1)
+    [ -n "$w" ] && $PY -m pip install -q --no-index --no-deps --target /tmp/pyspy "$w" > /dev/null 2>&1
+    [ -x /tmp/pyspy/bin/py-spy ] && echo /tmp/pyspy/bin/py-spy
+}
+PYSPY_PID=""
+if [ -n "${PYSPY_S:-}" ]; then
+    if SPY=$(pyspy_bin); then
+        (   EPID=""
+            for _ in $(seq 1 "$STARTUP_TIMEOUT"); do
+                EPID=$(pgrep -f -- "--role edge" | head -1)
+                [ -n "$EPID" ] && break
+                sleep 1
+            done
+            [ -z "$EPID" ] && { echo "no edge process found" > "$OUT/edge_pyspy.log"; exit 0; }
+            sleep "${PYSPY_AFTER_S:-60}"
+            # not paused while sampled (--nonblocking): the stalls being looked for are a few ms to tens of ms
+            "$SPY" record --pid "$EPID" --duration "$PYSPY_S" --rate 200 --threads --idle --native --nonblocking \
+                --format raw --output "$OUT/edge_pyspy.txt" > "$OUT/edge_pyspy.log" 2>&1 \
+            || "$SPY" record --pid "$EPID" --duration "$PYSPY_S" --rate 200 --threads --idle --nonblocking \
+                --format raw --output "$OUT/edge_pyspy.txt" >> "$OUT/edge_pyspy.log" 2>&1
+        ) &
+        PYSPY_PID=$!
+    else
+        log "PYSPY_S set but no py-spy (PATH or .whl/tools/py_spy-*.whl): not profiling"
+    fi
+fi
 log "fleet_replay ${ARGS[*]}"
 timeout --signal=INT --kill-after=60 $((DURATION + STARTUP_TIMEOUT + 240)) \
     $PY -m vla_edge_ros.bench.fleet_replay "${ARGS[@]}" 2>&1 | tee "$OUT/fleet_replay.log"
 RC=${PIPESTATUS[0]}
 [ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null
+if [ -n "$PYSPY_PID" ]; then
+    wait "$PYSPY_PID"
+    if [ -s "$OUT/edge_pyspy.txt" ]; then
+        $PY -m vla_edge_ros.bench.stack_summary "$OUT/edge_pyspy.txt" > "$OUT/edge_pyspy_summary.txt" 2>&1
+        head -60 "$OUT/edge_pyspy_summary.txt"
+    else
+        log "py-spy wrote nothing: $(tail -3 "$OUT/edge_pyspy.log" 2>/dev/null)"
+    fi
+fi
 log "fleet_replay exit code $RC"
 # the device returns few files from $OUT: the table and JSON beside the log, the logs as one archive
 for f in fleet_replay.md fleet_replay.json; do [ -f "$OUT/fleet/$f" ] && cp "$OUT/fleet/$f" "$OUT/$f"; done
