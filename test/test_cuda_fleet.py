@@ -325,22 +325,8 @@ def test_the_1_5b_geometry_batch_equals_each_single_cuda_engine(torch_cuda, tmp_
 @pytest.fixture(scope="module")
 def fleet_kernels():
     """cuda/fleet.cu alone, compiled for the GPU present (test_cuda_kernels.Dev: uploads, poisoned buffers)."""
-    from test_cuda_kernels import Dev
-    from vla_edge_ros.engine.cuda.probe import CUDA_DIR, cuda_status
-    ok, why = cuda_status()
-    if not ok:
-        pytest.skip(f"no usable GPU: {why}")
-    import pycuda.driver as cuda
-    from pycuda.compiler import SourceModule
-    ctx = cuda.Device(0).retain_primary_context()
-    ctx.push()
-    try:
-        d = Dev(cuda, {"fleet.cu": SourceModule((CUDA_DIR / "fleet.cu").read_text(), no_extern_c=True,
-                                                include_dirs=[str(CUDA_DIR)], options=["-O3", "-std=c++17"])})
-        yield d
-        d.free()
-    finally:
-        ctx.pop()
+    from test_cuda_kernels import open_dev
+    yield from open_dev(["fleet.cu"])
 
 
 @pytest.mark.gpu

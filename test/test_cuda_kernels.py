@@ -98,8 +98,9 @@ class Dev:
         self.bufs = []
 
 
-@pytest.fixture(scope="module")
-def dev():
+def open_dev(files):
+    """A Dev over ``files`` of cuda/ compiled for the GPU present, in the primary context (a generator for a
+    fixture to yield from; skips without a usable GPU)."""
     ok, why = cuda_status()
     if not ok:
         pytest.skip(f"no usable GPU: {why}")
@@ -109,12 +110,17 @@ def dev():
     ctx.push()
     try:
         mods = {f: SourceModule((CUDA_DIR / f).read_text(), no_extern_c=True, include_dirs=[str(CUDA_DIR)],
-                                options=["-O3", "-std=c++17"]) for f in KERNEL_FILES}
+                                options=["-O3", "-std=c++17"]) for f in files}
         d = Dev(cuda, mods)
         yield d
         d.free()
     finally:
         ctx.pop()
+
+
+@pytest.fixture(scope="module")
+def dev():
+    yield from open_dev(KERNEL_FILES)
 
 
 @pytest.fixture

@@ -468,7 +468,7 @@ def _main(args, parts, torch, cuda) -> int:
                 print(f"horizon compare failed: {res['horizon_compare']['error']}")
         del weights_np
     res["n_ctx"] = n_ctx
-    hc = res.get("ours", {}) and res.get("horizon_compare", {})
+    hc = res.get("horizon_compare", {})  # (set only with part "ours")
     if hc and "parallel" in hc and args.horizon_hf != "none":
         steps = hc["autoregressive"]["decode_steps"]
         try:

@@ -78,10 +78,8 @@ def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: 
     nq = cfg.num_attention_heads * HD
     nqkv = nq + 2 * n_kvh * HD
     attn = p.attn_prefill._replace(grid=(kv.nsplit,) + p.attn_prefill.grid[1:])  # (splits, n_kvh[, head groups])
-    norm, final_norm = p.norm_rows, p.final_norm
-    if tiles > 1:
-        norm = norm._replace(grid=(T * tiles,) + norm.grid[1:])
-        final_norm = final_norm._replace(grid=(T * tiles,) + final_norm.grid[1:])
+    norm = p.norm_rows._replace(grid=(T * tiles,) + p.norm_rows.grid[1:])  # every row of the pass
+    final_norm = p.final_norm._replace(grid=(T * tiles,) + p.final_norm.grid[1:])
     recs = [meta] if tiles == 1 else [a.meta_tile(t) for t in range(tiles)]
 
     def rows(ptr: int, width: int, nbytes: int, t: int) -> int:  # tile t's first row of a [rows][width] buffer
