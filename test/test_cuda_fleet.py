@@ -304,6 +304,24 @@ def test_bad_members_are_rejected_alone(torch_cuda, tmp_path):
 
 
 @pytest.mark.gpu
+def test_a_pass_reports_its_host_split_next_to_the_gpu_figures(torch_cuda, tmp_path):
+    """launch (staging + launches) and sync (the wait for the device) beside prefill / decode: the fleet loop's
+    pass profile (core/pass_profile.py) copies them; an empty batch reports no split."""
+    from vla_edge_ros.engine.fleet_numpy import BatchRequest
+    t = _Twins(torch_cuda, tmp_path, tiny_default_dict(), {"a": _budget(3)})
+    try:
+        t.add("a")
+        x = (0.05 * np.random.default_rng(2).standard_normal((TPF, t.cfg.hidden_size))).astype(np.float32)
+        t.engine.run_batch({"a": BatchRequest(x, 1)})
+        timing = t.engine.last_batch_timing
+        assert timing["launch_ms"] > 0 and timing["sync_ms"] >= 0 and timing["decode_ms"] > 0
+        t.engine.run_batch({"zz": BatchRequest(x, 2)})  # no member: nothing ran
+        assert "launch_ms" not in t.engine.last_batch_timing
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fleet_gemv", ["rows", "mma"])
 def test_the_1_5b_geometry_batch_equals_each_single_cuda_engine(torch_cuda, tmp_path, fleet_gemv):
     """head_dim 128, 28 layers: three robots, eviction on; the single-robot CUDA engine is the reference. Random

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from vla_edge_ros.core.double_buffer import DoubleBuffer
-from vla_edge_ros.core.fleet_loop import (BAD_FRAME, DELIVERED, ERROR, LATE, CumulativeHistogram, FleetLoop,
-                                          window_percentiles)
+from vla_edge_ros.core.fleet_loop import BAD_FRAME, DELIVERED, ERROR, LATE, FleetLoop
+from vla_edge_ros.core.metrics import CumulativeHistogram, window_percentiles
 from vla_edge_ros.core.image_convert import ImageRejected
 from vla_edge_ros.core.fleet_scheduler import CAPACITY, DEADLINE, FleetScheduler
 from vla_edge_ros.engine.interface import ChunkResult
@@ -323,6 +323,25 @@ def test_host_time_from_the_decision_to_the_results_is_learned_apart_from_the_pa
 
     # what the next decision adds up: the engine's pass and the host's part (a pass of 7 ms would fit anything)
     assert h.sched.cost_model.estimate_ms(2, STEPS) >= h.sched.cost_model.mean_ms(2, STEPS) == pytest.approx(12.6)
+
+
+def test_each_pass_is_profiled_by_stage_with_the_engines_own_split():
+    """What the host tail waited for (core/pass_profile.py): the pass's stages on the loop's clock, the engine's
+    GPU figures and its launch / sync split copied; a failed pass is not profiled (it is a batch failure)."""
+    h = harness(names=("a", "b"))
+    h.engine.encode_ms = 3.0
+    cycle(h, {"a": 1, "b": 2})
+    prof = h.loop.stats()["pass_profile"]
+    assert prof["passes"] == 1
+    rec = prof["slowest"][0]
+    assert rec["size"] == 2 and rec["host_ms"] == pytest.approx(6.0)
+    assert rec["stages"]["encode"]["wall_ms"] == pytest.approx(6.0)  # two frames of 3 ms on the fake clock
+    assert rec["stages"]["engine"]["wall_ms"] == pytest.approx(7.0)
+    assert rec["stages"]["wake"]["wall_ms"] == 0.0 and rec["engine"]["decode_ms"] == DECODE_MS
+    assert set(rec["stages"]) == {"wake", "plan", "encode", "engine", "deliver"}
+    h.engine.raise_next = RuntimeError("device lost")
+    cycle(h, {"a": 3, "b": 4})
+    assert h.loop.stats()["pass_profile"]["passes"] == 1
 
 
 @dataclass

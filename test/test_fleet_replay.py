@@ -138,7 +138,7 @@ def test_latency_pass_time_and_counters_cover_the_window_only():
     """The edge's chunks before the window (a slow start) must not reach the window's percentiles; counters
     come from the edge's stats as the window closed, not from its final stats after the stop; the edge's CPU
     time and the cost model's parts are reported."""
-    from vla_edge_ros.core.fleet_loop import CumulativeHistogram
+    from vla_edge_ros.core.metrics import CumulativeHistogram
 
     def hist(samples):
         h = CumulativeHistogram()
@@ -240,3 +240,42 @@ def test_synthetic_clip_has_frames_of_the_size_asked(tmp_path):
         _, _, raw = next(reader.messages(connections=[conn]))
         msg = reader.deserialize(raw, conn.msgtype)
     assert decode_jpeg(msg.data).shape == (48, 80, 3) and "80x48" in desc
+
+
+def test_pass_profile_slowest_passes_of_the_window_only_are_reported():
+    """The edge's per-pass stages (core/pass_profile.py): the slowest passes that began before the window (a slow
+    start) are left out; the table names each stage and the slowest pass's split."""
+    from vla_edge_ros.core.pass_profile import PassProfile
+
+    class Clock:
+        t = 0
+
+        def __call__(self):
+            return self.t
+
+    wall, cpu = Clock(), Clock()
+    prof = PassProfile(clock_ns=wall, cpu_ns=cpu, runq_ns=lambda: None)
+
+    def one(host_ms, engine_ms):
+        prof.begin(wall.t, wall.t)
+        for stage, ms in (("plan", 0.2), ("encode", 1.0), ("engine", engine_ms), ("deliver", 0.3)):
+            wall.t += int(ms * 1e6)
+            cpu.t += int(0.1 * 1e6)
+            prof.mark(stage)
+        prof.end(1, host_ms, {"prefill_ms": 2.0, "decode_ms": 13.0, "launch_ms": 1.0, "sync_ms": engine_ms - 1})
+        wall.t += int(10e6)
+
+    one(90.0, 100.0)  # start-up: before the window
+    start = edge_stats({"r1": (10, 0, 0, 20)})
+    start["inference"]["loop"]["pass_profile"] = prof.snapshot()
+    for k in range(20):
+        one(4.0 + k, 16.0 + k)
+    end = edge_stats({"r1": (30, 0, 0, 60)})
+    end["inference"]["loop"]["pass_profile"] = prof.snapshot()
+    r = fr.summarise(["r1"], start, end, {"r1": robot_stats(0)}, {"r1": robot_stats(20)})
+    slowest = r["edge"]["pass_profile"]["slowest"]
+    assert [s["host_ms"] for s in slowest[:2]] == [23.0, 22.0] and all(s["host_ms"] < 90 for s in slowest)
+    text = fr.table(r)
+    assert "- pass stages over 20 passes" in text and "sync" in text
+    assert "host 23.0 ms at" in text and "engine 35.0/0.1" in text
+    json.dumps(r)

@@ -20,7 +20,7 @@
 # SYNTHETIC_SIZE (HxW: a synthetic clip of that frame size instead of BAG, e.g. 480x640), IMAGE_TRANSPORT
 # (raw: the replays publish decoded rgb8 Images, the default; compressed: the JPEGs, decoded by the edge),
 # PYSPY_S (s: sample every thread of the edge with py-spy for that long, PYSPY_AFTER_S (default 60) s after the edge
-# process appears; raw stacks in $OUT/edge_pyspy.txt, per-thread leaves in $OUT/edge_pyspy_summary.txt by
+# process appears; PYSPY_FLAGS: default --idle, "--gil" samples only the GIL's holder; raw stacks in $OUT/edge_pyspy.txt, per-thread leaves in $OUT/edge_pyspy_summary.txt by
 # vla_edge_ros.bench.stack_summary; py-spy from PATH or its wheel under .whl/tools/: pip download py-spy -d .whl/tools).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -89,11 +89,13 @@ if [ -n "${PYSPY_S:-}" ]; then
             done
             [ -z "$EPID" ] && { echo "no edge process found" > "$OUT/edge_pyspy.log"; exit 0; }
             sleep "${PYSPY_AFTER_S:-60}"
-            # not paused while sampled (--nonblocking): the stalls being looked for are a few ms to tens of ms
-            "$SPY" record --pid "$EPID" --duration "$PYSPY_S" --rate 200 --threads --idle --native --nonblocking \
-                --format raw --output "$OUT/edge_pyspy.txt" > "$OUT/edge_pyspy.log" 2>&1 \
-            || "$SPY" record --pid "$EPID" --duration "$PYSPY_S" --rate 200 --threads --idle --nonblocking \
-                --format raw --output "$OUT/edge_pyspy.txt" >> "$OUT/edge_pyspy.log" 2>&1
+            # not paused while sampled (--nonblocking): the stalls being looked for are a few ms to tens of ms;
+            # PYSPY_FLAGS="--gil": only the thread holding the GIL in each sample (who keeps the others waiting)
+            # shellcheck disable=SC2086
+            "$SPY" record --pid "$EPID" --duration "$PYSPY_S" --rate 200 --threads ${PYSPY_FLAGS:---idle} --native \
+                --nonblocking --format raw --output "$OUT/edge_pyspy.txt" > "$OUT/edge_pyspy.log" 2>&1 \
+            || "$SPY" record --pid "$EPID" --duration "$PYSPY_S" --rate 200 --threads ${PYSPY_FLAGS:---idle} \
+                --nonblocking --format raw --output "$OUT/edge_pyspy.txt" >> "$OUT/edge_pyspy.log" 2>&1
         ) &
         PYSPY_PID=$!
     else

@@ -38,9 +38,11 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from vla_edge_ros import params as registry
+from vla_edge_ros.bench import host_load
 from vla_edge_ros.bench.procs import Child, ros_child_env, wait_active
 from vla_edge_ros.bench.sweep import _get, _rate, _read_json, default_bag, first_instruction
-from vla_edge_ros.core.fleet_loop import window_percentiles
+from vla_edge_ros.core.metrics import window_percentiles
+from vla_edge_ros.core.pass_profile import describe as describe_passes, window as profile_window
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DOMAIN_ID = 58
@@ -230,7 +232,7 @@ def _ticks(robot_stats: Optional[dict]) -> dict[str, int]:
 
 def _window_ms(end: Optional[dict], start: Optional[dict], hist: str, ring: str) -> dict[str, Any]:
     """p50 / p99 / max (and the sample count) of the window from the edge's cumulative histogram ``hist``
-    (core/fleet_loop.window_percentiles); an edge without it: its ring ``ring`` of recent samples, marked
+    (core/metrics.window_percentiles); an edge without it: its ring ``ring`` of recent samples, marked
     ``"whole_run": True``."""
     if isinstance((end or {}).get(hist), dict):
         return {**window_percentiles(end[hist], (start or {}).get(hist)), "whole_run": False}
@@ -309,11 +311,21 @@ def summarise(ns: list[str], edge_start: dict, edge_end: dict, robots_start: dic
             "batch_failures": _minus({"n": int(loop.get("batch_failures") or 0)},
                                      {"n": loop0.get("batch_failures")})["n"],
             "cost_model": _cost_model(edge_end, steps),
+            "pass_profile": _pass_profile(loop, loop0),
             "cpu": cpu or None,
             "kv_budget_tokens": _get(final, "kv", "budget_tokens"),
             "deadline_ms": _get(final, "inference", "deadline_ms"),
             "missing": [k for k in ("per_robot_kv_bytes", "weight_bytes", "peak_bytes") if k not in mem]}
     return {"robots": robots, "edge": edge, "verdict": verdict(robots)}
+
+
+def _pass_profile(loop: dict, loop0: dict) -> Optional[dict]:
+    """The edge's per-pass stages (core/pass_profile.py) over the window: the difference of its snapshots at the
+    window's start and end, the slowest passes those that began inside."""
+    prof = loop.get("pass_profile")
+    if not isinstance(prof, dict):
+        return None
+    return profile_window(prof, loop0.get("pass_profile"))
 
 
 def verdict(robots: dict[str, dict]) -> dict[str, Any]:
@@ -380,6 +392,10 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"- cost model, batch of {size} at the window's end: prefill {_f(c['prefill_ms'])} + "
                          f"decode {_f(c['decode_ms_per_step'], '{:.2f}')} per step + host {_f(c['host_ms'])} + "
                          f"spread {_f(c['spread_ms'])} = estimate {_f(c['estimate_ms'])} ms ({c['samples']} samples)")
+    if "machine_cpu" in e:
+        lines.append(host_load.describe(e["machine_cpu"], "edge process"))
+    if e.get("pass_profile"):
+        lines += describe_passes(e["pass_profile"])
     if e["missing"]:
         lines.append(f"- not in the edge's engine memory figures: {', '.join(e['missing'])}")
     v = result["verdict"]
@@ -483,6 +499,7 @@ def run(args: argparse.Namespace) -> int:
     edge_start: dict = {}
     edge_cpu: Optional[dict] = None  # the edge process's CPU time over the window (Linux)
     edge_window_end: dict = {}
+    machine: Optional[dict] = None  # the machine's CPU over the window (bench/host_load.py)
     robots_start, robots_end, kv_peak = {}, {}, {}  # ns -> stats at the window's start / end; ns -> KV bytes
     try:
         not_active = wait_edge(edge, args.startup_timeout)
@@ -514,7 +531,7 @@ def run(args: argparse.Namespace) -> int:
         robots_start = {n: _read_json(robot_stats[n]) or {} for n in ns}
         _say(f"frames flowing; measuring {args.duration:g} s")
         t_start = time.monotonic()
-        cpu_start = proc_cpu_s(edge.p.pid)
+        cpu_start, load_start = proc_cpu_s(edge.p.pid), host_load.sample(edge.p.pid)
         t_end, next_note, last_mtime = t_start + args.duration, t_start + min(10.0, args.duration / 4), 0.0
         while time.monotonic() < t_end:
             time.sleep(0.25)
@@ -533,6 +550,7 @@ def run(args: argparse.Namespace) -> int:
         # the window closes here for every figure: the robots' and the edge's stats as last written (at most
         # --stats-every-s old), the edge's CPU time now; before anything stops (no shutdown holds or drains)
         cpu_end, t_window = proc_cpu_s(edge.p.pid), time.monotonic() - t_start
+        machine = host_load.window(load_start, host_load.sample(edge.p.pid), t_window)
         robots_end = {n: _read_json(robot_stats[n]) for n in ns}
         edge_window_end = _read_json(edge_stats) or {}
         if cpu_start is not None and cpu_end is not None:
@@ -556,6 +574,7 @@ def run(args: argparse.Namespace) -> int:
     result = summarise(ns, edge_start, edge_window_end or edge_end or {}, robots_start,
                        {n: v or {} for n, v in robots_end.items()}, {n: _read_json(p) for n, p in replay_stats.items()},
                        kv_peak, edge_final=edge_end, edge_cpu=edge_cpu)
+    result["edge"]["machine_cpu"] = machine
     result["meta"] = {"robots": len(ns), "duration_s": args.duration, "camera_hz": args.camera_hz,
                       "image_transport": args.image_transport,
                       "bag": str(bag), "bag_description": desc, "instruction": instruction,

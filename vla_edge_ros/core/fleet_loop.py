@@ -28,8 +28,8 @@ Engine contract: core/fleet_contract.py (``FleetEngine``, ``BatchRequest``).
 
 Events: ``on_event(name, kind, detail)``, name None for fleet-wide ones. ``stats()`` is JSON-able (json.dumps).
 Percentiles in ``stats()`` (``latency_ms``, ``pass_ms``, ``host_ms``) are of the last ``history`` samples; the
-``*_hist`` entries are cumulative histograms (``CumulativeHistogram``) from which a window's percentiles are
-computed exactly to a bucket (``window_percentiles``: bench/fleet_replay.py's measured window).
+``*_hist`` entries are cumulative histograms (core/metrics.py ``CumulativeHistogram``) from which a window's
+percentiles are computed exactly to a bucket (``window_percentiles``: bench/fleet_replay.py's measured window).
 """
 from __future__ import annotations
 
@@ -50,65 +50,14 @@ from vla_edge_ros.core.fleet_scheduler import BAD_DEADLINE, CAPACITY, DEADLINE, 
 from vla_edge_ros.core.image_convert import ImageRejected
 from vla_edge_ros.core.inference_loop import cosine_distance
 from vla_edge_ros.core.loop_settings import check_loop_values
-from vla_edge_ros.core.metrics import LatencyStats
+from vla_edge_ros.core.metrics import CumulativeHistogram, LatencyStats
+from vla_edge_ros.core.pass_profile import PassProfile
 
 DELIVERED, LATE, ERROR, BAD_FRAME, REFUSED = "delivered", "late_discarded", "error", "bad_frame", "refused"
 WARMUP_PREFIX = "__warmup"  # names of warm-up's synthetic robots (reserved)
 COUNTERS = ("frames_taken", "admitted", "frames_run", "actions_delivered", "deadline_misses", "late_discarded",
             "errors", "bad_frames", "retried", "dropped_while_paused", "salient_frames", "callback_errors",
             *(f"refused_{reason}" for reason in (DEADLINE, CAPACITY, BAD_DEADLINE, UNKNOWN)))
-
-
-class CumulativeHistogram:
-    """Counts of samples (ms) in geometric buckets since start: bucket b holds (upper(b - 1), upper(b)], upper(b) =
-    ``MIN_MS`` * 2 ** (b / ``PER_OCTAVE``), i.e. 2.2 % wide. Why: a long run's figures over one window (the
-    replay measures from the moment every camera's frames arrive) are the difference of two snapshots, which a
-    ring of recent samples cannot give. One writer, any reader."""
-    MIN_MS = 0.01
-    PER_OCTAVE = 32
-
-    def __init__(self) -> None:
-        self._counts: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    @classmethod
-    def bucket(cls, ms: float) -> int:
-        return 0 if not ms > cls.MIN_MS else math.ceil(cls.PER_OCTAVE * math.log2(ms / cls.MIN_MS))
-
-    @classmethod
-    def upper_ms(cls, bucket: int) -> float:
-        return cls.MIN_MS * 2.0 ** (int(bucket) / cls.PER_OCTAVE)
-
-    def add(self, ms: float) -> None:
-        b = self.bucket(float(ms))
-        with self._lock:
-            self._counts[b] = self._counts.get(b, 0) + 1
-
-    def snapshot(self) -> dict[str, int]:
-        """{bucket: count} (JSON keys are strings)."""
-        with self._lock:
-            return {str(b): n for b, n in sorted(self._counts.items())}
-
-
-def window_percentiles(end: Optional[Mapping], start: Optional[Mapping] = None,
-                       qs: tuple[float, ...] = (50.0, 99.0)) -> dict[str, Any]:
-    """Percentiles (nearest rank) of the samples added between two ``CumulativeHistogram.snapshot``s: each is
-    its bucket's upper edge, so never below the true value and less than 2.2 % above it. ``count`` samples;
-    None figures when the window holds none."""
-    counts = {int(b): int(n) - int((start or {}).get(b, 0) or 0) for b, n in (end or {}).items()}
-    counts = {b: n for b, n in sorted(counts.items()) if n > 0}
-    total = sum(counts.values())
-    out: dict[str, Any] = {"count": total}
-    for q in qs:
-        rank, seen, value = max(1, math.ceil(q / 100.0 * total)), 0, None
-        for b, n in counts.items():
-            seen += n
-            if seen >= rank:
-                value = CumulativeHistogram.upper_ms(b)
-                break
-        out[f"p{q:g}"] = value if total else None
-    out["max"] = CumulativeHistogram.upper_ms(max(counts)) if counts else None
-    return out
 
 
 @dataclass
@@ -176,6 +125,7 @@ class FleetLoop:
         self.pass_hist = CumulativeHistogram()
         self.host_ms = LatencyStats(history)  # decision to results minus the engine's pass (the cost model's host)
         self.host_hist = CumulativeHistogram()
+        self.profile = PassProfile(clock_ns=clock_ns)  # each pass's stages, wall and CPU: what the host tail waited for
         self.thread_cpu_s = 0.0  # CPU time of the loop's thread so far (updated after every cycle)
         self.fleet = dict.fromkeys(("cycles", "cycles_paused", "cycle_overruns", "batches", "batch_failures",
                                     "engine_resets", "unexpected_results", "timing_invalid", "loop_errors",
@@ -303,6 +253,7 @@ class FleetLoop:
             robot.retry = None if name in retried else frames[name]
             out.outcomes[name] = f"{REFUSED}:{reason}"
         if plan.batch:
+            self.profile.begin(cycle_start, now)
             self._run_batch(plan, robots, frames, deadline, out, now)
         if self._clock_ns() > cycle_start + int(round(self.clock.period_ms * 1e6)):
             self.fleet["cycle_overruns"] += 1
@@ -321,6 +272,7 @@ class FleetLoop:
     def _run_batch(self, plan: BatchPlan, robots: dict, frames: dict, deadline: int, out: CycleOutcome,
                    decided_ns: int) -> None:
         t0 = self._in_flight_since = self._clock_ns()
+        self.profile.mark("plan")
         requests: dict[str, BatchRequest] = {}
         for name in plan.batch:
             robot, frame = robots[name], frames[name]
@@ -338,8 +290,10 @@ class FleetLoop:
             requests[name] = BatchRequest(tokens, frame_id, salient)
             self._count(robot, "salient_frames", int(salient))
         out.ran = tuple(requests)
+        self.profile.mark("encode")
         if not requests:
             self._in_flight_since = None
+            self.profile.discard()
             return
         for name in requests:
             self._count(robots[name], "frames_run")
@@ -351,6 +305,7 @@ class FleetLoop:
         except Exception as exc:  # the whole pass failed: an error for every member, the loop goes on
             results, failed_pass = {name: exc for name in requests}, exc
         end = self._clock_ns()
+        self.profile.mark("engine")
         self._in_flight_since = None
         if failed_pass is None:
             self._record_pass(len(requests), (end - t0) / 1e6, (end - decided_ns) / 1e6)
@@ -379,6 +334,13 @@ class FleetLoop:
             self._emit(None, "unexpected_results", {"names": [repr(k)[:64] for k in unexpected[:8]]})
         if failures:
             self._maybe_reset(failures)
+        self.profile.mark("deliver")
+        if failed_pass is None:
+            timing = getattr(self.engine, "last_batch_timing", None)
+            self.profile.end(len(requests), self.last_batch_timing.get("host_ms", 0.0),
+                             timing if isinstance(timing, Mapping) else None)
+        else:  # counted as a batch failure: no host part was learned
+            self.profile.discard()
 
     def _engine_timing(self, total_ms: float) -> tuple[float, float]:
         """(prefill, decode) ms of the last pass as the engine timed it, within ``total_ms``; (0, 0) when its
@@ -590,6 +552,7 @@ class FleetLoop:
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "pass_ms": self.pass_ms.summary(), "pass_hist": self.pass_hist.snapshot(),
             "host_ms": self.host_ms.summary(), "host_hist": self.host_hist.snapshot(),
+            "pass_profile": self.profile.snapshot(),
             "thread_cpu_s": self.thread_cpu_s, "last_batch_timing": dict(self.last_batch_timing),
             "in_flight_ms": self.in_flight_ms(), "last_error": self.last_error, "pending_membership": pending,
             "totals": dict(self.totals),

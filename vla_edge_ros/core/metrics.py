@@ -11,14 +11,18 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 
 def percentile(samples: Iterable[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default 'linear' method); ``q`` in [0, 100]; NaN when empty."""
+    return _sorted_percentile(sorted(samples), q)
+
+
+def _sorted_percentile(data: Sequence[float], q: float) -> float:
+    """``percentile`` of samples already in ascending order (no copy, no sort)."""
     if not 0.0 <= q <= 100.0:
         raise ValueError(f"percentile q must be within [0, 100], got {q}")
-    data = sorted(samples)
     n = len(data)
     if n == 0:
         return math.nan
@@ -33,7 +37,7 @@ def percentile(samples: Iterable[float], q: float) -> float:
 
 def percentiles(samples: Sequence[float], qs: Sequence[float] = (50.0, 95.0, 99.0)) -> dict[str, float]:
     data = sorted(samples)
-    return {f"p{q:g}": percentile(data, q) for q in qs}
+    return {f"p{q:g}": _sorted_percentile(data, q) for q in qs}
 
 
 class LatencyStats:
@@ -86,15 +90,19 @@ class LatencyStats:
 
     def summary(self) -> dict[str, float]:
         # One consistent snapshot: reading count/max outside the lock let a reader see count > 0 with an
-        # empty sample list (NaN percentiles) while a writer was adding the first samples.
+        # empty sample list (NaN percentiles) while a writer was adding the first samples. Only the copy is
+        # under the lock and the samples are sorted once: a summary sorting 4096 samples under the lock (and
+        # again per percentile) held the writer -- the inference thread -- and the GIL for milliseconds, several
+        # times a second (the fleet replay's py-spy --gil profile, session 21).
         with self._lock:
-            data = sorted(self._ring)
+            data = list(self._ring)
             count, total, max_ = self.count, self.total, self.max
+        data.sort()
         return {
             "count": count,
-            "p50": percentile(data, 50.0),
-            "p95": percentile(data, 95.0),
-            "p99": percentile(data, 99.0),
+            "p50": _sorted_percentile(data, 50.0),
+            "p95": _sorted_percentile(data, 95.0),
+            "p99": _sorted_percentile(data, 99.0),
             "mean": total / count if count else math.nan,
             "max": max_,
         }
@@ -227,3 +235,55 @@ def peak_rss_mb() -> float:
         return peak / (1024.0 * 1024.0) if sys.platform == "darwin" else peak / 1024.0
     except Exception:
         return math.nan
+
+
+class CumulativeHistogram:
+    """Counts of samples (ms) in geometric buckets since start: bucket b holds (upper(b - 1), upper(b)], upper(b) =
+    ``MIN_MS`` * 2 ** (b / ``PER_OCTAVE``), i.e. 2.2 % wide. Why: a long run's figures over one window (the
+    replay measures from the moment every camera's frames arrive) are the difference of two snapshots, which a
+    ring of recent samples cannot give. One writer, any reader."""
+    MIN_MS = 0.01
+    PER_OCTAVE = 32
+
+    def __init__(self) -> None:
+        self._counts: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def bucket(cls, ms: float) -> int:
+        return 0 if not ms > cls.MIN_MS else math.ceil(cls.PER_OCTAVE * math.log2(ms / cls.MIN_MS))
+
+    @classmethod
+    def upper_ms(cls, bucket: int) -> float:
+        return cls.MIN_MS * 2.0 ** (int(bucket) / cls.PER_OCTAVE)
+
+    def add(self, ms: float) -> None:
+        b = self.bucket(float(ms))
+        with self._lock:
+            self._counts[b] = self._counts.get(b, 0) + 1
+
+    def snapshot(self) -> dict[str, int]:
+        """{bucket: count} (JSON keys are strings)."""
+        with self._lock:
+            return {str(b): n for b, n in sorted(self._counts.items())}
+
+
+def window_percentiles(end: Optional[Mapping], start: Optional[Mapping] = None,
+                       qs: tuple[float, ...] = (50.0, 99.0)) -> dict[str, Any]:
+    """Percentiles (nearest rank) of the samples added between two ``CumulativeHistogram.snapshot``s: each is
+    its bucket's upper edge, so never below the true value and less than 2.2 % above it. ``count`` samples;
+    None figures when the window holds none."""
+    counts = {int(b): int(n) - int((start or {}).get(b, 0) or 0) for b, n in (end or {}).items()}
+    counts = {b: n for b, n in sorted(counts.items()) if n > 0}
+    total = sum(counts.values())
+    out: dict[str, Any] = {"count": total}
+    for q in qs:
+        rank, seen, value = max(1, math.ceil(q / 100.0 * total)), 0, None
+        for b, n in counts.items():
+            seen += n
+            if seen >= rank:
+                value = CumulativeHistogram.upper_ms(b)
+                break
+        out[f"p{q:g}"] = value if total else None
+    out["max"] = CumulativeHistogram.upper_ms(max(counts)) if counts else None
+    return out
