@@ -20,8 +20,9 @@
 # SYNTHETIC_SIZE (HxW: a synthetic clip of that frame size instead of BAG, e.g. 480x640), IMAGE_TRANSPORT
 # (raw: the replays publish decoded rgb8 Images, the default; compressed: the JPEGs, decoded by the edge),
 # PYSPY_S (s: sample every thread of the edge with py-spy for that long, PYSPY_AFTER_S (default 60) s after the edge
-# process appears; PYSPY_FLAGS: default --idle, "--gil" samples only the GIL's holder; raw stacks in $OUT/edge_pyspy.txt, per-thread leaves in $OUT/edge_pyspy_summary.txt by
-# vla_edge_ros.bench.stack_summary; py-spy from PATH or its wheel under .whl/tools/: pip download py-spy -d .whl/tools).
+# process appears; PYSPY_FLAGS: default --idle, "--gil" samples only the GIL's holder; raw stacks in
+# $OUT/edge_pyspy.txt, per-thread leaves in $OUT/edge_pyspy_summary.txt by vla_edge_ros.bench.stack_summary; py-spy
+# from PATH, its wheel under .whl/tools/ (pip download py-spy -d .whl/tools) or its binary as .whl/tools/py-spy.xz).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 MODE=device
@@ -71,11 +72,16 @@ if [ "$MODE" = device ]; then
     nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$OUT/smi_timeline.csv" 2>&1 &
     SMI_PID=$!
 fi
-pyspy_bin() {  # py-spy on PATH, else installed from the carried wheel
+pyspy_bin() {  # py-spy on PATH, else from the carried wheel, else from its binary xz-compressed (.whl/tools/py-spy.xz:
+    # 2.0 of the wheel's 2.9 MB, what fits the device's 64 MiB of carried files next to the ROS wheels and the bag)
     command -v py-spy && return 0
     local w
     w=$(ls .whl/tools/py_spy-*.whl 2>/dev/null | head -1)
     [ -n "$w" ] && $PY -m pip install -q --no-index --no-deps --target /tmp/pyspy "$w" > /dev/null 2>&1
+    if [ ! -x /tmp/pyspy/bin/py-spy ] && [ -f .whl/tools/py-spy.xz ]; then
+        mkdir -p /tmp/pyspy/bin && $PY -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), \
+open(sys.argv[2], 'wb'))" .whl/tools/py-spy.xz /tmp/pyspy/bin/py-spy && chmod +x /tmp/pyspy/bin/py-spy
+    fi
     [ -x /tmp/pyspy/bin/py-spy ] && echo /tmp/pyspy/bin/py-spy
 }
 PYSPY_PID=""
