@@ -6,7 +6,7 @@ import pytest
 
 from vla_edge_ros.engine.config import ModelConfig, tiny_default_dict
 from vla_edge_ros.engine.interface import EngineError
-from vla_edge_ros.engine.vision import PatchEmbedder, pooled, resize, seeded_vision_weights
+from vla_edge_ros.engine.vision import PatchEmbedder, check_image, pooled, resize, seeded_vision_weights
 
 
 @pytest.fixture
@@ -95,3 +95,30 @@ def test_pooled_is_the_token_mean(cfg):
     p = pooled(t)
     assert p.shape == (256,) and p.dtype == np.float32
     np.testing.assert_allclose(p, t.mean(axis=0), rtol=1e-6)
+
+
+def test_patches_gather_is_bit_identical_to_resize_then_the_grid(cfg):
+    """patches() gathers the four supersamples straight into patch order (one numpy gather, cached indices); its
+    values must be resize()'s + the patch grid's exactly, for any size, greyscale and non-contiguous images."""
+    gh, gw = cfg.patch_grid
+    p = cfg.patch_size
+
+    def by_resize(img):
+        x = resize(check_image(img), cfg.image_hw)
+        x = x.reshape(gh, p, gw, p, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, p * p * 3)
+        x *= 1.0 / 255.0
+        x -= 0.5
+        return x
+
+    pe = PatchEmbedder(cfg)
+    rng = np.random.default_rng(3)
+    images = [rng.integers(0, 256, s, dtype=np.uint8) for s in ((64, 64, 3), (480, 640, 3), (7, 13, 3), (200, 100),
+                                                                 (120, 160, 1), tuple(cfg.image_hw) + (3,))]
+    images.append(rng.integers(0, 256, (96, 256, 3), dtype=np.uint8)[:, ::2])  # a strided view
+    for img in images:
+        got, want = pe.patches(img), by_resize(img)
+        assert got.dtype == np.float32 and got.shape == (cfg.n_patches, cfg.patch_dim)
+        np.testing.assert_array_equal(got, want)
+    for k in range(12):  # a stream of odd sizes keeps at most 8 index tables
+        pe.patches(np.zeros((10 + k, 20, 3), np.uint8))
+    assert len(pe._gather_cache) == 8

@@ -87,17 +87,45 @@ class PatchEmbedder:
                 raise EngineError(f"vision {name}: expected shape {list(want[name])}, found {list(arr.shape)}")
         self.weight_t = np.ascontiguousarray(w.T)  # (768, hidden)
         self.bias_pos = (pos + b[None, :]).astype(np.float32)
+        self._gather_cache: dict[tuple[int, int], np.ndarray] = {}  # image (h, w) -> patches()' gather indices
 
     def patches(self, image: np.ndarray) -> np.ndarray:
-        """(H, W, 3) uint8 -> (n_patches, patch_dim) float32 in [-0.5, 0.5]."""
+        """(H, W, 3) uint8 -> (n_patches, patch_dim) float32 in [-0.5, 0.5]: ``resize`` then the patch grid, as
+        ONE gather of the four supersamples straight into patch order (indices cached per image size) and the
+        same float32 sums and scalings in the same order, so the values are bit-identical to ``resize`` +
+        reshape. Why: a third of the numpy calls and ~3x less time; each numpy call on a large array hands the GIL
+        over, and the fleet's inference thread waits to win it back from the camera threads (docs/FIGURES.md)."""
         img = check_image(image)
-        gh, gw = self.cfg.patch_grid
-        p = self.cfg.patch_size
-        x = resize(img, self.cfg.image_hw)  # (gh*p, gw*p, 3)
-        x = x.reshape(gh, p, gw, p, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, p * p * 3)
+        idx = self._gather_index(img.shape[0], img.shape[1])
+        g = np.ascontiguousarray(img).reshape(-1)[idx]  # (4, n_patches * patch_dim) uint8
+        x = g[0].astype(np.float32)
+        x += g[1]
+        x += g[2]
+        x += g[3]
+        x *= 0.25
         x *= 1.0 / 255.0
         x -= 0.5
-        return x
+        return x.reshape(self.cfg.n_patches, self.cfg.patch_dim)
+
+    def _gather_index(self, h: int, w: int) -> np.ndarray:
+        """(4, n_patches * patch_dim) flat indices into an (h, w, 3) image: ``resize``'s four sample points in its
+        order ((1/4, 1/4), (1/4, 3/4), (3/4, 1/4), (3/4, 3/4)), output pixels in patch order."""
+        cache = self._gather_cache
+        idx = cache.get((h, w))
+        if idx is None:
+            gh, gw = self.cfg.patch_grid
+            p = self.cfg.patch_size
+            oh, ow = self.cfg.image_hw
+            ys = [_sample_index(h, oh, 0.25), _sample_index(h, oh, 0.75)]
+            xs = [_sample_index(w, ow, 0.25), _sample_index(w, ow, 0.75)]
+            c = np.arange(3)
+            planes = [((y[:, None, None] * w + x[None, :, None]) * 3 + c).reshape(gh, p, gw, p, 3)
+                      .transpose(0, 2, 1, 3, 4).reshape(-1) for y in ys for x in xs]
+            idx = np.stack(planes)
+            if len(cache) >= 8:  # a few camera sizes at most; a stream of odd sizes must not grow it
+                cache.pop(next(iter(cache)))
+            cache[(h, w)] = idx
+        return idx
 
     def __call__(self, image: np.ndarray) -> np.ndarray:
         """(H, W, 3) uint8 -> (n_patches, hidden) float32 vision tokens."""
