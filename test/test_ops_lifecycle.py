@@ -253,23 +253,24 @@ def test_diagnostics_show_hung_chunk_then_error_then_recovery(ros_context, monke
 
 
 def test_a_deadline_no_chunk_can_meet_is_said_at_configure_and_on_diagnostics(ros_context, capfd):
-    """A model too slow for the deadline (a 5 ms deadline for a ~15 ms numpy chunk: what a 1.5B model on a small
-    GPU looks like): configure still succeeds (the warning path runs), the warm-up figures say it does not fit,
-    every live chunk is refused, and /diagnostics says why instead of a bare 'active'."""
-    node = make_node(ros_context, deadline_ms=5.0, safety_margin_ms=2.0)
+    """A model too slow for the deadline (a 0.5 ms budget for a numpy chunk of a few ms: what a 1.5B model on a small
+    GPU looks like; it was 3 ms, which a fast host's warm-up chunk met): configure still succeeds (the warning path
+    runs), the warm-up figures say it does not fit, every live chunk is refused, and /diagnostics says why instead
+    of a bare 'active'."""
+    node = make_node(ros_context, deadline_ms=2.0, safety_margin_ms=1.5)
     try:
         assert node.safe_transition("configure")
         fit = node.snapshot()["loop"]["deadline_fit"]
-        assert fit["fits"] is False and fit["budget_ms"] == 3.0 and fit["estimate_ms"] > 3.0
+        assert fit["fits"] is False and fit["budget_ms"] == 0.5 and fit["estimate_ms"] > 0.5
         assert node.warmup_stats["fits"] is False
         assert node.safe_transition("activate")
         feed_frames(node, 10)
         snap = node.snapshot()
         assert snap["refused"] > 0 and snap["admitted"] == 0 and node.fresh_count == 0, snap["loop"]
         st = status(node)
-        assert st.level == diagnostics.WARN and "chunk estimate" in st.message and "> 3.0 ms" in st.message
+        assert st.level == diagnostics.WARN and "chunk estimate" in st.message and "> 0.5 ms" in st.message
     finally:
         node.safe_transition("shutdown")
         node.destroy_node()
     err = capfd.readouterr().err
-    assert "warm-up chunk estimate" in err and "deadline_ms 5 - safety_margin_ms 2" in err  # said at configure
+    assert "warm-up chunk estimate" in err and "deadline_ms 2 - safety_margin_ms 1.5" in err  # said at configure
