@@ -530,3 +530,55 @@ def test_threaded_smoke_two_robots_served_until_stop():
     assert s["thread_cpu_s"] > 0.0  # the loop thread's own CPU time, updated every cycle
     kinds = [k for _, k, _ in h.events]
     assert kinds[0] == "started" and kinds[-1] == "stopped"
+
+
+def test_housekeeping_waits_for_a_gap_between_passes_and_never_returns_inside_one():
+    """wait_between_passes: the stats / diagnostics threads get their turn while the loop sleeps between passes,
+    with at least min_gap_ms to the next cycle boundary; never while a pass runs (real clock, a 12 ms pass in a
+    25 ms cycle)."""
+    h = harness(names=("a",), clock=time.monotonic_ns, period_ms=25.0, deadline_ms=24.0)
+    h.engine.base_ms, h.engine.per_robot_ms = 11.0, 1.0
+    passes: list[tuple[int, int]] = []
+    run_batch = h.engine.run_batch
+
+    def timed(requests):
+        t0 = time.monotonic_ns()
+        try:
+            return run_batch(requests)
+        finally:
+            passes.append((t0, time.monotonic_ns()))
+
+    h.engine.run_batch = timed
+    assert h.loop.wait_between_passes(0.0)  # not running: nothing to wait for
+    stop = threading.Event()
+
+    def camera():
+        fid = 0
+        while not stop.is_set():
+            fid += 1
+            h.buffers["a"].write(frame(fid))
+            time.sleep(0.005)
+
+    writer = threading.Thread(target=camera, daemon=True)
+    writer.start()
+    h.loop.start()
+    returns, timeouts = [], 0
+    try:
+        time.sleep(0.1)
+        t_end = time.monotonic() + 1.0
+        while time.monotonic() < t_end:
+            if h.loop.wait_between_passes(0.2, min_gap_ms=6.0):
+                now = time.monotonic_ns()
+                returns.append((now, (h.loop.clock.next_deadline(now) - now) / 1e6))
+            else:
+                timeouts += 1
+            time.sleep(0.002)
+    finally:
+        stop.set()
+        writer.join(1.0)
+        assert h.loop.stop(2.0)
+    assert timeouts == 0 and len(passes) >= 20 and len(returns) >= 20
+    # a return is never inside a pass (the engine's call is most of the pass) and leaves most of its gap
+    inside = [t for t, _ in returns for a, b in passes if a <= t <= b]
+    assert not inside, f"{len(inside)} of {len(returns)} returns fell inside a pass"
+    assert min(gap for _, gap in returns) >= 5.0  # 6 ms asked, less the time to take the reading

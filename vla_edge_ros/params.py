@@ -137,6 +137,10 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("robot_namespaces", str, "", "--role edge: robots served, comma-separated (r1,r2)",
               INFERENCE),
     ParamSpec("fleet_max_batch", int, 8, "robots per batched pass, at most", INFERENCE, min=1, max=64),
+    ParamSpec("fleet_camera_process", bool, True, "fleet edge: cameras in a child process, off the loop's GIL",
+              INFERENCE),
+    ParamSpec("fleet_frame_bytes", int, 921600, "fleet camera process: largest RGB frame (more: rejected)",
+              INFERENCE, min=1024, max=1 << 30),
     ParamSpec("fleet_starvation_limit", int, 3, "capacity refusals before a robot goes first (0 off)",
               INFERENCE, min=0, max=1000),
     # ---- action publisher -------------------------------------------------------------------------------

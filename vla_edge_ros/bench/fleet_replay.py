@@ -221,6 +221,24 @@ def proc_cpu_s(pid: int) -> Optional[float]:
         return None
 
 
+def children_cpu_s(pid: int) -> Optional[float]:
+    """CPU time of ``pid``'s child processes alive now (the fleet edge's camera process, its resource tracker),
+    from /proc; None where there is no /proc."""
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return None
+    total = 0.0
+    for e in entries:
+        try:
+            stat = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[1]) == pid:  # ppid (field 4)
+            total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def _minus(end: dict, start: Optional[dict]) -> dict:
     return {k: v - int((start or {}).get(k, 0) or 0) for k, v in end.items()}
 
@@ -295,6 +313,8 @@ def summarise(ns: list[str], edge_start: dict, edge_end: dict, robots_start: dic
     cpu = dict(edge_cpu) if edge_cpu else {}
     if cpu.get("window_s"):
         cpu["cpu_s_per_s"] = cpu["cpu_s"] / cpu["window_s"]
+        if cpu.get("children_cpu_s") is not None:
+            cpu["children_cpu_s_per_s"] = cpu["children_cpu_s"] / cpu["window_s"]
     wall = (edge_end.get("wall_s") or 0.0) - (edge_start.get("wall_s") or 0.0)
     if "thread_cpu_s" in loop and wall > 0:  # the loop thread's own share (the rest: executors, DDS, main)
         cpu["loop_thread_cpu_s_per_s"] = (loop["thread_cpu_s"] - (loop0.get("thread_cpu_s") or 0.0)) / wall
@@ -386,7 +406,9 @@ def table(result: dict[str, Any]) -> str:
     if cpu.get("cpu_s_per_s") is not None:
         lines.append(f"- edge process CPU {cpu['cpu_s_per_s']:.3f} s per s over the window"
                      + (f" (the fleet loop's thread {cpu['loop_thread_cpu_s_per_s']:.3f}; the rest: camera "
-                        f"executors, DDS, main)" if cpu.get("loop_thread_cpu_s_per_s") is not None else ""))
+                        f"executors, DDS, main)" if cpu.get("loop_thread_cpu_s_per_s") is not None else "")
+                     + (f"; its child processes (the fleet's camera process) {cpu['children_cpu_s_per_s']:.3f}"
+                        if cpu.get("children_cpu_s_per_s") is not None else ""))
     for size, c in sorted((e.get("cost_model") or {}).items(), key=lambda kv: int(kv[0])):
         if c.get("estimate_ms") is not None:
             lines.append(f"- cost model, batch of {size} at the window's end: prefill {_f(c['prefill_ms'])} + "
@@ -532,6 +554,7 @@ def run(args: argparse.Namespace) -> int:
         _say(f"frames flowing; measuring {args.duration:g} s")
         t_start = time.monotonic()
         cpu_start, load_start = proc_cpu_s(edge.p.pid), host_load.sample(edge.p.pid)
+        child_cpu_start = children_cpu_s(edge.p.pid)
         t_end, next_note, last_mtime = t_start + args.duration, t_start + min(10.0, args.duration / 4), 0.0
         while time.monotonic() < t_end:
             time.sleep(0.25)
@@ -550,11 +573,14 @@ def run(args: argparse.Namespace) -> int:
         # the window closes here for every figure: the robots' and the edge's stats as last written (at most
         # --stats-every-s old), the edge's CPU time now; before anything stops (no shutdown holds or drains)
         cpu_end, t_window = proc_cpu_s(edge.p.pid), time.monotonic() - t_start
+        child_cpu_end = children_cpu_s(edge.p.pid)
         machine = host_load.window(load_start, host_load.sample(edge.p.pid), t_window)
         robots_end = {n: _read_json(robot_stats[n]) for n in ns}
         edge_window_end = _read_json(edge_stats) or {}
         if cpu_start is not None and cpu_end is not None:
             edge_cpu = {"cpu_s": cpu_end - cpu_start, "window_s": t_window}
+            if child_cpu_start is not None and child_cpu_end is not None:
+                edge_cpu["children_cpu_s"] = child_cpu_end - child_cpu_start
     except RuntimeError as exc:
         errors.append(str(exc))
     except KeyboardInterrupt:

@@ -117,6 +117,8 @@ class FleetLoop:
         self._members: set[str] = set()  # names as they will be once _pending is applied
         self._stop, self._resumed = threading.Event(), threading.Event()
         self._resumed.set()
+        self._between_passes = threading.Event()  # set while the thread sleeps to the next cycle boundary
+        self._served_cycle = -1  # the cycle index the thread served last
         self._thread: Optional[threading.Thread] = None
         self._in_flight_since: Optional[int] = None
         self.totals = dict.fromkeys(COUNTERS, 0)  # every robot ever served, those that left included
@@ -490,9 +492,11 @@ class FleetLoop:
                 now = self._clock_ns()
                 index = self.clock.cycle_index(now)
                 if served is not None and index <= served:  # this cycle is served: sleep to the next boundary
+                    self._between_passes.set()
                     self._stop.wait(max(0.0, (self.clock.next_deadline(now) - now) / 1e9))
                     continue
-                served = index
+                served = self._served_cycle = index
+                self._between_passes.clear()
                 self.run_cycle(now)
                 self.thread_cpu_s = time.thread_time()
             except Exception as exc:  # a bug outside the pass: report, back off one period, keep going
@@ -501,6 +505,30 @@ class FleetLoop:
                 self._emit(None, "loop_error", {"error": self.last_error, "type": type(exc).__name__})
                 self._stop.wait(self.clock.period_ms / 1e3)
         self._emit(None, "stopped", {})
+
+    def wait_between_passes(self, timeout_s: float, min_gap_ms: float = 8.0) -> bool:
+        """For the process's other Python threads' housekeeping (stats files, /diagnostics): block until the loop
+        sleeps between passes with at least ``min_gap_ms`` to the next cycle boundary, at most ``timeout_s``.
+        Why: every GIL hand-back of a pass (each numpy or CUDA call) waits for whichever thread holds the GIL, up
+        to the switch interval each time; seconds of snapshot and JSON work landing inside a pass were measured
+        as the fleet's host tail (docs/FIGURES.md). True when such a gap was found (or the loop is not running:
+        nothing to wait for), False on timeout. Best effort: a pass may still start while the caller works."""
+        end = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            if not self.running or self.paused:
+                return True
+            now = self._clock_ns()
+            between = self._between_passes.is_set()
+            if (between and self.clock.cycle_index(now) == self._served_cycle
+                    and (self.clock.next_deadline(now) - now) / 1e6 >= min_gap_ms):
+                return True
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            if between:  # the gap left is too short: the next pass starts within it
+                time.sleep(min(left, 0.001))
+            else:  # a pass runs: its end sets the event
+                self._between_passes.wait(left)
 
     def start(self) -> None:
         if self.running:

@@ -194,6 +194,13 @@ def robot_camera_status(ns: str, s: dict[str, Any]) -> DiagnosticStatus:
     """A fleet robot's camera (ros/fleet_node.py): ``camera_status`` named after the robot."""
     st = camera_status(s)
     st.name = f"vla_camera: ingest [{ns}]"
+    proc = s.get("process")  # the cameras' own process (ros/fleet_cameras.py): down means no frames at all
+    if proc:
+        st.values += conversions.key_values({f"camera_process_{k}": "" if v is None else v for k, v in proc.items()})
+        if not proc.get("alive"):
+            st.level = ERROR
+            st.message = (f"camera process not running ({proc.get('last_exit') or 'not started'}; restarts "
+                          f"{proc.get('restarts', 0)})")
     return st
 
 
@@ -284,9 +291,11 @@ class DiagnosticsPublisher:
     """Publishes the aggregate at ``period_s`` from a timer on ``node`` (whose executor is otherwise idle)."""
 
     def __init__(self, node: Node, sources: list[Callable[[], DiagnosticStatus]], period_s: float = 1.0,
-                 topic: str = "/diagnostics"):
+                 topic: str = "/diagnostics", before_build: Optional[Callable[[], Any]] = None):
+        """``before_build``: called first every period (the fleet edge waits there for a gap between passes)."""
         self.node = node
         self.sources = list(sources)
+        self.before_build = before_build
         self.errors = 0
         self._pub = node.create_publisher(DiagnosticArray, topic, qos.reliable_qos())
         self._timer = node.create_timer(period_s, self.publish_now)
@@ -304,6 +313,8 @@ class DiagnosticsPublisher:
         return arr
 
     def publish_now(self) -> None:
+        if self.before_build is not None:
+            self.before_build()
         self._pub.publish(self.build())
 
     def destroy(self) -> None:

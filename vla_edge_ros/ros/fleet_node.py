@@ -65,6 +65,7 @@ from vla_edge_ros.ros.inference_node import LOOP_PARAMS, InferenceNode
 
 _TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # robot-scoped events that are that robot's fault only (ERROR in its own status, not the fleet's)
+ROBOT_SNAPSHOT_MAX_AGE_S = 0.25
 ROBOT_ERRORS = ("chunk_error", "bad_frame", "robot_add_failed", "robot_remove_failed", "action_callback_error")
 
 
@@ -248,31 +249,67 @@ class FleetNode(InferenceNode):
         self.scheduler = None
         self.buffers = {ns: DoubleBuffer() for ns in self.robots}
         self.figures = {ns: _RobotFigures() for ns in self.robots}
-        self.cameras: dict[str, CameraNode] = {}
+        self._snapshot_cache: Optional[tuple[float, dict]] = None  # (monotonic time, snapshot)
+        self.cameras: dict[str, Any] = {}  # FleetCameraNode, or fleet_cameras.CameraProxy (camera process)
+        self.camera_process = None
+        self._camera_watch = None
         self.topics: dict[str, dict[str, str]] = {}
         self._fresh_pubs = {}
         camera_values = dict(camera_values or {})
         camera_topic = camera_values.get("camera_topic", registry.BY_NAME["camera_topic"].default)
+        self.topics = {ns: {"camera_topic": robot_topic(ns, camera_topic),
+                            "fresh_action_topic": robot_topic(ns, self.params.get("fresh_action_topic"))}
+                       for ns in self.robots}
         try:
+            if self.params.get("fleet_camera_process"):
+                self._start_camera_process(camera_values)
             for ns in self.robots:
-                topics = {"camera_topic": robot_topic(ns, camera_topic),
-                          "fresh_action_topic": robot_topic(ns, self.params.get("fresh_action_topic"))}
-                overrides = [Parameter(k, value=v) for k, v in {**camera_values, **topics}.items()
-                             if k in registry.BY_NAME and registry.BY_NAME[k].node == registry.CAMERA]
-                self.cameras[ns] = FleetCameraNode(self.buffers[ns], namespace="/" + ns,
-                                                   context=node_kwargs.get("context"), parameter_overrides=overrides)
-                self._fresh_pubs[ns] = self.create_publisher(JointState, topics["fresh_action_topic"],
+                if self.camera_process is None:
+                    overrides = [Parameter(k, value=v) for k, v in {**camera_values, **self.topics[ns]}.items()
+                                 if k in registry.BY_NAME and registry.BY_NAME[k].node == registry.CAMERA]
+                    self.cameras[ns] = FleetCameraNode(self.buffers[ns], namespace="/" + ns,
+                                                       context=node_kwargs.get("context"),
+                                                       parameter_overrides=overrides)
+                self._fresh_pubs[ns] = self.create_publisher(JointState, self.topics[ns]["fresh_action_topic"],
                                                              qos.reliable_qos())
-                self.topics[ns] = topics
         except Exception:
             self.destroy_cameras()
             raise
-        self.get_logger().info(f"fleet edge: {len(self.robots)} robots ({', '.join(self.robots)})")
+        where = (f"camera process {self.camera_process.process_state()['pid']}" if self.camera_process is not None
+                 else "cameras in this process")
+        self.get_logger().info(f"fleet edge: {len(self.robots)} robots ({', '.join(self.robots)}), {where}")
+
+    def _start_camera_process(self, camera_values: dict) -> None:
+        """The robots' cameras in a child process feeding shared buffers (ros/fleet_cameras.py says why)."""
+        from vla_edge_ros.ros.fleet_cameras import FleetCameraProcess
+        log = self.get_logger()
+        self.camera_process = FleetCameraProcess(
+            self.robots, camera_values, {ns: t["camera_topic"] for ns, t in self.topics.items()},
+            self.params.get("fleet_frame_bytes"), log=log.info, error=log.error)
+        self.buffers = dict(self.camera_process.buffers)
+        self.cameras = dict(self.camera_process.cameras)
+        self.camera_process.start()
+        self._camera_watch = self.create_timer(self.camera_process.status_period_s, self.camera_process.poll)
+
+    def camera_nodes(self) -> list:
+        """The camera nodes this process must spin (none when they live in the camera process)."""
+        return [] if self.camera_process is not None else list(self.cameras.values())
 
     def destroy_cameras(self) -> None:
-        for cam in self.cameras.values():
-            cam.destroy_node()
+        if self._camera_watch is not None:
+            self.destroy_timer(self._camera_watch)
+            self._camera_watch = None
+        if self.camera_process is not None:
+            self.camera_process.close()
+        else:
+            for cam in self.cameras.values():
+                cam.destroy_node()
         self.cameras = {}
+
+    def destroy_node(self) -> None:
+        if self.camera_process is not None:  # in-process camera nodes are the runtime's to destroy
+            self.destroy_cameras()
+        super().destroy_node()
 
     # ---- transitions (the rest is InferenceNode's) ----------------------------------------------------
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -373,6 +410,11 @@ class FleetNode(InferenceNode):
                 self.get_logger().warning(f"fleet loop priority unchanged: {exc}")
 
     # ---- figures --------------------------------------------------------------------------------------
+    def wait_between_passes(self, timeout_s: float) -> bool:
+        """Housekeeping threads (stats file, /diagnostics) call this first: core/fleet_loop says why."""
+        loop = self.loop
+        return True if loop is None else loop.wait_between_passes(timeout_s)
+
     def _robot_kv(self, ns: str) -> dict:
         eng = getattr(self.engine, "robots", {}).get(ns) if self.engine is not None else None
         if eng is None:
@@ -383,8 +425,14 @@ class FleetNode(InferenceNode):
             return {"error": repr(exc)}
 
     def robot_snapshot(self, ns: str, loop_stats: Optional[dict] = None) -> dict[str, Any]:
-        """One robot's figures: camera, loop counters, scheduler counters, fresh actions, KV, its last error."""
-        loop_stats = self.loop_stats() if loop_stats is None else loop_stats
+        """One robot's figures: camera, loop counters, scheduler counters, fresh actions, KV, its last error.
+        Without ``loop_stats``: from the fleet's snapshot when one is at most ``ROBOT_SNAPSHOT_MAX_AGE_S`` old
+        (/diagnostics reads every robot right after the fleet: one loop.stats() per publish, not N + 1)."""
+        if loop_stats is None:
+            robots = self.snapshot(max_age_s=ROBOT_SNAPSHOT_MAX_AGE_S).get("robots") or {}
+            if ns in robots:
+                return robots[ns]
+            loop_stats = self.loop_stats()
         fig = self.figures[ns]
         now = time.monotonic()
         return {
@@ -408,9 +456,19 @@ class FleetNode(InferenceNode):
         except Exception as exc:
             return {"error": repr(exc)}
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, max_age_s: float = 0.0) -> dict[str, Any]:
         """The inference node's keys (the runtime's stats and /diagnostics read them) for the fleet as a whole,
-        plus ``robots``: every robot's ``robot_snapshot``."""
+        plus ``robots``: every robot's ``robot_snapshot``. ``max_age_s`` > 0: the last one when it is at most
+        that old (read-only for the caller: it is shared)."""
+        cached = self._snapshot_cache
+        if max_age_s > 0 and cached is not None and time.monotonic() - cached[0] <= max_age_s:
+            return cached[1]
+        t = time.monotonic()
+        snap = self._build_snapshot()
+        self._snapshot_cache = (t, snap)
+        return snap
+
+    def _build_snapshot(self) -> dict[str, Any]:
         loop = self.loop_stats()
         totals = loop.get("totals") or {}
         vals = self.params.values
