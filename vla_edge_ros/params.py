@@ -75,17 +75,17 @@ class ParamSpec:
 
 PARAMS: tuple[ParamSpec, ...] = (
     # ---- camera subscriber ------------------------------------------------------------------------------
-    ParamSpec("camera_topic", str, "/camera/image_raw", "sensor_msgs/Image topic to subscribe (sensor-data QoS); "
-              "with image_transport=compressed, '<camera_topic>/compressed' carries sensor_msgs/CompressedImage",
+    ParamSpec("camera_topic", str, "/camera/image_raw", "sensor_msgs/Image topic (sensor-data QoS); compressed "
+              "transport: '<camera_topic>/compressed'",
               CAMERA),
     ParamSpec("image_transport", str, "raw", "raw: sensor_msgs/Image; compressed: sensor_msgs/CompressedImage "
               "(JPEG/PNG, decoded off the hot path)", CAMERA, choices=IMAGE_TRANSPORTS),
-    ParamSpec("camera_deadline_ms", float, 100.0, "QoS deadline of the camera subscription: a missed deadline "
-              "(middleware event) marks the camera stalled", CAMERA, min=1.0, max=60000.0),
+    ParamSpec("camera_deadline_ms", float, 100.0, "QoS deadline of the camera subscription: missing it marks "
+              "the camera stalled", CAMERA, min=1.0, max=60000.0),
     ParamSpec("max_image_bytes", int, 33554432, "images larger than this are rejected (counted) before decoding",
               CAMERA, min=1, max=1 << 31),
-    ParamSpec("frozen_frame_limit", int, 30, "consecutive identical frames that flag a frozen camera, once the "
-              "picture also stood still 3x its usual duration (docs/OPERATIONS.md; 0 = off)", CAMERA, min=0, max=1000000, live=True, applies="next frame"),
+    ParamSpec("frozen_frame_limit", int, 30, "identical frames in a row that flag a frozen camera, once "
+              "still for 3x its usual duration (0 = off)", CAMERA, min=0, max=1000000, live=True, applies="next frame"),
     ParamSpec("hold_on_frozen", bool, False, "treat a frozen camera as stale (the action publisher holds)",
               CAMERA, live=True, applies="next frame"),
     # ---- inference ----------------------------------------------------------------------------------------
@@ -99,8 +99,8 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("decode_tokens", int, 8, "greedy decode steps per chunk: 7 action bins + 1 end token (an H-step chunk runs at "
               "least 7H + 1)",
               INFERENCE, min=1, max=64),
-    ParamSpec("kv_budget_tokens", int, 0, "hard KV-cache budget in token slots (pinned prefix included); 0 = the "
-              "backend's default (cuda 4096, numpy 512: what fits the deadline on each)",
+    ParamSpec("kv_budget_tokens", int, 0, "KV-cache budget in token slots, prefix included; 0 = the "
+              "backend's default (cuda 4096, numpy 512)",
               INFERENCE, min=0, max=1 << 20, live=True, applies="immediately (a shrink evicts at once)"),
     ParamSpec("eviction_policy", str, "semantic", "KV eviction policy", INFERENCE, choices=EVICTION_POLICIES,
               live=True, applies="next eviction"),
@@ -112,23 +112,23 @@ PARAMS: tuple[ParamSpec, ...] = (
               min=0.0, max=10000.0, live=True, applies="next cycle"),
     ParamSpec("ema_alpha", float, 0.2, "smoothing of the prefill / per-token decode cost EMAs", INFERENCE,
               min=0.001, max=1.0, live=True, applies="next chunk"),
-    ParamSpec("cost_quantile", float, 0.5, "admission adds this quantile of the last 256 chunks' overruns of "
-              "the mean estimate to it (0 = the mean alone; why not 0.9-0.99 on a CPU: docs/FIGURES.md)", INFERENCE, min=0.0, max=1.0, live=True,
+    ParamSpec("cost_quantile", float, 0.5, "admission adds this quantile of the last 256 chunks' overruns "
+              "to the mean estimate (0 = the mean alone)", INFERENCE, min=0.0, max=1.0, live=True,
               applies="next chunk"),
     ParamSpec("warmup_chunks", int, 3, "chunks run at configure time to seed the cost EMAs", INFERENCE,
               min=0, max=1000),
-    ParamSpec("inference_thread_nice", int, 5, "nice increment of the inference thread (Linux): the camera and "
-              "action callbacks win a small CPU over a chunk (0 = off)",
+    ParamSpec("inference_thread_nice", int, 5, "nice increment of the inference thread (Linux): callbacks win a "
+              "small CPU (0 = off)",
               INFERENCE, min=0, max=19),
     ParamSpec("max_vram_gb", float, 8.0, "refuse to start when model + KV budget + scratch exceed this",
               INFERENCE, min=0.01, max=1024.0),
     ParamSpec("weight_dtype", str, "bf16", "linear-layer weights (numpy and cuda)",
               INFERENCE, choices=WEIGHT_DTYPES),
-    ParamSpec("saliency_threshold", float, 0.2, "cosine distance of a frame's pooled embedding from the previous "
-              "one above which it is salient (scene change)", INFERENCE, min=0.0, max=2.0, live=True,
+    ParamSpec("saliency_threshold", float, 0.2, "cosine distance from the previous frame's pooled embedding "
+              "above which a frame is salient", INFERENCE, min=0.0, max=2.0, live=True,
               applies="next frame"),
-    ParamSpec("fresh_action_topic", str, "/vla/action_fresh", "fresh actions (chunks) from inference to the "
-              "action publisher, across processes in the robot/edge split", INFERENCE),
+    ParamSpec("fresh_action_topic", str, "/vla/action_fresh", "fresh actions (chunks) from the edge to the "
+              "robot's action publisher (split)", INFERENCE),
     ParamSpec("execution_horizon_steps", int, 0, "steps of an action chunk played before the next starts; "
               "0 = H/2", INFERENCE, min=0, max=4096, live=True, applies="next cycle"),
     ParamSpec("force_committed_steps", bool, False, "with chunk_merge blend: force-decode the committed steps (RTC)",
