@@ -153,10 +153,11 @@ def cameras(ros_context):
     made, pids = [], []
 
     def make(robots=ROBOTS, frame_bytes=int(np.prod(SHAPE)) * 4, camera_values=CAMERA_VALUES,
-             status_period_s=STATUS_PERIOD_S):
+             status_period_s=STATUS_PERIOD_S, ros_args=()):
         logs, errors = [], []
         fcp = FleetCameraProcess(tuple(robots), dict(camera_values), {ns: TOPICS[ns] for ns in robots},
-                                 frame_bytes, log=logs.append, error=errors.append, status_period_s=status_period_s)
+                                 frame_bytes, log=logs.append, error=errors.append, status_period_s=status_period_s,
+                                 ros_args=ros_args)
         fcp.logs, fcp.errors = logs, errors
         original_start = fcp.start
 
@@ -428,3 +429,19 @@ def test_child_exits_and_unlinks_buffers_when_its_parent_dies(ros_domain, tmp_pa
                 os.unlink(p)
         helper.stdout.close()
         err.close()
+
+
+def test_the_edges_ros_args_reach_the_camera_nodes(cameras, streamers):
+    """A remap given to the edge (-r) applies to the camera nodes in the child as it would in the edge's process:
+    r1's camera subscribes the remapped topic, r2's is untouched."""
+    from vla_edge_ros.ros.fleet_cameras import ros_args_of
+
+    argv = ["vla_runtime", "--role", "edge", "--ros-args", "-r", "/r1/camera/image_raw:=/elsewhere/r1", "--",
+            "--not-ros", "--ros-args", "--log-level", "warn"]
+    assert ros_args_of(argv) == ["-r", "/r1/camera/image_raw:=/elsewhere/r1", "--log-level", "warn"]
+    fcp = cameras(ros_args=ros_args_of(argv))
+    fcp.start()
+    streamer = streamers({"r1": "/elsewhere/r1", "r2": TOPICS["r2"]})
+    assert streamer.wait_matched(), fcp.process_state()
+    for ns in ROBOTS:
+        read_frames(fcp, streamer, ns, 3)

@@ -30,7 +30,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from vla_edge_ros.core import image_convert
 from vla_edge_ros.core.metrics import LatencyStats
@@ -72,12 +72,15 @@ class FleetCameraProcess:
 
     def __init__(self, robots: tuple[str, ...], camera_values: Mapping[str, Any], camera_topics: Mapping[str, str],
                  frame_bytes: int, log: Callable[[str], None] = print, error: Optional[Callable[[str], None]] = None,
-                 status_period_s: float = 0.5) -> None:
+                 status_period_s: float = 0.5, ros_args: Sequence[str] = ()) -> None:
+        """``ros_args``: the edge's own ``--ros-args`` tokens (remaps, params files, log levels), given to the
+        child's rclpy.init so its camera nodes see what they would have seen in the edge's process."""
         self._mp = multiprocessing.get_context("spawn")  # never fork a process with rclpy's threads in it
         self.robots = tuple(robots)
         self.camera_values = dict(camera_values)
         self.camera_topics = dict(camera_topics)
         self.status_period_s = float(status_period_s)
+        self.ros_args = [str(a) for a in ros_args]
         self.log, self.error = log, error or log
         self.buffers: dict[str, SharedFrameBuffer] = {}
         try:
@@ -103,7 +106,7 @@ class FleetCameraProcess:
         specs = {ns: buf.spec() for ns, buf in self.buffers.items()}
         proc = self._mp.Process(target=camera_process_main, name="vla_fleet_cameras", daemon=True,
                                 args=(self.robots, self.camera_values, self.camera_topics, specs, child_conn,
-                                      self.status_period_s))
+                                      self.status_period_s, self.ros_args))
         proc.start()
         child_conn.close()  # ours closed: the child sees EOF only when this process's end closes
         self._proc, self._conn = proc, parent_conn
@@ -205,7 +208,20 @@ class FleetCameraProcess:
 
 
 # ---- the child process ------------------------------------------------------------------------------------------
-def camera_process_main(robots, camera_values, camera_topics, specs, conn, status_period_s) -> None:
+def ros_args_of(argv: Sequence[str]) -> list[str]:
+    """The tokens of every ``--ros-args ... [--]`` block of a command line (what rclpy.init parsed in the edge)."""
+    out, inside = [], False
+    for tok in argv:
+        if tok == "--ros-args":
+            inside = True
+        elif tok == "--":
+            inside = False
+        elif inside:
+            out.append(tok)
+    return out
+
+
+def camera_process_main(robots, camera_values, camera_topics, specs, conn, status_period_s, ros_args=()) -> None:
     """The camera process: one ``SharedBufferCameraNode`` per robot, each spun by its own SingleThreadedExecutor
     in its own thread (the runtime's rule), and a report of every camera's snapshot through ``conn`` every
     ``status_period_s``. Ends on "stop" or when ``conn`` closes."""
@@ -221,7 +237,8 @@ def camera_process_main(robots, camera_values, camera_topics, specs, conn, statu
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     context = Context()
-    rclpy.init(context=context, signal_handler_options=SignalHandlerOptions.NO)
+    rclpy.init(args=["vla_fleet_cameras", "--ros-args", *ros_args] if ros_args else None, context=context,
+               signal_handler_options=SignalHandlerOptions.NO)
     buffers = {ns: SharedFrameBuffer.attach(path, lock) for ns, (path, lock) in specs.items()}
     nodes, executors, threads, orphaned = {}, [], [], []
     try:

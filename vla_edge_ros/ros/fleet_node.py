@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -281,11 +282,11 @@ class FleetNode(InferenceNode):
 
     def _start_camera_process(self, camera_values: dict) -> None:
         """The robots' cameras in a child process feeding shared buffers (ros/fleet_cameras.py says why)."""
-        from vla_edge_ros.ros.fleet_cameras import FleetCameraProcess
+        from vla_edge_ros.ros.fleet_cameras import FleetCameraProcess, ros_args_of
         log = self.get_logger()
         self.camera_process = FleetCameraProcess(
             self.robots, camera_values, {ns: t["camera_topic"] for ns, t in self.topics.items()},
-            self.params.get("fleet_frame_bytes"), log=log.info, error=log.error)
+            self.params.get("fleet_frame_bytes"), log=log.info, error=log.error, ros_args=ros_args_of(sys.argv))
         self.buffers = dict(self.camera_process.buffers)
         self.cameras = dict(self.camera_process.cameras)
         self.camera_process.start()
