@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from vla_edge_ros.bench import fleet_replay as fr
+from vla_edge_ros.bench import host_load
 
 
 # ---- options and command lines --------------------------------------------------------------------------------
@@ -181,10 +182,33 @@ def test_proc_cpu_reads_this_process_and_none_for_a_missing_one():
 
     if not sys.platform.startswith("linux"):
         pytest.skip("/proc is Linux's")
-    t0 = fr.proc_cpu_s(os.getpid())
+    t0 = host_load.proc_cpu_s(os.getpid())
     sum(i * i for i in range(2_000_000))  # burn some CPU
-    assert t0 is not None and fr.proc_cpu_s(os.getpid()) > t0
-    assert fr.proc_cpu_s(2 ** 31 - 1) is None
+    assert t0 is not None and host_load.proc_cpu_s(os.getpid()) > t0
+    assert host_load.proc_cpu_s(2 ** 31 - 1) is None
+
+
+def test_children_cpu_counts_a_busy_child_and_not_the_parent():
+    """children_cpu_s: the fleet edge's camera process is a child of the edge; its CPU is reported apart."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc is Linux's")
+    base = host_load.children_cpu_s(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.4: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while host_load.children_cpu_s(os.getpid()) - base < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert host_load.children_cpu_s(os.getpid()) - base >= 0.3
+        assert host_load.children_cpu_s(child.pid) == 0.0  # it has no children of its own
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_one_robot_over_the_miss_limit_or_without_fresh_actions_fails_the_verdict():

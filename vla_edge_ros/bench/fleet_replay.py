@@ -212,33 +212,6 @@ def edge_robot(edge: dict, ns: str) -> dict[str, Any]:
             "frames_received": int(top.get("frames_received", 0) or 0)}
 
 
-def proc_cpu_s(pid: int) -> Optional[float]:
-    """CPU time (user + system, s) of process ``pid`` so far, from Linux /proc; None elsewhere or once gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def children_cpu_s(pid: int) -> Optional[float]:
-    """CPU time of ``pid``'s child processes alive now (the fleet edge's camera process, its resource tracker),
-    from /proc; None where there is no /proc."""
-    try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return None
-    total = 0.0
-    for e in entries:
-        try:
-            stat = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(stat[1]) == pid:  # ppid (field 4)
-            total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
 def _minus(end: dict, start: Optional[dict]) -> dict:
     return {k: v - int((start or {}).get(k, 0) or 0) for k, v in end.items()}
 
@@ -553,8 +526,8 @@ def run(args: argparse.Namespace) -> int:
         robots_start = {n: _read_json(robot_stats[n]) or {} for n in ns}
         _say(f"frames flowing; measuring {args.duration:g} s")
         t_start = time.monotonic()
-        cpu_start, load_start = proc_cpu_s(edge.p.pid), host_load.sample(edge.p.pid)
-        child_cpu_start = children_cpu_s(edge.p.pid)
+        cpu_start, load_start = host_load.proc_cpu_s(edge.p.pid), host_load.sample(edge.p.pid)
+        child_cpu_start = host_load.children_cpu_s(edge.p.pid)
         t_end, next_note, last_mtime = t_start + args.duration, t_start + min(10.0, args.duration / 4), 0.0
         while time.monotonic() < t_end:
             time.sleep(0.25)
@@ -572,8 +545,8 @@ def run(args: argparse.Namespace) -> int:
                     f"{n}:{c['admitted']}/{c['deadline_misses']}m" for n, c in now.items()))
         # the window closes here for every figure: the robots' and the edge's stats as last written (at most
         # --stats-every-s old), the edge's CPU time now; before anything stops (no shutdown holds or drains)
-        cpu_end, t_window = proc_cpu_s(edge.p.pid), time.monotonic() - t_start
-        child_cpu_end = children_cpu_s(edge.p.pid)
+        cpu_end, t_window = host_load.proc_cpu_s(edge.p.pid), time.monotonic() - t_start
+        child_cpu_end = host_load.children_cpu_s(edge.p.pid)
         machine = host_load.window(load_start, host_load.sample(edge.p.pid), t_window)
         robots_end = {n: _read_json(robot_stats[n]) for n in ns}
         edge_window_end = _read_json(edge_stats) or {}

@@ -74,6 +74,33 @@ def _process(pid: int) -> Optional[dict[str, Any]]:
     return out
 
 
+def proc_cpu_s(pid: int) -> Optional[float]:
+    """CPU time (user + system, s) of process ``pid`` so far, from Linux /proc; None elsewhere or once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def children_cpu_s(pid: int) -> Optional[float]:
+    """CPU time of ``pid``'s child processes alive now (the fleet edge's camera process, its resource tracker),
+    from /proc; None where there is no /proc."""
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return None
+    total = 0.0
+    for e in entries:
+        try:
+            stat = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[1]) == pid:  # ppid (field 4)
+            total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def sample(pid: Optional[int] = None) -> dict[str, Any]:
     """The counters now (cumulative: a window is the difference of two samples, ``window``)."""
     jiffies = _cpu_jiffies()
