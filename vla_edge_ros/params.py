@@ -86,7 +86,7 @@ PARAMS: tuple[ParamSpec, ...] = (
               CAMERA, min=1, max=1 << 31),
     ParamSpec("frozen_frame_limit", int, 30, "identical frames in a row that flag a frozen camera, once "
               "still for 3x its usual duration (0 = off)", CAMERA, min=0, max=1000000, live=True, applies="next frame"),
-    ParamSpec("hold_on_frozen", bool, False, "treat a frozen camera as stale (the action publisher holds)",
+    ParamSpec("hold_on_frozen", bool, False, "a frozen camera is stale (the robot holds)",
               CAMERA, live=True, applies="next frame"),
     # ---- inference ----------------------------------------------------------------------------------------
     ParamSpec("checkpoint", str, "", "HF-layout checkpoint directory (config.json + *.safetensors); empty = "
@@ -139,7 +139,7 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("fleet_max_batch", int, 8, "robots per batched pass, at most", INFERENCE, min=1, max=64),
     ParamSpec("fleet_camera_process", bool, True, "fleet edge: cameras in a child process, off the loop's GIL",
               INFERENCE),
-    ParamSpec("fleet_frame_bytes", int, 921600, "fleet camera process: largest RGB frame (more: rejected)",
+    ParamSpec("fleet_frame_bytes", int, 921600, "camera process: largest RGB frame (more: rejected)",
               INFERENCE, min=1024, max=1 << 30),
     ParamSpec("fleet_starvation_limit", int, 3, "capacity refusals before a robot goes first (0 off)",
               INFERENCE, min=0, max=1000),
