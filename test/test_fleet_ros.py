@@ -4,7 +4,8 @@ monitor node in this process recording every robot's action stream and /diagnost
 
 r2's camera process is stopped (its stream stalls): r1 and r3 keep fresh actions flowing, r2's robot holds every
 tick. Then r3's robot process is killed and restarted: r1 keeps fresh actions through it and r3 resumes. Every
-robot's tick numbers stay contiguous (per robot process). Timing figures are bounded loosely (one 2-core host runs
+robot's tick numbers stay contiguous (per robot process). The edge's camera process killed: restarted, every
+robot ticks through it and fresh actions come back. Timing figures are bounded loosely (one 2-core host runs
 all of it, see test_split.py), the functional ones strictly. Also: the fleet-only refusals (backend cuda, role all)
 and the pure helpers (namespace parsing, the command-line values, per-robot diagnostics levels).
 """
@@ -38,7 +39,7 @@ class FleetMonitor:
     """Every robot's action kinds and tick numbers (receive time, monotonic) and the latest per-robot statuses
     of /diagnostics, recorded by one node of this process."""
 
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, robots=ROBOTS) -> None:
         import rclpy
         from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
         from rclpy.executors import SingleThreadedExecutor
@@ -47,10 +48,11 @@ class FleetMonitor:
         from vla_edge_ros.ros import conversions, qos
 
         self.node = rclpy.create_node("fleet_test_monitor", context=ctx)
-        self.actions: dict[str, list] = {ns: [] for ns in ROBOTS}  # (t, kind)
-        self.ticks: dict[str, list] = {ns: [] for ns in ROBOTS}  # (t, tick, kind)
+        self.actions: dict[str, list] = {ns: [] for ns in robots}  # (t, kind)
+        self.ticks: dict[str, list] = {ns: [] for ns in robots}  # (t, tick, kind)
         self.diag: dict[str, tuple] = {}  # status name -> (t, level, message)
-        for ns in ROBOTS:
+        self.diag_log: list[tuple] = []  # every per-robot status: (t, name, level, message, values)
+        for ns in robots:
             self.node.create_subscription(JointState, f"/{ns}/vla/action",
                                           lambda m, ns=ns: self.actions[ns].append((time.monotonic(),
                                                                                     m.header.frame_id)),
@@ -72,6 +74,8 @@ class FleetMonitor:
             if "[" in st.name:  # the fleet's per-robot statuses
                 level = st.level if isinstance(st.level, int) else int.from_bytes(st.level, "little")
                 self.diag[st.name] = (time.monotonic(), level, st.message)
+                self.diag_log.append((time.monotonic(), st.name, level, st.message,
+                                      {kv.key: kv.value for kv in st.values}))
 
     def fresh(self, ns: str, t0: float, t1: float = float("inf")) -> int:
         return sum(1 for t, kind in list(self.actions[ns]) if t0 < t < t1 and kind == "fresh")
@@ -179,6 +183,79 @@ def test_fleet_edge_serves_three_robots_through_a_stall_and_a_robot_restart(tmp_
     assert loop["totals"]["errors"] == 0 and loop["batch_failures"] == 0, (loop["totals"], loop["last_error"])
     print(f"fleet test: batch sizes {loop['batch_sizes']}, pass ms {loop['pass_ms']}, per robot "
           f"{ {ns: s['robots'][ns] for ns in ROBOTS} }")
+
+
+def camera_child_of(pid: int) -> int:
+    """The pid of the fleet edge's camera process: its child started by multiprocessing's spawn (the other child,
+    the resource tracker, runs ``resource_tracker``)."""
+    import os
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if int(stat[1]) == pid and b"spawn_main" in cmdline:
+            return int(entry)
+    return 0
+
+
+def test_the_edges_camera_process_killed_is_an_error_then_restarted_and_every_robot_ticks_through_it(
+        tmp_path, ros_processes):
+    """The fleet edge's cameras run in a child process (ros/fleet_cameras.py). Killing that child (SIGKILL, the
+    worst case) leaves the edge serving: every robot's action stream goes on tick by tick (it holds while no frame
+    comes), /diagnostics shows the camera process restarted (a new pid, ``camera_process_restarts`` 1; the ERROR
+    while it is down: test_fleet_cameras.py) and fresh actions come back for every robot."""
+    import os
+    import signal
+
+    robots2 = ("r1", "r2")
+    procs = ros_processes
+    stats = {ns: tmp_path / f"robot_{ns}.json" for ns in robots2}
+    with rclpy_context(procs.domain_id, procs.home) as ctx:
+        mon = FleetMonitor(ctx, robots2)
+        try:
+            robots = {ns: procs.start_cmd(robot_cmd(ns, stats[ns]), name=f"robot_{ns}") for ns in robots2}
+            cameras = {ns: procs.camera("-r", f"__ns:=/{ns}", "-p", f"topic:=/{ns}/camera/image_raw",
+                                        "-p", "width:=160", "-p", "height:=120", "-p", "rate_hz:=15.0",
+                                        name=f"camera_{ns}") for ns in robots2}
+            edge = procs.start_cmd(["nice", "-n", "19"] + runtime_cmd(
+                "-p", "robot_namespaces:=r1,r2", "-p", "kv_budget_tokens:=128", "-p", "deadline_ms:=100.0",
+                role="edge", stats_out=tmp_path / "edge.json"), name="edge")
+            assert wait_for(lambda: all(mon.fresh(ns, 0.0) > 20 for ns in robots2) or not edge.alive(), 120.0), \
+                ({ns: mon.fresh(ns, 0.0) for ns in robots2}, edge.output()[-3000:])
+            child = camera_child_of(edge.p.pid)
+            assert child, edge.output()[-2000:]
+            t_kill = time.monotonic()
+            os.kill(child, signal.SIGKILL)
+
+            def restarted():
+                return [v for t, name, _, _, v in list(mon.diag_log) if t > t_kill and name.startswith("vla_camera")
+                        and v.get("camera_process_restarts") == "1" and v.get("camera_process_alive") == "True"]
+
+            assert wait_for(lambda: len(restarted()) >= 2, 30.0), (mon.diag_log[-4:], edge.output()[-3000:])
+            assert {v["camera_process_pid"] for v in restarted()} == {str(camera_child_of(edge.p.pid))} != {str(child)}
+            t_back = time.monotonic()
+            assert wait_for(lambda: all(mon.fresh(ns, t_back) > 10 for ns in robots2), 60.0), \
+                ({ns: runs(mon.kinds(ns, t_kill)) for ns in robots2}, edge.output()[-3000:])
+            t_end = time.monotonic()
+            assert all(p.alive() for p in (edge, *robots.values(), *cameras.values()))
+            codes = procs.stop(edge, *cameras.values(), *robots.values())
+            assert set(codes.values()) == {0}, (codes, edge.output()[-3000:])
+        finally:
+            mon.close()
+
+    assert "exited (exit code -9)" in edge.output(), edge.output()[-3000:]
+    # every tick of each robot reached the monitor, in order, through the outage: one process each, no gap
+    for ns in robots2:
+        segments = tick_segments(mon.ticks[ns])
+        assert len(segments) == 1 and segments[0] == list(range(segments[0][0], segments[0][0] + len(segments[0]))), \
+            (ns, [(s[0], s[-1], len(s)) for s in segments])
+        assert mon.fresh(ns, 0.0, t_kill) > 20 and mon.fresh(ns, t_back, t_end) > 10
+        a = read_json(stats[ns])["action"]
+        assert a["publish_errors"] == 0 and a["fresh_msgs_rejected"] == 0, (ns, a)
 
 
 @pytest.mark.parametrize("role,backend,expect", [
