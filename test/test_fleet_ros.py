@@ -357,7 +357,7 @@ def test_fleet_camera_defers_jpeg_and_yuv_decoding_to_the_taker_and_counts_a_lat
     from vla_edge_ros.core.double_buffer import DoubleBuffer
     from vla_edge_ros.ros.camera_node import CameraFrame
     from vla_edge_ros.ros.conversions import ns_to_stamp
-    from vla_edge_ros.ros.fleet_node import DeferredFrame, FleetCameraNode
+    from vla_edge_ros.ros.fleet_camera_node import DeferredFrame, FleetCameraNode
 
     rng = np.random.default_rng(3)
     rgb = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)

@@ -90,7 +90,7 @@ PARAMS: tuple[ParamSpec, ...] = (
               CAMERA, live=True, applies="next frame"),
     # ---- inference ----------------------------------------------------------------------------------------
     ParamSpec("checkpoint", str, "", "HF-layout checkpoint directory (config.json + *.safetensors); empty = "
-              "the embedded tiny default, generated on first use", INFERENCE),
+              "the embedded tiny default", INFERENCE),
     ParamSpec("backend", str, "auto", "auto picks cuda when PyCUDA imports and a GPU is present, else numpy",
               INFERENCE, choices=BACKENDS),
     ParamSpec("instruction", str, "pick up the object", "language instruction, encoded as the pinned KV prefix",
