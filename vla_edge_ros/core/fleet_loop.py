@@ -47,6 +47,7 @@ from vla_edge_ros.core.admission import CycleClock
 from vla_edge_ros.core.double_buffer import DoubleBuffer
 from vla_edge_ros.core.fleet_contract import BatchRequest, FleetEngine  # noqa: F401  (re-exported)
 from vla_edge_ros.core.fleet_scheduler import BAD_DEADLINE, CAPACITY, DEADLINE, UNKNOWN, BatchPlan, FleetScheduler
+from vla_edge_ros.core.fleet_warmup import WARMUP_PREFIX, warm_up
 from vla_edge_ros.core.image_convert import ImageRejected
 from vla_edge_ros.core.inference_loop import cosine_distance
 from vla_edge_ros.core.loop_settings import check_loop_values
@@ -54,7 +55,6 @@ from vla_edge_ros.core.metrics import CumulativeHistogram, LatencyStats
 from vla_edge_ros.core.pass_profile import PassProfile
 
 DELIVERED, LATE, ERROR, BAD_FRAME, REFUSED = "delivered", "late_discarded", "error", "bad_frame", "refused"
-WARMUP_PREFIX = "__warmup"  # names of warm-up's synthetic robots (reserved)
 COUNTERS = ("frames_taken", "admitted", "frames_run", "actions_delivered", "deadline_misses", "late_discarded",
             "errors", "bad_frames", "retried", "dropped_while_paused", "salient_frames", "callback_errors",
             *(f"refused_{reason}" for reason in (DEADLINE, CAPACITY, BAD_DEADLINE, UNKNOWN)))
@@ -434,48 +434,13 @@ class FleetLoop:
 
     # ---- warm-up ------------------------------------------------------------------------------------------
     def warmup(self, n: int = 3, image_shape: tuple[int, int, int] = (480, 640, 3)) -> dict[str, Any]:
-        """Run ``n`` batches of every size 1..max_batch on synthetic robots and a seeded synthetic image, and
-        record their costs in the scheduler, before ``start``. Why every size: a size never measured is
-        extrapolated conservatively (above the largest measured size L, L's cost times m / L), and sizes that
-        look too expensive are refused, so never measured: without warm-up the fleet batches less than it
-        could. The first batch of each size is left out when n >= 2 (one-off allocation / graph capture)."""
+        """Every batch size measured before ``start`` (core/fleet_warmup.py says how and why)."""
         if n < 0:
             raise ValueError(f"warmup batch count must be >= 0, got {n}")
         if self.running:
             raise RuntimeError("warmup() must run before start(): the engine belongs to one thread")
-        image = np.random.default_rng(0).integers(0, 256, size=image_shape, dtype=np.uint8)
-        names = [f"{WARMUP_PREFIX}{i}" for i in range(self.scheduler.max_batch)]
-        added, figures = [], {}
-        try:
-            for name in names:
-                self.engine.add_robot(name)
-                added.append(name)
-            frame_id = 0  # warm-up frames count down from -1, one id per frame: a robot's KV cache keeps its
-            for m in range(1, len(names) + 1):  # frames across sizes and refuses an id it already holds
-                passes = []
-                for _ in range(n):
-                    t0 = self._clock_ns()
-                    frame_id -= 1
-                    requests = {k: BatchRequest(self.engine.encode_frame(image), frame_id, False) for k in names[:m]}
-                    results = self.engine.run_batch(requests)
-                    wall_ms = (self._clock_ns() - t0) / 1e6
-                    failed = {k: repr(results.get(k)) for k in requests
-                              if results.get(k) is None or isinstance(results.get(k), BaseException)}
-                    if failed:
-                        raise RuntimeError(f"warm-up batch of {m} failed: {failed}")
-                    prefill_ms, decode_ms = self._engine_timing(wall_ms)
-                    passes.append((prefill_ms, decode_ms, wall_ms - prefill_ms - decode_ms))
-                for prefill_ms, decode_ms, host_ms in passes[1:] if n >= 2 else passes:
-                    self.scheduler.record(m, prefill_ms, decode_ms, self.engine.decode_steps, host_ms)
-                figures[str(m)] = {"pass_ms": [sum(p) for p in passes],
-                                   "estimate_ms": self.scheduler.cost_model.estimate_ms(m, self.engine.decode_steps)}
-        finally:
-            for name in added:
-                try:
-                    self.engine.remove_robot(name)
-                except Exception as exc:
-                    self._emit(name, "robot_remove_failed", {"error": f"{type(exc).__name__}: {exc}"})
-        self.warmup_figures = {"batches_per_size": n, "by_batch_size": figures}
+        self.warmup_figures = warm_up(self.engine, self.scheduler, n, image_shape, self._clock_ns,
+                                      self._engine_timing, self._emit)
         self._emit(None, "warmup_done", dict(self.warmup_figures))
         return self.warmup_figures
 
