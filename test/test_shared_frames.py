@@ -455,3 +455,26 @@ def test_attaching_to_an_empty_file_raises_value_error(tmp_path):
     path.write_bytes(b"")
     with pytest.raises(ValueError):
         SharedFrameBuffer.attach(str(path), CTX.Lock())
+
+
+def test_a_full_shm_fails_at_create_with_the_reason_and_leaves_no_file(monkeypatch):
+    """posix_fallocate at creation: a /dev/shm too small for the slots fails then, with what to do, instead of a
+    SIGBUS in the writer at its first large frame."""
+    import errno
+    import os
+
+    from vla_edge_ros.core import shared_frames
+
+    def frame_files() -> set:
+        return {f for f in os.listdir(shared_frames._shm_dir()) if f.startswith("vla_frames_")}
+
+    before = frame_files()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shared_frames.os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="cannot allocate .* MiB for a shared frame buffer") as info:
+        SharedFrameBuffer.create(640 * 480 * 3, CTX.Lock())
+    assert info.value.errno == errno.ENOSPC
+    assert frame_files() - before == set()
