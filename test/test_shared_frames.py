@@ -241,6 +241,36 @@ def test_wrong_dtype_or_rank_raises_value_error_and_publishes_nothing(buffers, b
     assert reader.stats()["too_large"] == 0
 
 
+def test_a_lock_renewed_while_held_is_released_as_taken(buffers):
+    """The supervisor may renew a buffer's lock while the reader or writer holds the old one: each release goes
+    to the lock that was taken (releasing the new, untaken one raised ValueError), and the next swap uses the new."""
+    old, new = CTX.Lock(), CTX.Lock()
+    reader, writer = buffers(slot_bytes=256, lock=old)
+
+    class RenewedWhileHeld:  # the old lock, but taking it makes both sides switch to the new one
+        def acquire(self, block=True, timeout=None):
+            ok = old.acquire(block, timeout)
+            reader.renew_lock(new)
+            writer.renew_lock(new)
+            return ok
+
+        def release(self):
+            old.release()
+
+    writer.renew_lock(RenewedWhileHeld())
+    assert writer.write(frame(img(5), stamp_ns=5)) == 1
+    assert writer.spec()[1] is new
+    assert old.acquire(timeout=0.1) and new.acquire(timeout=0.1)  # both free: the old one was released as taken
+    old.release()
+    new.release()
+    reader.renew_lock(RenewedWhileHeld())
+    seq, f = reader.read_latest_with_seq()
+    assert seq == 1 and (f.image == 5).all()
+    assert old.acquire(timeout=0.1) and new.acquire(timeout=0.1)
+    old.release()
+    new.release()
+
+
 # ---- 5: a lock held elsewhere -------------------------------------------------------------------------------------------
 def test_lock_held_elsewhere_times_out_then_renewed_lock_recovers(buffers):
     stuck = CTX.Lock()

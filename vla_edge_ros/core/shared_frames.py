@@ -40,7 +40,7 @@ HEADER_WORDS = 64  # int64 words before the slots' metadata
 SLOT_META_WORDS = 8  # seq, stamp_ns, received_ns, height, width, channels, nbytes, id_len
 FRAME_ID_BYTES = 128  # header.frame_id, utf-8, truncated
 # header words
-_MAGIC, _SLOT_BYTES, _LATEST, _WRITTEN, _READING, _READ, _LAST_READ, _GAPS, _TOO_LARGE, _WRITER_PID = range(10)
+_MAGIC, _SLOT_BYTES, _LATEST, _WRITTEN, _READING, _READ, _LAST_READ, _GAPS, _TOO_LARGE = range(9)
 _META = HEADER_WORDS
 _IDS = (HEADER_WORDS + SLOTS * SLOT_META_WORDS) * 8  # byte offset of the frame-id strings
 _DATA = _IDS + SLOTS * FRAME_ID_BYTES
@@ -90,7 +90,6 @@ class SharedFrameBuffer:
         self.slot_bytes = int(self._hdr[_SLOT_BYTES])
         self._data = np.frombuffer(self._mm, dtype=np.uint8, offset=_DATA, count=SLOTS * self.slot_bytes)
         self.lock_timeouts = 0  # this side's acquires that gave up (a lock held by a dead process)
-        self._written_here = 0  # writer side: frames this process wrote
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -144,12 +143,14 @@ class SharedFrameBuffer:
                 pass
 
     # ---- the index swaps ------------------------------------------------------------------------------------
-    def _acquire(self) -> bool:
+    def _acquire(self) -> Any:
+        """The lock, taken (release that same object: ``renew_lock`` may swap ``_lock`` meanwhile), or None when
+        it was not taken within ``lock_timeout_s`` (counted)."""
         lock = self._lock
         if lock.acquire(True, self.lock_timeout_s):
-            return True
+            return lock
         self.lock_timeouts += 1
-        return False
+        return None
 
     # ---- writer side ------------------------------------------------------------------------------------------
     def write(self, frame: Any) -> int:
@@ -164,13 +165,14 @@ class SharedFrameBuffer:
             raise FrameTooLarge(f"frame of {image.shape} is {image.nbytes} bytes, the shared buffer's slots hold "
                                 f"{self.slot_bytes}")
         hdr = self._hdr
-        if not self._acquire():
+        lock = self._acquire()
+        if lock is None:
             return 0
         try:
             taken = {int(hdr[_LATEST]), int(hdr[_READING])}
             slot = next(s for s in range(SLOTS) if s not in taken)
         finally:
-            self._lock.release()
+            lock.release()
         # the slot is neither the newest nor being read: nobody looks at it until it is published below
         h, w = image.shape[:2]
         c = image.shape[2] if image.ndim == 3 else 0
@@ -182,17 +184,16 @@ class SharedFrameBuffer:
         meta = _META + slot * SLOT_META_WORDS
         hdr[meta + 1:meta + SLOT_META_WORDS] = (int(frame.stamp_ns), int(getattr(frame, "received_ns", 0) or 0),
                                                 h, w, c, image.nbytes, len(ident))
-        if not self._acquire():
+        lock = self._acquire()
+        if lock is None:
             return 0
         try:
             seq = int(hdr[_WRITTEN]) + 1
             hdr[meta] = seq
             hdr[_LATEST] = slot
             hdr[_WRITTEN] = seq
-            hdr[_WRITER_PID] = os.getpid()
         finally:
-            self._lock.release()
-        self._written_here += 1
+            lock.release()
         return seq
 
     # ---- reader side ------------------------------------------------------------------------------------------
@@ -204,7 +205,8 @@ class SharedFrameBuffer:
         last_seq = int(hdr[_LAST_READ])
         if int(hdr[_WRITTEN]) <= last_seq:  # unlocked peek: nothing new (a stale read only delays to next cycle)
             return None
-        if not self._acquire():
+        lock = self._acquire()
+        if lock is None:
             return None
         try:
             slot = int(hdr[_LATEST])
@@ -213,7 +215,7 @@ class SharedFrameBuffer:
                 return None
             hdr[_READING] = slot
         finally:
-            self._lock.release()
+            lock.release()
         try:
             meta = _META + slot * SLOT_META_WORDS
             stamp, received, h, w, c, nbytes, id_len = (int(x) for x in hdr[meta + 1:meta + SLOT_META_WORDS])
@@ -222,9 +224,10 @@ class SharedFrameBuffer:
             image = self._data[start:start + nbytes].reshape(shape).copy()
             ident = bytes(self._mm[_IDS + slot * FRAME_ID_BYTES:_IDS + slot * FRAME_ID_BYTES + id_len])
         finally:
-            if self._acquire():
+            lock = self._acquire()
+            if lock is not None:
                 hdr[_READING] = -1
-                self._lock.release()
+                lock.release()
             # else: the slot stays marked as read; the writer still has the third one, and a renewed lock clears it
         hdr[_READ] += 1  # reader-owned words
         hdr[_GAPS] += seq - last_seq - 1
@@ -247,9 +250,10 @@ class SharedFrameBuffer:
 
     def clear_reading(self) -> None:
         """After ``renew_lock``: a read interrupted by the old lock leaves its slot marked; free it."""
-        if self._acquire():
+        lock = self._acquire()
+        if lock is not None:
             self._hdr[_READING] = -1
-            self._lock.release()
+            lock.release()
 
     # ---- counters (DoubleBuffer's, from either process) -----------------------------------------------------
     @property
