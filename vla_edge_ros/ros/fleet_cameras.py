@@ -24,7 +24,6 @@ The child builds its own rclpy context; nothing of the parent's is shared but th
 """
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 import signal
@@ -94,7 +93,7 @@ class FleetCameraProcess:
         self._conn = None
         self._reports: dict[str, dict] = {}
         self._report_lock = threading.Lock()  # poll() runs on a timer, snapshot() on the diagnostics threads
-        self.started = self.restarts = 0
+        self.started = self.restarts = 0  # starts in all (the first and every restart), and restarts
         self.last_exit: Optional[str] = None
         self.last_report_at: Optional[float] = None
         self._restart_times: list[float] = []
@@ -129,9 +128,9 @@ class FleetCameraProcess:
             self.last_exit = f"exit code {self._proc.exitcode}"
             self.error(f"fleet cameras: process {self._proc.pid} exited ({self.last_exit}): every robot's camera "
                        "is down until it is restarted")
-        recent = [t for t in self._restart_times if now - t < RESTART_BACKOFF_S]
-        if len(recent) >= 2 and now - recent[-1] < RESTART_BACKOFF_S:
-            return  # backing off: restarts came too fast
+        self._restart_times = [t for t in self._restart_times if now - t < RESTART_BACKOFF_S]
+        if len(self._restart_times) >= 2:
+            return  # backing off: two restarts within RESTART_BACKOFF_S already
         self._restart(now)
 
     def _restart(self, now: float) -> None:
@@ -141,7 +140,7 @@ class FleetCameraProcess:
             buf.clear_reading()
         with self._report_lock:
             self._reports = {}
-        self._restart_times = [t for t in self._restart_times if now - t < RESTART_BACKOFF_S] + [now]
+        self._restart_times.append(now)
         self.restarts += 1
         self.start()
         self.last_exit = None
@@ -299,13 +298,12 @@ def _spin(ex) -> None:
 
 
 def _plain(x: Any) -> Any:
-    """A snapshot as plain picklable values (NaN kept: the diagnostics format it)."""
+    """A snapshot as plain Python values: numpy scalars made Python numbers (the edge's stats JSON would write a
+    numpy integer as a string); NaN stays (the diagnostics format it)."""
     if isinstance(x, dict):
         return {str(k): _plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return x
     if hasattr(x, "item") and callable(x.item):  # numpy scalars
         return x.item()
     return x
