@@ -14,16 +14,15 @@ order, with SIGINT (killed when they do not exit).
 
 Figures over that window (every process's stats as the window closes, before anything stops), per robot: chunks
 admitted / refused / deadline misses and the miss rate (the edge's per-robot fleet-loop counters), chunk latency
-p50 / p99 (from the edge's cumulative histograms: the window's chunks only), ticks fresh / repeat / hold and the
-fresh share (the robot process's own stats), its KV cache bytes (VRAM with backend cuda, host memory with
-numpy); frames published / received are the whole replay's. For the edge: batch sizes, pass time and the host
-part of each decision-to-results time (core/fleet_scheduler.py's cost model: its parts per batch size as the
-window ended), the edge process's CPU time per second (Linux /proc), its fleet loop thread's share and its child
-processes' (the fleet's camera process), weights and engine peak bytes; the figures and table are
-bench/fleet_report.py's. Verdict: every robot's miss rate <= 0.1 % and every robot got fresh actions. Output: a table on stdout and in
-``<out>/fleet_replay.md``, everything in ``<out>/fleet_replay.json``, logs in ``<out>/logs``. Exit code 0 when
-the run worked (the verdict is reported, not returned); 1 when a process crashed or wrote no stats; 2 for bad
-arguments.
+p50 / p99 (from the edge's cumulative histograms: the window's chunks only), ticks fresh / repeat / hold and the fresh
+share (the robot process's own stats), its KV cache bytes (VRAM with backend cuda, host memory with numpy); frames
+published / received are the whole replay's. For the edge: batch sizes, pass time and the host part of each
+decision-to-results time (core/fleet_scheduler.py's cost model: its parts per batch size as the window ended), the
+edge process's CPU time per second (Linux /proc), its fleet loop thread's share and its child processes' (the
+fleet's camera process), weights and engine peak bytes; the figures and table are bench/fleet_report.py's. Verdict:
+every robot's miss rate <= 0.1 % and every robot got fresh actions. Output: a table on stdout and in
+``<out>/fleet_replay.md``, everything in ``<out>/fleet_replay.json``, logs in ``<out>/logs``. Exit code 0 when the
+run worked (the verdict is reported, not returned); 1 when a process crashed or wrote no stats; 2 for bad arguments.
 """
 from __future__ import annotations
 

@@ -7,12 +7,12 @@ node (a subclass: the same lifecycle transitions, RCLError guard, sticky / recov
 ``vla_inference``, so lifecycle tools and the ``vla_inference`` section of a params file work unchanged) with:
 
 - per robot ``<ns>``: a camera node named ``/<ns>/vla_camera`` (camera_node.CameraNode's validation, stall /
-  liveliness / frozen detection and figures) subscribing ``/<ns><camera_topic>`` into the robot's own frame
-  buffer, in the cameras' own process (ros/fleet_cameras.py, the default) or in this one (below), and a fresh-action publisher on
-  ``/<ns><fresh_action_topic>`` with the message and
-  QoS of the single edge, so ``vla_runtime --role robot`` runs unchanged on each robot (docs/OPERATIONS.md "One
-  edge, many robots"); the camera nodes take the camera values given to ``vla_camera`` (the runtime passes them)
-  and are spun by the runtime like any node;
+  liveliness / frozen detection and figures) subscribing ``/<ns><camera_topic>`` into the robot's own frame buffer,
+  in the cameras' own process (ros/fleet_cameras.py, the default) or in this one (below), and a fresh-action
+  publisher on ``/<ns><fresh_action_topic>`` with the message and QoS of the single edge, so
+  ``vla_runtime --role robot`` runs unchanged on each robot (docs/OPERATIONS.md "One edge, many robots"); the
+  camera nodes take the camera values given to ``vla_camera`` (the runtime passes them) and are spun by the
+  runtime like any node;
 - one batched engine (backend numpy: engine/fleet_numpy.FleetNumpyEngine; cuda: engine/cuda/fleet.FleetCudaEngine,
   a KV region per listed robot; one copy of the weights either way), one FleetScheduler (per-robot deadline
   admission, earliest deadline first, starvation counted and promoted) and one FleetLoop (its own thread).
