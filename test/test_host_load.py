@@ -45,4 +45,7 @@ def test_a_live_sample_of_this_process():
     assert s["cpus"] >= 1
     if s["process"] is not None:  # Linux
         assert s["process"]["voluntary_switches"] >= 0
+        assert s["process"]["cpu_s"] > 0 and s["process"]["children_cpu_s"] >= 0  # the edge's CPU, one reading
+        w = host_load.window(s, host_load.sample(os.getpid()), 1.0)
+        assert w["process"]["cpu_s_per_s"] >= 0 and "children_cpu_s_per_s" in w["process"]
     assert host_load.sample(None)["process"] is None

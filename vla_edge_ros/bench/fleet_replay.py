@@ -318,8 +318,7 @@ def run(args: argparse.Namespace) -> int:
         robots_start = {n: _read_json(robot_stats[n]) or {} for n in ns}
         _say(f"frames flowing; measuring {args.duration:g} s")
         t_start = time.monotonic()
-        cpu_start, load_start = host_load.proc_cpu_s(edge.p.pid), host_load.sample(edge.p.pid)
-        child_cpu_start = host_load.children_cpu_s(edge.p.pid)
+        load_start = host_load.sample(edge.p.pid)  # the machine's CPU, and the edge's own and its children's
         t_end, next_note, last_mtime = t_start + args.duration, t_start + min(10.0, args.duration / 4), 0.0
         while time.monotonic() < t_end:
             time.sleep(0.25)
@@ -337,15 +336,15 @@ def run(args: argparse.Namespace) -> int:
                     f"{n}:{c['admitted']}/{c['deadline_misses']}m" for n, c in now.items()))
         # the window closes here for every figure: the robots' and the edge's stats as last written (at most
         # --stats-every-s old), the edge's CPU time now; before anything stops (no shutdown holds or drains)
-        cpu_end, t_window = host_load.proc_cpu_s(edge.p.pid), time.monotonic() - t_start
-        child_cpu_end = host_load.children_cpu_s(edge.p.pid)
-        machine = host_load.window(load_start, host_load.sample(edge.p.pid), t_window)
+        load_end, t_window = host_load.sample(edge.p.pid), time.monotonic() - t_start
+        machine = host_load.window(load_start, load_end, t_window)
         robots_end = {n: _read_json(robot_stats[n]) for n in ns}
         edge_window_end = _read_json(edge_stats) or {}
-        if cpu_start is not None and cpu_end is not None:
-            edge_cpu = {"cpu_s": cpu_end - cpu_start, "window_s": t_window}
-            if child_cpu_start is not None and child_cpu_end is not None:
-                edge_cpu["children_cpu_s"] = child_cpu_end - child_cpu_start
+        p0, p1 = load_start.get("process") or {}, load_end.get("process") or {}
+        if "cpu_s" in p0 and "cpu_s" in p1:
+            edge_cpu = {"cpu_s": p1["cpu_s"] - p0["cpu_s"], "window_s": t_window}
+            if "children_cpu_s" in p0 and "children_cpu_s" in p1:
+                edge_cpu["children_cpu_s"] = p1["children_cpu_s"] - p0["children_cpu_s"]
     except RuntimeError as exc:
         errors.append(str(exc))
     except KeyboardInterrupt:

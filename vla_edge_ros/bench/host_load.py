@@ -53,7 +53,8 @@ def _cgroup() -> Optional[dict[str, Any]]:
 
 
 def _process(pid: int) -> Optional[dict[str, Any]]:
-    """Context switches of ``pid`` and its threads' summed run-queue time (schedstat), ms."""
+    """Context switches of ``pid``, its threads' summed run-queue time (schedstat, ms), its CPU time and its
+    children's (s)."""
     status = _read(f"/proc/{pid}/status")
     if status is None:
         return None
@@ -71,15 +72,30 @@ def _process(pid: int) -> Optional[dict[str, Any]]:
             runq, seen = runq + int(fields[1]), seen + 1
     if seen:
         out["runq_ms"] = runq / 1e6
+    for key, value in (("cpu_s", proc_cpu_s(pid)), ("children_cpu_s", children_cpu_s(pid))):
+        if value is not None:  # a window gives them per second, as the counters above
+            out[key] = value
     return out
+
+
+def _stat_fields(pid: Any) -> Optional[list[str]]:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, ...), None once gone or without /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _cpu_s(fields: list[str]) -> float:
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
 def proc_cpu_s(pid: int) -> Optional[float]:
     """CPU time (user + system, s) of process ``pid`` so far, from Linux /proc; None elsewhere or once gone."""
+    fields = _stat_fields(pid)
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
-    except (OSError, IndexError, ValueError):
+        return None if fields is None else _cpu_s(fields)
+    except (IndexError, ValueError):
         return None
 
 
@@ -92,12 +108,9 @@ def children_cpu_s(pid: int) -> Optional[float]:
         return None
     total = 0.0
     for e in entries:
-        try:
-            stat = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(stat[1]) == pid:  # ppid (field 4)
-            total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+        fields = _stat_fields(e)
+        if fields is not None and int(fields[1]) == pid:  # ppid (field 4)
+            total += _cpu_s(fields)
     return total
 
 
