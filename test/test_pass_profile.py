@@ -117,3 +117,27 @@ def test_run_queue_time_per_stage_where_the_kernel_gives_it():
     assert "encode 50.0/2.0/45.0" in lines[1] and "runq 45." in lines[0]
     got = thread_runq_ns()
     assert got is None or got >= 0  # Linux: this thread's own figure
+
+
+def test_the_schedstat_file_of_a_thread_is_closed_when_the_thread_ends():
+    """thread_runq_ns keeps one descriptor per thread: a loop thread started again and again (lifecycle) must not
+    leave one behind each time."""
+    import gc
+    import os
+    import sys
+    import threading
+
+    from vla_edge_ros.core.pass_profile import thread_runq_ns
+
+    if not sys.platform.startswith("linux") or thread_runq_ns() is None:
+        pytest.skip("no readable /proc/thread-self/schedstat")
+    before = len(os.listdir("/proc/self/fd"))
+    got = []
+    for _ in range(20):
+        th = threading.Thread(target=lambda: got.append((thread_runq_ns(), len(os.listdir("/proc/self/fd")))))
+        th.start()
+        th.join()
+    gc.collect()
+    assert len(got) == 20 and all(v is not None for v, _ in got)
+    assert max(n for _, n in got) > before  # each thread had its own file open while it ran
+    assert len(os.listdir("/proc/self/fd")) <= before  # and none is left

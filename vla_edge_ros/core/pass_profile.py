@@ -36,7 +36,18 @@ KINDS = ("wall_ms", "cpu_ms", "runq_ms")
 RUNQ_PROBE_PASSES = 256  # passes after which a run-queue time that never moved is no longer read
 
 
-_schedstat = threading.local()  # per thread: its own schedstat file, opened once (one pread per reading)
+class _ThreadSchedstat:
+    """The calling thread's schedstat file, open while the thread lives: closed when its thread-local goes with
+    the thread (a loop restarted by lifecycle transitions must not leak one descriptor per thread)."""
+
+    def __init__(self) -> None:
+        self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
+_schedstat = threading.local()  # per thread: its own _ThreadSchedstat, opened once (one pread per reading)
 
 
 def thread_runq_ns() -> Optional[int]:
@@ -44,10 +55,10 @@ def thread_runq_ns() -> Optional[int]:
     that is not readable. One pread on a file kept open per thread: open + read + close on every stage mark was
     11 % of the fleet loop's samples in a sandboxed kernel's replay (py-spy, session 22)."""
     try:
-        fd = getattr(_schedstat, "fd", None)
-        if fd is None:
-            fd = _schedstat.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        return int(os.pread(fd, 128, 0).split()[1])
+        f = getattr(_schedstat, "file", None)
+        if f is None:
+            f = _schedstat.file = _ThreadSchedstat()
+        return int(os.pread(f.fd, 128, 0).split()[1])
     except (OSError, IndexError, ValueError):
         return None
 
