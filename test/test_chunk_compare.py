@@ -8,6 +8,7 @@ import json
 import pytest
 
 from vla_edge_ros.bench import chunk_compare as C
+from vla_edge_ros.bench.eval_grid import wilson_interval
 
 
 @pytest.fixture
@@ -101,3 +102,48 @@ def test_run_cells_runs_every_command_at_most_jobs_at_a_time(tmp_path, capsys):
     assert spans[2][0] >= min(spans[0][1], spans[1][1]) - 0.05  # the third started only after one had finished
     out = capsys.readouterr().out
     assert out.count(" done ") == 3 and "(exit 1): its row says why" in out
+
+
+def test_splits_give_each_cell_seed_ranges_run_side_by_side_in_their_own_domains(checkpoints, tmp_path):
+    assert C.seed_splits(0, 10, 3) == [(0, 4), (4, 4), (8, 2)]
+    assert C.seed_splits(5, 2, 4) == [(5, 1), (6, 1)]  # never an empty range
+    base = ["--single-checkpoint", checkpoints["single"], "--chunk-checkpoint", checkpoints["chunk"],
+            "--latencies", "0,200", "--episodes", "10", "--seed-start", "100", "--domain-id", "20"]
+    cmds = C.cells(C.parse_args(base + ["--jobs", "30", "--splits", "3"]), list(C.SCHEMES), tmp_path)
+    assert len(cmds) == 2 * 3 * len(C.SCHEMES)
+    blend0 = [c for c in cmds if str(tmp_path / "async_blend" / "inj0.s") in c[c.index("--out") + 1]]
+    assert sorted((int(c[c.index("--seed-start") + 1]), int(c[c.index("--episodes") + 1])) for c in blend0) == [
+        (100, 4), (104, 4), (108, 2)]
+    assert len({c[c.index("--domain-id") + 1] for c in cmds}) == len(cmds)
+    with pytest.raises(ValueError, match="--splits needs --jobs"):
+        C.cells(C.parse_args(base + ["--splits", "2"]), list(C.SCHEMES), tmp_path)
+    with pytest.raises(ValueError, match="last domain id 232"):
+        C.cells(C.parse_args(base + ["--jobs", "30", "--splits", "3", "--domain-id", "220"]), list(C.SCHEMES),
+                tmp_path)
+
+
+def test_a_cells_seed_ranges_add_up_into_one_row(tmp_path):
+    def write(name, inj, episodes, successes, jerk, fresh, p99, admitted, status="ok"):
+        d = tmp_path / "async_latest" / name
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps({"rows": [{
+            "setting": {"inject_ms": inj}, "status": status, "error": None if status == "ok" else "sim died",
+            "episodes": episodes, "successes": successes, "success_rate": successes / episodes,
+            "success_ci95": [0, 1], "jerk_sq_mean": jerk, "success_steps_mean": 60.0 if successes else None,
+            "shares": {"fresh": fresh, "repeat": 1 - fresh, "hold": 0.0},
+            "runtime": {"latency_ms": {"p50": 5.0, "p99": p99},
+                        "chunks": {"admitted": admitted, "refused": 1, "deadline_misses": 0}}}]}))
+    write("inj0.s0", 0, 6, 3, 1.0, 0.5, 9.0, 100)
+    write("inj0.s6", 0, 4, 4, 2.0, 0.0, 12.0, 50)
+    write("inj100.s0", 100, 6, 0, 1.0, 0.5, 9.0, 100)
+    write("inj100.s6", 100, 4, 1, 1.0, 0.5, 9.0, 100, status="failed")
+    rows = C.collect(tmp_path, ["async_latest"])
+    assert [(r["inject_ms"], r["status"]) for r in rows] == [(0, "ok"), (100, "failed")]
+    ok = rows[0]
+    assert (ok["episodes"], ok["successes"], ok["success_rate"]) == (10, 7, 0.7)
+    assert ok["ci95"] == pytest.approx(list(wilson_interval(7, 10)))
+    assert ok["jerk_sq_mean"] == pytest.approx((6 * 1.0 + 4 * 2.0) / 10)
+    assert ok["shares"]["fresh"] == pytest.approx(0.3) and ok["chunk_ms"]["p99"] == 12.0
+    assert ok["chunks"] == {"admitted": 150, "refused": 2, "deadline_misses": 0}
+    assert "1 of 2 seed ranges failed: sim died" in rows[1]["error"]
+    assert "| async_latest | 0 | 7/10 = 70 % |" in C.table(rows)

@@ -21,7 +21,10 @@ outright; chunk schemes with overlap get the executing chunk's run-out as their 
 
 ``--jobs N`` (a many-core machine, e.g. the GPU machine with ``--backend cuda``): every (scheme, latency) cell is its
 own `vla_eval` run into ``<out>/<scheme>/inj<ms>/``, at most N at a time, each in its own ROS domain; the table
-reads the cells back in latency order. Default 1: one `vla_eval` per scheme, one after another.
+reads the cells back in latency order. Default 1: one `vla_eval` per scheme, one after another. ``--splits K`` (with
+--jobs) also splits each cell's episodes into K seed ranges run side by side (``inj<ms>.s<seed>/``; a cell's
+episodes are sequential in wall-clock time, so this is what bounds the run): their episodes add up into the
+cell's row (``merge_cell``).
 
 Outputs under ``--out``: one `vla_eval` directory per scheme, ``compare.json``, ``compare.md`` (the table) and
 ``compare.png`` (success and mean squared jerk vs injected latency, one line per scheme).
@@ -56,19 +59,21 @@ def horizon_of(checkpoint: str) -> int:
 
 
 def eval_command(scheme: str, args: argparse.Namespace, out: Path, domain_id: int,
-                 latencies: Optional[str] = None) -> list[str]:
-    """The `vla_eval` command of one scheme, over ``latencies`` (default: all of --latencies) into ``out``."""
+                 latencies: Optional[str] = None, seeds: Optional[tuple[int, int]] = None) -> list[str]:
+    """The `vla_eval` command of one scheme, over ``latencies`` (default: all of --latencies) into ``out``;
+    ``seeds`` (first seed, episodes) is one split of the cell (default: --seed-start, --episodes)."""
     spec = SCHEMES[scheme]
     ckpt = args.chunk_checkpoint if spec["chunk"] else args.single_checkpoint
     h = horizon_of(ckpt)
     if spec["chunk"] != (h > 1):
         raise ValueError(f"{scheme} needs a {'chunk (H > 1)' if spec['chunk'] else 'single-step (H = 1)'} "
                          f"checkpoint; {ckpt} has action_horizon {h}")
+    seed_start, episodes = seeds or (args.seed_start, args.episodes)
     cmd = [sys.executable, "-m", "vla_edge_ros.bench.eval", "--checkpoint", ckpt, "--tasks", args.task,
-           "--episodes", str(args.episodes), "--policies", "sliding_window", "--kv-budgets", "0",
+           "--episodes", str(episodes), "--policies", "sliding_window", "--kv-budgets", "0",
            "--deadlines", f"{args.deadline:g}", "--latencies", latencies or args.latencies,
            "--backends", args.backend, "--camera-hz", f"{args.hz:g}",
-           "--control-hz", f"{args.hz:g}", "--image-wh", "128", "64", "--seed-start", str(args.seed_start),
+           "--control-hz", f"{args.hz:g}", "--image-wh", "128", "64", "--seed-start", str(seed_start),
            "--camera-after-control", "--runtime-param", "window_frames:=2", "--baselines", "none",
            "--domain-id", str(domain_id), "--out", str(out)]
     for p in spec["params"]:
@@ -78,16 +83,29 @@ def eval_command(scheme: str, args: argparse.Namespace, out: Path, domain_id: in
     return cmd
 
 
+def seed_splits(seed_start: int, episodes: int, splits: int) -> list[tuple[int, int]]:
+    """``episodes`` seeds from ``seed_start`` in at most ``splits`` consecutive ranges: (first seed, count)."""
+    per = -(-episodes // max(1, splits))
+    return [(seed_start + k, min(per, episodes - k)) for k in range(0, episodes, per)]
+
+
 def cells(args: argparse.Namespace, schemes: Sequence[str], out: Path) -> list[list[str]]:
-    """The `vla_eval` commands to run: one per scheme (jobs 1), or one per (scheme, latency) cell, each in its own
-    folder and ROS domain (domain ids: --domain-id + 10 x scheme index + latency index, so at most 10 latencies)."""
+    """The `vla_eval` commands to run: one per scheme (jobs 1), or one per (scheme, latency) cell and seed range,
+    each in its own folder and ROS domain (ids from --domain-id up, one per command; at most 10 latencies)."""
     lats = [x.strip() for x in args.latencies.split(",") if x.strip()]
     if args.jobs <= 1:
+        if args.splits > 1:
+            raise ValueError("--splits needs --jobs > 1 (the ranges of a cell run side by side)")
         return [eval_command(s, args, out / s, args.domain_id + 10 * i) for i, s in enumerate(schemes)]
     if len(lats) > 10:
         raise ValueError(f"--jobs > 1 takes at most 10 latencies, got {len(lats)}")
-    return [eval_command(s, args, out / s / f"inj{float(lat):g}", args.domain_id + 10 * i + j, latencies=lat)
-            for i, s in enumerate(schemes) for j, lat in enumerate(lats)]
+    ranges = seed_splits(args.seed_start, args.episodes, args.splits)
+    runs = [(s, lat, r) for s in schemes for lat in lats for r in ranges]
+    if args.domain_id + len(runs) - 1 > 232:
+        raise ValueError(f"{len(runs)} runs from --domain-id {args.domain_id} pass ROS's last domain id 232")
+    tag = (lambda r: f".s{r[0]}") if len(ranges) > 1 else (lambda r: "")
+    return [eval_command(s, args, out / s / f"inj{float(lat):g}{tag(r)}", args.domain_id + n, latencies=lat, seeds=r)
+            for n, (s, lat, r) in enumerate(runs)]
 
 
 def run_cells(cmds: list[list[str]], jobs: int, t0: float) -> None:
@@ -124,15 +142,49 @@ def collect(out: Path, schemes: Sequence[str]) -> list[dict[str, Any]]:
                          "error": f"no {out / scheme / 'results.json'}"})
             continue
         found = [r for path in paths for r in json.loads(path.read_text())["rows"]]
-        for r in sorted(found, key=lambda r: r["setting"]["inject_ms"]):
+        by_latency: dict[float, list[dict[str, Any]]] = {}
+        for r in found:
             rt = r.get("runtime") or {}
-            rows.append({"scheme": scheme, "inject_ms": r["setting"]["inject_ms"], "status": r["status"],
-                         "error": r.get("error"), "episodes": r.get("episodes", 0), "successes": r.get("successes", 0),
-                         "success_rate": r.get("success_rate"), "ci95": r.get("success_ci95"),
-                         "jerk_sq_mean": r.get("jerk_sq_mean"), "shares": r.get("shares"),
-                         "success_steps_mean": r.get("success_steps_mean"),
-                         "chunk_ms": rt.get("latency_ms"), "chunks": rt.get("chunks")})
+            by_latency.setdefault(r["setting"]["inject_ms"], []).append({
+                "scheme": scheme, "inject_ms": r["setting"]["inject_ms"], "status": r["status"],
+                "error": r.get("error"), "episodes": r.get("episodes", 0), "successes": r.get("successes", 0),
+                "success_rate": r.get("success_rate"), "ci95": r.get("success_ci95"),
+                "jerk_sq_mean": r.get("jerk_sq_mean"), "shares": r.get("shares"),
+                "success_steps_mean": r.get("success_steps_mean"),
+                "chunk_ms": rt.get("latency_ms"), "chunks": rt.get("chunks")})
+        rows += [merge_cell(by_latency[lat]) for lat in sorted(by_latency)]
     return rows
+
+
+def _weighted(parts: Sequence[tuple[Optional[float], float]]) -> Optional[float]:
+    """Mean of the values weighted by the second member; None values and zero weights left out."""
+    kept = [(v, w) for v, w in parts if v is not None and w > 0]
+    total = sum(w for _, w in kept)
+    return sum(v * w for v, w in kept) / total if total else None
+
+
+def merge_cell(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One cell's row from its seed ranges (--splits): episodes and successes add up, with the Wilson interval of
+    the sum; jerk and shares are episode-weighted means, steps to success success-weighted; chunk latency is the
+    worst range's (percentiles do not add); chunk counts add up. A failed range fails the cell, with its reason."""
+    if len(parts) == 1:
+        return parts[0]
+    failed = [p for p in parts if p["status"] != "ok"]
+    if failed:
+        return {**failed[0], "error": f"{len(failed)} of {len(parts)} seed ranges failed: {failed[0]['error']}"}
+    from vla_edge_ros.bench.eval_grid import wilson_interval
+
+    episodes, successes = sum(p["episodes"] for p in parts), sum(p["successes"] for p in parts)
+    shares = {k: _weighted([((p["shares"] or {}).get(k), p["episodes"]) for p in parts])
+              for k in dict.fromkeys(k for p in parts for k in (p["shares"] or {}))}
+    chunk_ms = {q: max((p["chunk_ms"] or {}).get(q, 0.0) for p in parts) for q in ("p50", "p99")}
+    chunks = {k: sum((p["chunks"] or {}).get(k, 0) for p in parts) for k in ("admitted", "refused", "deadline_misses")}
+    return {**parts[0], "episodes": episodes, "successes": successes,
+            "success_rate": successes / episodes if episodes else None,
+            "ci95": list(wilson_interval(successes, episodes)) if episodes else None,
+            "jerk_sq_mean": _weighted([(p["jerk_sq_mean"], p["episodes"]) for p in parts]),
+            "success_steps_mean": _weighted([(p["success_steps_mean"], p["successes"]) for p in parts]),
+            "shares": shares, "chunk_ms": chunk_ms, "chunks": chunks, "seed_ranges": len(parts)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -194,6 +246,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--domain-id", type=int, default=120, help="first ROS_DOMAIN_ID; each scheme adds 10")
     ap.add_argument("--backend", default="numpy", choices=["numpy", "cuda"], help="engine of every scheme")
     ap.add_argument("--jobs", type=int, default=1, help="cells run side by side (module docstring)")
+    ap.add_argument("--splits", type=int, default=1, help="seed ranges per cell, side by side (with --jobs)")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     ap.add_argument("--out", default="results/chunk_compare")
