@@ -21,8 +21,10 @@
 # run's results, report and logs).
 # CHUNK_CKPT=DIR (an H > 1 chunk policy, e.g. results/policy_h200_c4, carried): issue 22's comparison of execution
 # schemes runs alongside (bench/chunk_compare.py --backend cuda, every scheme x latency cell at once, its CPU
-# settings: push, 5 Hz, deadline 400 ms, CHUNK_EPISODES seeds, latencies CHUNK_LATENCIES; CHUNK_BACKEND numpy for
-# a local try): chunk_compare.md.
+# settings by default: push, CHUNK_HZ 5 Hz, deadline CHUNK_DEADLINE_MS 400 ms, CHUNK_EPISODES seeds per cell in
+# CHUNK_SPLITS seed ranges side by side, latencies CHUNK_LATENCIES; CHUNK_BACKEND numpy for a local try):
+# chunk_compare.md, .json, .png. SIM_SITE=DIR uses sim packages already installed there (e.g. by
+# tools/train_policy/run.sh's .cache/dev_site on a warm machine).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 MODE=device
@@ -54,17 +56,21 @@ $PY -c "import rclpy, metaworld, mujoco; print('imports ok: mujoco', mujoco.__ve
 df -h /dev/shm | tail -1 | sed 's/^/\/dev\/shm: /'
 nproc | sed 's/^/cpu cores: /'
 
-if [[ " $RUNS" == *" cuda-"* ]]; then  # compile the kernels once (PyCUDA's cache) before the runtimes start
-    log "cuda warm-up: kernels compiled, $CKPT loaded"
+WARM=""  # compile the kernels once (PyCUDA's cache) before the runtimes start
+[[ " $RUNS" == *" cuda-"* ]] && WARM="$CKPT"
+[ -n "${CHUNK_CKPT:-}" ] && [ "${CHUNK_BACKEND:-cuda}" = cuda ] && WARM="$WARM metaworld_mt3 $CHUNK_CKPT"
+for ck in $WARM; do
+    log "cuda warm-up: kernels compiled, $ck loaded"
     $PY -c "
 from vla_edge_ros.engine.factory import make_engine
-make_engine({'backend': 'cuda', 'checkpoint': '$CKPT'}).close()" 2>&1 | tail -3 || exit 1
-fi
+make_engine({'backend': 'cuda', 'checkpoint': '$ck'}).close()" 2>&1 | tail -3 || exit 1
+done
 cc_pid=""
 if [ -n "${CHUNK_CKPT:-}" ]; then
     log "chunk_compare: $CHUNK_CKPT, ${CHUNK_BACKEND:-cuda}, every cell at once"
-    $PY -m vla_edge_ros.bench.chunk_compare --chunk-checkpoint "$CHUNK_CKPT" --backend "${CHUNK_BACKEND:-cuda}" --jobs 50 --task push \
-        --episodes "${CHUNK_EPISODES:-10}" --latencies "${CHUNK_LATENCIES:-0,100,200}" --domain-id 20 --no-progress \
+    $PY -m vla_edge_ros.bench.chunk_compare --chunk-checkpoint "$CHUNK_CKPT" --backend "${CHUNK_BACKEND:-cuda}" --jobs 60 --task push \
+        --episodes "${CHUNK_EPISODES:-10}" --splits "${CHUNK_SPLITS:-1}" --hz "${CHUNK_HZ:-5}" \
+        --deadline "${CHUNK_DEADLINE_MS:-400}" --latencies "${CHUNK_LATENCIES:-0,100,200}" --domain-id 20 --no-progress \
         --out "$OUT/runs/chunk_compare" > "$OUT/chunk_compare.log" 2>&1 &
     cc_pid=$!
 fi
@@ -95,7 +101,8 @@ for p in "${pids[@]}"; do wait "$p" || fails=$((fails + 1)); done
 log "runs done, $fails with a non-zero exit"
 if [ -n "$cc_pid" ]; then
     wait "$cc_pid"; log "chunk_compare exit $?"
-    cp "$OUT/runs/chunk_compare/compare.md" "$OUT/chunk_compare.md" 2>/dev/null && cat "$OUT/chunk_compare.md"
+    for f in md json png; do cp "$OUT/runs/chunk_compare/compare.$f" "$OUT/chunk_compare.$f" 2>/dev/null; done
+    cat "$OUT/chunk_compare.md"
 fi
 RC=0
 if [ "${#dirs[@]}" -gt 0 ]; then $PY -m vla_edge_ros.bench.eval_merge "$OUT" "${dirs[@]}"; RC=$?; fi
