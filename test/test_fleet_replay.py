@@ -23,11 +23,12 @@ from vla_edge_ros.bench import host_load
 def test_defaults_and_bad_options():
     a = fr.parse_args([])
     assert (a.robots, a.duration, a.camera_hz, a.backend, a.bag) == (8, 120.0, 60.0, "auto", None)
+    assert (a.stats_every_s, a.edge_stats_every_s) == (0.5, 2.0)  # the edge's stats cost its passes the GIL
     assert fr.namespaces(3) == ["r1", "r2", "r3"]
     for bad in (["--robots", "0"], ["--duration", "0"], ["--camera-hz", "-1"], ["--param", "fleet_max_batch"],
                 ["--backend", "tpu"], ["--domain-id", "300"], ["--param", "cost_quantil:=0.95"],
                 ["--synthetic-size", "640"], ["--synthetic-size", "4x4"], ["--synthetic-size", "480x640", "--bag", "b"],
-                ["--image-transport", "theora"]):
+                ["--image-transport", "theora"], ["--edge-stats-every-s", "0"], ["--stats-every-s", "-1"]):
         with pytest.raises(SystemExit) as e:
             fr.parse_args(bad)
         assert e.value.code == 2, bad

@@ -75,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--domain-id", type=int, default=DEFAULT_DOMAIN_ID)
     ap.add_argument("--startup-timeout", type=float, default=300.0,
                     help="wait this long for the edge to be active (engine loaded, every batch size warmed up)")
-    ap.add_argument("--stats-every-s", type=float, default=0.5, help="the processes rewrite their stats this often")
+    ap.add_argument("--stats-every-s", type=float, default=0.5, help="the robots rewrite their stats this often")
+    ap.add_argument("--edge-stats-every-s", type=float, default=2.0,
+                    help="the edge rewrites its stats this often: building them holds the GIL a pass needs (16 %% "
+                         "of its holds at 0.5 s, docs/FIGURES.md session 22); the window's figures lag by as much")
     return ap
 
 
@@ -85,7 +88,9 @@ def parse_args(argv: Optional[Iterable[str]] = None) -> argparse.Namespace:
     args = ap.parse_args(list(argv) if argv is not None else None)
     problems = [p for p, bad in (("--robots must be >= 1", args.robots < 1), ("--duration must be > 0",
                                  args.duration <= 0), ("--camera-hz must be > 0", args.camera_hz <= 0),
-                                 ("--domain-id must be in 0..232", not 0 <= args.domain_id <= 232))
+                                 ("--domain-id must be in 0..232", not 0 <= args.domain_id <= 232),
+                                 ("--stats-every-s and --edge-stats-every-s must be > 0",
+                                  min(args.stats_every_s, args.edge_stats_every_s) <= 0))
                 if bad]
     problems += [f"--param expects NAME:=VALUE, got {p!r}" for p in args.param if ":=" not in p]
     problems += [f"--param {p!r}: no such parameter" for p in args.param
@@ -276,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         p.unlink(missing_ok=True)
     _say(f"{len(ns)} robots ({','.join(ns)}), backend {args.backend}, {args.duration:g} s at {args.camera_hz:g} Hz, "
          f"domain {args.domain_id}, bag: {desc}")
-    edge = Child(edge_cmd(values, params_file, edge_stats, run_s, args.stats_every_s, args.param), env,
+    edge = Child(edge_cmd(values, params_file, edge_stats, run_s, args.edge_stats_every_s, args.param), env,
                  logs / "edge.log", name="edge", cwd=REPO)
     robots = [Child(robot_cmd(n, robot_stats[n], run_s, args.stats_every_s), env, logs / f"robot_{n}.log",
                     name=f"robot_{n}", cwd=REPO) for n in ns]
@@ -335,7 +340,8 @@ def run(args: argparse.Namespace) -> int:
                 _say(f"t={time.monotonic() - t_start:5.1f} s  admitted " + " ".join(
                     f"{n}:{c['admitted']}/{c['deadline_misses']}m" for n, c in now.items()))
         # the window closes here for every figure: the robots' and the edge's stats as last written (at most
-        # --stats-every-s old), the edge's CPU time now; before anything stops (no shutdown holds or drains)
+        # --stats-every-s / --edge-stats-every-s old, as at its start), the edge's CPU time now; before anything
+        # stops (no shutdown holds or drains)
         load_end, t_window = host_load.sample(edge.p.pid), time.monotonic() - t_start
         machine = host_load.window(load_start, load_end, t_window)
         robots_end = {n: _read_json(robot_stats[n]) for n in ns}
