@@ -15,7 +15,7 @@
 # heads, batch 256, lr 1e-3, 1 past frame) with batches gathered on the GPU (trainer.DeviceData), so 2500-6000
 # steps sized to the time left; per-task held-out accuracy; synchronous closed loop (numpy engine, 30 held-out
 # seeds 0..29 per task, KV carried between episodes as the runtime does). Checkpoint -> $OUT/policy_h200_$STAGE,
-# logs -> $OUT/v2. Run from the repo root.
+# logs -> $OUT/${STAGE}_records.tgz (the $STAGE folder). Run from the repo root.
 START=$(date +%s)
 STAGE=${STAGE:-v3}
 # photometric augmentation (session 16): the CPU machine's Mesa renders are ~1.5 levels brighter than the NVIDIA
@@ -82,4 +82,6 @@ else
 fi
 cat $W/demos_*.log $W/train.log $W/closed.log > $L/logs.txt 2>/dev/null
 cp -r $CK $OUT/policy_h200_$STAGE
+# at most 8 files come back from $OUT: the checkpoint's 4, the stage's records as one archive
+tar -czf $OUT/${STAGE}_records.tgz -C $OUT $STAGE && rm -rf $L
 el "end"
