@@ -115,6 +115,8 @@ def test_splits_give_each_cell_seed_ranges_run_side_by_side_in_their_own_domains
     assert sorted((int(c[c.index("--seed-start") + 1]), int(c[c.index("--episodes") + 1])) for c in blend0) == [
         (100, 4), (104, 4), (108, 2)]
     assert len({c[c.index("--domain-id") + 1] for c in cmds}) == len(cmds)
+    with pytest.raises(ValueError, match="--splits must be >= 1"):
+        C.cells(C.parse_args(base + ["--jobs", "30", "--splits", "0"]), list(C.SCHEMES), tmp_path)
     with pytest.raises(ValueError, match="--splits needs --jobs"):
         C.cells(C.parse_args(base + ["--splits", "2"]), list(C.SCHEMES), tmp_path)
     with pytest.raises(ValueError, match="last domain id 232"):
@@ -123,18 +125,19 @@ def test_splits_give_each_cell_seed_ranges_run_side_by_side_in_their_own_domains
 
 
 def test_a_cells_seed_ranges_add_up_into_one_row(tmp_path):
-    def write(name, inj, episodes, successes, jerk, fresh, p99, admitted, status="ok"):
+    def write(name, inj, episodes, successes, jerk, fresh, p99, admitted, status="ok", steps=100.0):
         d = tmp_path / "async_latest" / name
         d.mkdir(parents=True)
         (d / "results.json").write_text(json.dumps({"rows": [{
             "setting": {"inject_ms": inj}, "status": status, "error": None if status == "ok" else "sim died",
             "episodes": episodes, "successes": successes, "success_rate": successes / episodes,
             "success_ci95": [0, 1], "jerk_sq_mean": jerk, "success_steps_mean": 60.0 if successes else None,
+            "steps_mean": steps,
             "shares": {"fresh": fresh, "repeat": 1 - fresh, "hold": 0.0},
             "runtime": {"latency_ms": {"p50": 5.0, "p99": p99},
                         "chunks": {"admitted": admitted, "refused": 1, "deadline_misses": 0}}}]}))
     write("inj0.s0", 0, 6, 3, 1.0, 0.5, 9.0, 100)
-    write("inj0.s6", 0, 4, 4, 2.0, 0.0, 12.0, 50)
+    write("inj0.s6", 0, 4, 4, 2.0, 0.0, 12.0, 50, steps=50.0)
     write("inj100.s0", 100, 6, 0, 1.0, 0.5, 9.0, 100)
     write("inj100.s6", 100, 4, 1, 1.0, 0.5, 9.0, 100, status="failed")
     rows = C.collect(tmp_path, ["async_latest"])
@@ -143,7 +146,8 @@ def test_a_cells_seed_ranges_add_up_into_one_row(tmp_path):
     assert (ok["episodes"], ok["successes"], ok["success_rate"]) == (10, 7, 0.7)
     assert ok["ci95"] == pytest.approx(list(wilson_interval(7, 10)))
     assert ok["jerk_sq_mean"] == pytest.approx((6 * 1.0 + 4 * 2.0) / 10)
-    assert ok["shares"]["fresh"] == pytest.approx(0.3) and ok["chunk_ms"]["p99"] == 12.0
+    # shares weigh each range's control steps: 6 x 100 steps at 0.5, 4 x 50 at 0
+    assert ok["shares"]["fresh"] == pytest.approx(300 / 800) and ok["chunk_ms"]["p99"] == 12.0
     assert ok["chunks"] == {"admitted": 150, "refused": 2, "deadline_misses": 0}
     assert "1 of 2 seed ranges failed: sim died" in rows[1]["error"]
     assert "| async_latest | 0 | 7/10 = 70 % |" in C.table(rows)

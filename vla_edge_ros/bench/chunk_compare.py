@@ -93,6 +93,8 @@ def cells(args: argparse.Namespace, schemes: Sequence[str], out: Path) -> list[l
     """The `vla_eval` commands to run: one per scheme (jobs 1), or one per (scheme, latency) cell and seed range,
     each in its own folder and ROS domain (ids from --domain-id up, one per command; at most 10 latencies)."""
     lats = [x.strip() for x in args.latencies.split(",") if x.strip()]
+    if args.splits < 1:
+        raise ValueError(f"--splits must be >= 1, got {args.splits}")
     if args.jobs <= 1:
         if args.splits > 1:
             raise ValueError("--splits needs --jobs > 1 (the ranges of a cell run side by side)")
@@ -150,7 +152,7 @@ def collect(out: Path, schemes: Sequence[str]) -> list[dict[str, Any]]:
                 "error": r.get("error"), "episodes": r.get("episodes", 0), "successes": r.get("successes", 0),
                 "success_rate": r.get("success_rate"), "ci95": r.get("success_ci95"),
                 "jerk_sq_mean": r.get("jerk_sq_mean"), "shares": r.get("shares"),
-                "success_steps_mean": r.get("success_steps_mean"),
+                "success_steps_mean": r.get("success_steps_mean"), "steps_mean": r.get("steps_mean"),
                 "chunk_ms": rt.get("latency_ms"), "chunks": rt.get("chunks")})
         rows += [merge_cell(by_latency[lat]) for lat in sorted(by_latency)]
     return rows
@@ -165,7 +167,8 @@ def _weighted(parts: Sequence[tuple[Optional[float], float]]) -> Optional[float]
 
 def merge_cell(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One cell's row from its seed ranges (--splits): episodes and successes add up, with the Wilson interval of
-    the sum; jerk and shares are episode-weighted means, steps to success success-weighted; chunk latency is the
+    the sum; jerk is the episode-weighted mean, the shares of control steps step-weighted (episodes x mean steps),
+    steps to success success-weighted; chunk latency is the
     worst range's (percentiles do not add); chunk counts add up. A failed range fails the cell, with its reason."""
     if len(parts) == 1:
         return parts[0]
@@ -175,7 +178,8 @@ def merge_cell(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     from vla_edge_ros.bench.eval_grid import wilson_interval
 
     episodes, successes = sum(p["episodes"] for p in parts), sum(p["successes"] for p in parts)
-    shares = {k: _weighted([((p["shares"] or {}).get(k), p["episodes"]) for p in parts])
+    steps = [p["episodes"] * (p.get("steps_mean") or 1.0) for p in parts]
+    shares = {k: _weighted([((p["shares"] or {}).get(k), w) for p, w in zip(parts, steps)])
               for k in dict.fromkeys(k for p in parts for k in (p["shares"] or {}))}
     chunk_ms = {q: max((p["chunk_ms"] or {}).get(q, 0.0) for p in parts) for q in ("p50", "p99")}
     chunks = {k: sum((p["chunks"] or {}).get(k, 0) for p in parts) for k in ("admitted", "refused", "deadline_misses")}
@@ -243,7 +247,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--deadline", type=float, default=400.0)
     ap.add_argument("--hz", type=float, default=5.0, help="camera = control rate (the CPU deploy rate)")
     ap.add_argument("--seed-start", type=int, default=0)
-    ap.add_argument("--domain-id", type=int, default=120, help="first ROS_DOMAIN_ID; each scheme adds 10")
+    ap.add_argument("--domain-id", type=int, default=120,
+                    help="first ROS_DOMAIN_ID (one after another: +10 per scheme; --jobs: +1 per run)")
     ap.add_argument("--backend", default="numpy", choices=["numpy", "cuda"], help="engine of every scheme")
     ap.add_argument("--jobs", type=int, default=1, help="cells run side by side (module docstring)")
     ap.add_argument("--splits", type=int, default=1, help="seed ranges per cell, side by side (with --jobs)")
