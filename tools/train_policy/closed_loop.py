@@ -1,7 +1,8 @@
-"""Synchronous closed loop without ROS: MetaWorldSim + the numpy engine (make_engine, checkpoint:=DIR), one chunk
-per control step, as the runtime steps it: render the camera image (same camera / size as the demos), encode,
-run_chunk (KV eviction as the deploy block says), offer the action as 'fresh' to the SimController, one control
-step. Held-out seeds 0.. (demos used 1 000 000 ..). Episodes run in spawned worker processes.
+"""Synchronous closed loop without ROS: MetaWorldSim + the numpy engine (--backend; make_engine,
+checkpoint:=DIR), one chunk per control step, as the runtime steps it: render the camera image (same camera / size
+as the demos), encode, run_chunk (KV eviction as the deploy block says), offer the action as 'fresh' to the
+SimController, one control step. Held-out seeds 0.. (demos used 1 000 000 ..). Episodes run in spawned worker
+processes.
 
 Differences from the ROS loop: no timing (every step gets the chunk of the frame rendered just before it).
 Action chunks (a checkpoint with vla.action_horizon H > 1): "synchronous chunks" -- render, run a chunk, apply
@@ -10,6 +11,9 @@ whose row 0 is .action), then render and run the next chunk. The engine then see
 retained frames are exec_steps control steps apart: train such a policy with --frame-stride exec_steps (the
 deploy block's frame_stride_control_steps), which this script checks and reports. H = 1 with exec_steps 1 is the
 single-step loop above, unchanged.
+--backend cuda (the GPU machine) runs the same loop on the CUDA engine: the two engines' closed loops on the same
+seeds, without ROS (docs/SIM.md: the runtime's cuda figure for a parallel-decoding chunk policy sat below this
+loop's numpy figure).
 KV between episodes: with --carry-kv (v2's default) the engine is NOT reset between the episodes a worker runs
 and frame ids keep counting, as the runtime does, so with window 2 an episode's first chunk also sees the last
 frame of the previous episode of the same task that worker ran (no previous frame for a worker's first episode
@@ -28,7 +32,7 @@ _CACHE = {}
 
 
 def _episode(job):
-    task, seed, ckpt, deploy, carry_kv, exec_steps = job
+    task, seed, ckpt, deploy, carry_kv, exec_steps, backend = job
     import vla_edge_ros.sim  # noqa: F401  MUJOCO_GL before mujoco
     from vla_edge_ros.engine.factory import make_engine
     from vla_edge_ros.sim.episode import SimController
@@ -37,7 +41,7 @@ def _episode(job):
     if task not in _CACHE:
         h, w = deploy["image_hw"]
         sim = MetaWorldSim(task, "corner", w, h, 200)
-        eng = make_engine({"checkpoint": ckpt, "backend": "numpy", "instruction": sim.instruction,
+        eng = make_engine({"checkpoint": ckpt, "backend": backend, "instruction": sim.instruction,
                            "tokens_per_frame": deploy["tokens_per_frame"], "decode_tokens": 8,
                            "eviction_policy": deploy["eviction_policy"], "window_frames": deploy["window_frames"]},
                           log=lambda s: None)
@@ -91,6 +95,7 @@ def main():
     p.add_argument("--carry-kv", dest="carry_kv", action="store_true", default=True,
                    help="do not reset the engine between episodes (the runtime's behaviour; default)")
     p.add_argument("--reset-kv", dest="carry_kv", action="store_false", help="engine.reset() at each episode")
+    p.add_argument("--backend", default="numpy", choices=("numpy", "cuda"), help="the engine (make_engine)")
     p.add_argument("--exec-steps", type=int, default=0,
                    help="actions of each chunk applied before the next chunk (0 = the checkpoint's action_horizon)")
     a = p.parse_args()
@@ -109,7 +114,7 @@ def main():
         stride_note = (f"the policy was trained with past frames {stride} control step(s) apart; this loop retains "
                        f"frames {exec_steps} apart (one per chunk)")
         print(f"[closed_loop] note: {stride_note}", flush=True)
-    jobs = [(t, s, a.ckpt, deploy, a.carry_kv, exec_steps) for s in range(a.seeds) for t in a.tasks]
+    jobs = [(t, s, a.ckpt, deploy, a.carry_kv, exec_steps, a.backend) for s in range(a.seeds) for t in a.tasks]
     t0 = time.time()
     results = []
     pool = multiprocessing.get_context("spawn").Pool(a.workers)
@@ -127,7 +132,8 @@ def main():
                 break
     finally:
         pool.terminate()
-    summary = {"deploy": deploy, "kv_carried_between_episodes": a.carry_kv, "action_horizon": horizon,
+    summary = {"deploy": deploy, "backend": a.backend, "kv_carried_between_episodes": a.carry_kv,
+               "action_horizon": horizon,
                "exec_steps": exec_steps, "frame_stride_note": stride_note, "elapsed_s": time.time() - t0,
                "episodes": sorted(results, key=lambda r: (r["task"], r["seed"])), "tasks": {}}
     for t in a.tasks:
