@@ -5,7 +5,8 @@ Per setting it prints one JSON line: successes, and the mean squared second diff
 (the commanded trajectory's jerk x dt^3, up to a constant), split into triples of steps inside one chunk and
 triples that cross a chunk switch; for chunks played in part, how far each new chunk's step 0 is from the previous
 chunk's prediction for the same tick. If the triples inside a chunk are as rough as those across a switch, the
-jerk is the policy's own, not the merging of chunks.
+jerk is the policy's own, not the merging of chunks. ``--readout expectation`` (an experiment, not in the engines,
+which take each slot's argmax bin) plays each chunk slot as the expectation of its bin distribution over all bins.
 
     MUJOCO_GL=egl python tools/train_policy/jerk_probe.py results/policy_h200_p4 --seeds 8
 """
@@ -19,7 +20,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def probe(ckpt: str, exec_steps: int, seeds: list) -> dict:
+def expected_chunk(eng) -> np.ndarray:
+    """The last chunk with each slot read out as the expectation of its softmax over the bins (bin centres)."""
+    from vla_edge_ros.engine.geometry import action_token_slice
+
+    cfg, tok = eng.cfg, eng.tokenizer
+    logits = np.asarray(eng.last_logits, np.float64)[action_token_slice(cfg)]  # (H x action_dims, bins)
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    normalized = (p / p.sum(axis=1, keepdims=True)) @ tok.bin_centers
+    return np.stack([tok.unnormalize(row) for row in normalized.reshape(cfg.action_horizon, cfg.action_dims)])
+
+
+def probe(ckpt: str, exec_steps: int, seeds: list, readout: str = "argmax") -> dict:
     import vla_edge_ros.sim  # noqa: F401  MUJOCO_GL before mujoco
     from vla_edge_ros.engine.factory import make_engine
     from vla_edge_ros.sim.episode import SimController
@@ -38,6 +50,8 @@ def probe(ckpt: str, exec_steps: int, seeds: list) -> dict:
             r = eng.run_chunk(eng.encode_frame(sim.render()), fid)
             fid += 1
             chunk = np.asarray(r.chunk if getattr(r, "chunk", None) is not None else np.reshape(r.action, (1, -1)))
+            if readout == "expectation" and eng.cfg.action_horizon > 1:
+                chunk = expected_chunk(eng)
             if prev is not None and prev.shape[0] > exec_steps:
                 disagree.append(float(np.sum((chunk[0, :3] - prev[exec_steps, :3]) ** 2)))
             prev = chunk
@@ -55,7 +69,8 @@ def probe(ckpt: str, exec_steps: int, seeds: list) -> dict:
             d2 = float(np.sum((xyz[t] - 2 * xyz[t - 1] + xyz[t - 2]) ** 2))
             (across if (t in starts or t - 1 in starts) else inside).append(d2)
     mean = (lambda v: float(np.mean(v)) if v else None)
-    return {"checkpoint": ckpt, "exec_steps": exec_steps, "episodes": len(seeds), "successes": successes,
+    return {"checkpoint": ckpt, "exec_steps": exec_steps, "readout": readout, "episodes": len(seeds),
+            "successes": successes,
             "d2_all": mean(across + inside), "d2_across_switch": mean(across), "d2_inside_chunk": mean(inside),
             "new_step0_vs_old_prediction_sq": mean(disagree)}
 
@@ -65,6 +80,7 @@ def main() -> int:
     p.add_argument("chunk_checkpoint")
     p.add_argument("--single-checkpoint", default="metaworld_mt3")
     p.add_argument("--seeds", type=int, default=8)
+    p.add_argument("--readout", default="argmax", choices=("argmax", "expectation"), help="the chunk policy's")
     a = p.parse_args()
     from vla_edge_ros.engine import shipped
     from vla_edge_ros.engine.config import ModelConfig
@@ -73,7 +89,7 @@ def main() -> int:
     horizon = ModelConfig.from_json(a.chunk_checkpoint).action_horizon
     seeds = list(range(a.seeds))
     for ckpt, steps in ((single, 1), (a.chunk_checkpoint, 2), (a.chunk_checkpoint, horizon)):
-        print(json.dumps(probe(ckpt, steps, seeds)), flush=True)
+        print(json.dumps(probe(ckpt, steps, seeds, a.readout if steps > 1 else "argmax")), flush=True)
     return 0
 
 
