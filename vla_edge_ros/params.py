@@ -84,8 +84,8 @@ PARAMS: tuple[ParamSpec, ...] = (
               "the camera stalled", CAMERA, min=1.0, max=60000.0),
     ParamSpec("max_image_bytes", int, 33554432, "images larger than this are rejected (counted) before decoding",
               CAMERA, min=1, max=1 << 31),
-    ParamSpec("frozen_frame_limit", int, 30, "identical frames in a row that flag a frozen camera, once "
-              "still for 3x its usual duration (0 = off)", CAMERA, min=0, max=1000000, live=True, applies="next frame"),
+    ParamSpec("frozen_frame_limit", int, 30, "identical frames in a row (still 3x as long as usual) "
+              "that flag a frozen camera; 0 = off", CAMERA, min=0, max=1000000, live=True, applies="next frame"),
     ParamSpec("hold_on_frozen", bool, False, "a frozen camera is stale (the robot holds)",
               CAMERA, live=True, applies="next frame"),
     # ---- inference ----------------------------------------------------------------------------------------
@@ -96,12 +96,11 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("instruction", str, "pick up the object", "language instruction, encoded as the pinned KV prefix",
               INFERENCE),
     ParamSpec("tokens_per_frame", int, 32, "vision tokens (KV slots) per camera frame", INFERENCE, min=1, max=1024),
-    ParamSpec("decode_tokens", int, 8, "greedy decode steps per chunk: 7 action bins + 1 end token (an H-step chunk runs at "
-              "least 7H + 1)",
+    ParamSpec("decode_tokens", int, 8, "greedy decode steps per chunk: 7 bins + 1 end token (H steps: >= 7H + 1)",
               INFERENCE, min=1, max=64),
-    ParamSpec("kv_budget_tokens", int, 0, "KV-cache budget in token slots, prefix included; 0 = the "
-              "backend's default (cuda 4096, numpy 512)",
-              INFERENCE, min=0, max=1 << 20, live=True, applies="immediately (a shrink evicts at once)"),
+    ParamSpec("kv_budget_tokens", int, 0, "KV-cache budget in tokens, prefix included; 0 = the "
+              "backend's (cuda 4096, numpy 512)",
+              INFERENCE, min=0, max=1 << 20, live=True, applies="at once (a shrink evicts)"),
     ParamSpec("eviction_policy", str, "semantic", "KV eviction policy", INFERENCE, choices=EVICTION_POLICIES,
               live=True, applies="next eviction"),
     ParamSpec("window_frames", int, 16, "frames kept by the sliding_window policy", INFERENCE, min=1,
@@ -112,8 +111,8 @@ PARAMS: tuple[ParamSpec, ...] = (
               min=0.0, max=10000.0, live=True, applies="next cycle"),
     ParamSpec("ema_alpha", float, 0.2, "smoothing of the prefill / per-token decode cost EMAs", INFERENCE,
               min=0.001, max=1.0, live=True, applies="next chunk"),
-    ParamSpec("cost_quantile", float, 0.5, "admission adds this quantile of the last 256 chunks' overruns "
-              "to the mean estimate (0 = the mean alone)", INFERENCE, min=0.0, max=1.0, live=True,
+    ParamSpec("cost_quantile", float, 0.5, "quantile of the last 256 chunks' overruns added to the "
+              "mean estimate; 0 = the mean alone", INFERENCE, min=0.0, max=1.0, live=True,
               applies="next chunk"),
     ParamSpec("warmup_chunks", int, 3, "chunks run at configure time to seed the cost EMAs", INFERENCE,
               min=0, max=1000),
@@ -124,11 +123,11 @@ PARAMS: tuple[ParamSpec, ...] = (
               INFERENCE, min=0.01, max=1024.0),
     ParamSpec("weight_dtype", str, "bf16", "linear-layer weights (numpy and cuda)",
               INFERENCE, choices=WEIGHT_DTYPES),
-    ParamSpec("saliency_threshold", float, 0.2, "cosine distance from the previous frame's pooled embedding "
-              "above which a frame is salient", INFERENCE, min=0.0, max=2.0, live=True,
+    ParamSpec("saliency_threshold", float, 0.2, "cosine distance from the last frame's pooled embedding "
+              "that makes a frame salient", INFERENCE, min=0.0, max=2.0, live=True,
               applies="next frame"),
     ParamSpec("fresh_action_topic", str, "/vla/action_fresh", "fresh actions (chunks) from the edge to the "
-              "robot's action publisher (split)", INFERENCE),
+              "robot (split)", INFERENCE),
     ParamSpec("execution_horizon_steps", int, 0, "steps of an action chunk played before the next starts; "
               "0 = H/2", INFERENCE, min=0, max=4096, live=True, applies="next cycle"),
     ParamSpec("force_committed_steps", bool, False, "with chunk_merge blend: force-decode the committed steps (RTC)",
@@ -148,8 +147,8 @@ PARAMS: tuple[ParamSpec, ...] = (
               live=True, applies="next tick (timer re-created)"),
     ParamSpec("chunk_step_hz", float, 0.0, "rate of a chunk's steps (the policy's); 0: action_rate_hz", ACTION,
               min=0.0, max=1000.0),
-    ParamSpec("stale_after_ms", float, 200.0, "hold (zero motion, gripper unchanged) once the newest frame or "
-              "action is older than this", ACTION, min=1.0, max=600000.0, live=True, applies="next tick"),
+    ParamSpec("stale_after_ms", float, 200.0, "hold (zero motion, gripper kept) once the newest frame or "
+              "action is older", ACTION, min=1.0, max=600000.0, live=True, applies="next tick"),
     ParamSpec("action_topic", str, "/vla/action", "sensor_msgs/JointState published every tick", ACTION),
     ParamSpec("action_status_topic", str, "/vla/action_status", "diagnostic_msgs/DiagnosticStatus per tick: "
               "kind, source frame stamp, age, sequence", ACTION),
