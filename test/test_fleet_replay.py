@@ -304,3 +304,27 @@ def test_pass_profile_slowest_passes_of_the_window_only_are_reported():
     assert "- pass stages over 20 passes" in text and "sync" in text
     assert "host 23.0 ms at" in text and "engine 35.0/0.1" in text
     json.dumps(r)
+
+
+def test_next_write_returns_the_content_of_the_next_rewrite_only(tmp_path):
+    import json
+    import threading
+    import time
+
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps({"n": 1}))
+
+    def rewrite():
+        time.sleep(0.3)
+        tmp = tmp_path / "stats.json.tmp"
+        tmp.write_text(json.dumps({"n": 2}))
+        tmp.replace(path)
+
+    th = threading.Thread(target=rewrite)
+    t0 = time.monotonic()
+    th.start()
+    assert fr.next_write(path, 5.0) == {"n": 2}  # not the content already there
+    assert time.monotonic() - t0 >= 0.25
+    th.join()
+    assert fr.next_write(path, 0.2) is None  # no write within the timeout
+    assert fr.next_write(tmp_path / "absent.json", 0.1) is None

@@ -137,6 +137,27 @@ def check_values(values: dict[str, Any], instruction: Optional[str]) -> list[str
     return registry.validate_all(v, prefix_tokens=len(prefix_token_ids(v["instruction"])))
 
 
+def next_write(path: Path, timeout_s: float, poll_s: float = 0.02) -> Optional[dict]:
+    """The JSON a process writes to ``path`` (atomically, by rename) at its next write after this call, None when
+    none comes within ``timeout_s``. A measured window opened and closed on the edge's writes covers what its
+    counters count, to within ``poll_s``; read at a random moment they would be up to a stats period old at
+    either end (the edge writes every --edge-stats-every-s)."""
+    def mtime() -> int:
+        try:
+            return path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return 0
+
+    before, end = mtime(), time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        time.sleep(poll_s)
+        if mtime() != before:
+            got = _read_json(path)
+            if got is not None:
+                return got
+    return None
+
+
 def edge_cmd(values: dict[str, Any], params_file: Path, stats: Path, run_s: float, stats_every_s: float,
              extra: Iterable[str] = ()) -> list[str]:
     ps = [x for k, v in values.items() for x in ("-p", f"{k}:={v}")] + [x for p in extra for x in ("-p", p)]
@@ -319,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.25)
         if waiting:
             _say(f"WARNING: no frames at the edge from {', '.join(waiting)} after 90 s; measuring anyway")
-        edge_start = st
+        edge_start = next_write(edge_stats, args.edge_stats_every_s + 2.0) or st  # the window opens on a write
         robots_start = {n: _read_json(robot_stats[n]) or {} for n in ns}
         _say(f"frames flowing; measuring {args.duration:g} s")
         t_start = time.monotonic()
@@ -339,13 +360,13 @@ def run(args: argparse.Namespace) -> int:
                 now = {n: counter_delta(edge_robot(st, n), edge_robot(edge_start, n)) for n in ns}
                 _say(f"t={time.monotonic() - t_start:5.1f} s  admitted " + " ".join(
                     f"{n}:{c['admitted']}/{c['deadline_misses']}m" for n, c in now.items()))
-        # the window closes here for every figure: the robots' and the edge's stats as last written (at most
-        # --stats-every-s / --edge-stats-every-s old, as at its start), the edge's CPU time now; before anything
-        # stops (no shutdown holds or drains)
+        # the window closes on the edge's next write (it opened on one, so its counters cover the window the CPU
+        # figures and t_window do), with the robots' stats as last written (at most --stats-every-s old); before
+        # anything stops (no shutdown holds or drains)
+        edge_window_end = next_write(edge_stats, args.edge_stats_every_s + 2.0) or _read_json(edge_stats) or {}
         load_end, t_window = host_load.sample(edge.p.pid), time.monotonic() - t_start
         machine = host_load.window(load_start, load_end, t_window)
         robots_end = {n: _read_json(robot_stats[n]) for n in ns}
-        edge_window_end = _read_json(edge_stats) or {}
         p0, p1 = load_start.get("process") or {}, load_end.get("process") or {}
         if "cpu_s" in p0 and "cpu_s" in p1:
             edge_cpu = {"cpu_s": p1["cpu_s"] - p0["cpu_s"], "window_s": t_window}
