@@ -146,49 +146,49 @@ def collect(out: Path, schemes: Sequence[str]) -> list[dict[str, Any]]:
         found = [r for path in paths for r in json.loads(path.read_text())["rows"]]
         by_latency: dict[float, list[dict[str, Any]]] = {}
         for r in found:
-            rt = r.get("runtime") or {}
-            by_latency.setdefault(r["setting"]["inject_ms"], []).append({
-                "scheme": scheme, "inject_ms": r["setting"]["inject_ms"], "status": r["status"],
-                "error": r.get("error"), "episodes": r.get("episodes", 0), "successes": r.get("successes", 0),
-                "success_rate": r.get("success_rate"), "ci95": r.get("success_ci95"),
-                "jerk_sq_mean": r.get("jerk_sq_mean"), "shares": r.get("shares"),
-                "success_steps_mean": r.get("success_steps_mean"), "steps_mean": r.get("steps_mean"),
-                "chunk_ms": rt.get("latency_ms"), "chunks": rt.get("chunks")})
-        rows += [merge_cell(by_latency[lat]) for lat in sorted(by_latency)]
+            by_latency.setdefault(r["setting"]["inject_ms"], []).append(r)
+        rows += [merge_cell(scheme, by_latency[lat]) for lat in sorted(by_latency)]
     return rows
 
 
-def _weighted(parts: Sequence[tuple[Optional[float], float]]) -> Optional[float]:
-    """Mean of the values weighted by the second member; None values and zero weights left out."""
-    kept = [(v, w) for v, w in parts if v is not None and w > 0]
-    total = sum(w for _, w in kept)
-    return sum(v * w for v, w in kept) / total if total else None
+def _record(scheme: str, r: dict[str, Any]) -> dict[str, Any]:
+    """The table's record of one results.json row."""
+    rt = r.get("runtime") or {}
+    return {"scheme": scheme, "inject_ms": r["setting"]["inject_ms"], "status": r["status"],
+            "error": r.get("error"), "episodes": r.get("episodes", 0), "successes": r.get("successes", 0),
+            "success_rate": r.get("success_rate"), "ci95": r.get("success_ci95"),
+            "jerk_sq_mean": r.get("jerk_sq_mean"), "shares": r.get("shares"),
+            "success_steps_mean": r.get("success_steps_mean"),
+            "chunk_ms": rt.get("latency_ms"), "chunks": rt.get("chunks")}
 
 
-def merge_cell(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One cell's row from its seed ranges (--splits): episodes and successes add up, with the Wilson interval of
-    the sum; jerk is the episode-weighted mean, the shares of control steps step-weighted (episodes x mean steps),
-    steps to success success-weighted; chunk latency is the
-    worst range's (percentiles do not add); chunk counts add up. A failed range fails the cell, with its reason."""
+def merge_cell(scheme: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One cell's record from its seed ranges' rows (--splits). What every split run adds up the same way
+    (episodes, successes and the Wilson interval of the sum, the worst range's chunk latency: percentiles do not
+    add, chunk counts) is bench/eval_merge.py's ``merge_rows``; on top: jerk the episode-weighted mean, the shares
+    of control steps step-weighted (episodes x mean steps), steps to success success-weighted. A failed range fails
+    the cell, with its reason."""
+    parts = [_record(scheme, r) for r in rows]
     if len(parts) == 1:
         return parts[0]
     failed = [p for p in parts if p["status"] != "ok"]
     if failed:
         return {**failed[0], "error": f"{len(failed)} of {len(parts)} seed ranges failed: {failed[0]['error']}"}
-    from vla_edge_ros.bench.eval_grid import wilson_interval
+    from vla_edge_ros.bench.eval_merge import merge_rows, weighted_mean
 
-    episodes, successes = sum(p["episodes"] for p in parts), sum(p["successes"] for p in parts)
-    steps = [p["episodes"] * (p.get("steps_mean") or 1.0) for p in parts]
-    shares = {k: _weighted([((p["shares"] or {}).get(k), w) for p, w in zip(parts, steps)])
+    m = merge_rows(scheme, rows)
+    steps = [p["episodes"] * (r.get("steps_mean") or 1.0) for p, r in zip(parts, rows)]
+    shares = {k: weighted_mean([((p["shares"] or {}).get(k), w) for p, w in zip(parts, steps)])
               for k in dict.fromkeys(k for p in parts for k in (p["shares"] or {}))}
-    chunk_ms = {q: max((p["chunk_ms"] or {}).get(q, 0.0) for p in parts) for q in ("p50", "p99")}
-    chunks = {k: sum((p["chunks"] or {}).get(k, 0) for p in parts) for k in ("admitted", "refused", "deadline_misses")}
-    return {**parts[0], "episodes": episodes, "successes": successes,
-            "success_rate": successes / episodes if episodes else None,
-            "ci95": list(wilson_interval(successes, episodes)) if episodes else None,
-            "jerk_sq_mean": _weighted([(p["jerk_sq_mean"], p["episodes"]) for p in parts]),
-            "success_steps_mean": _weighted([(p["success_steps_mean"], p["successes"]) for p in parts]),
-            "shares": shares, "chunk_ms": chunk_ms, "chunks": chunks, "seed_ranges": len(parts)}
+    return {**parts[0], "episodes": m["episodes"], "successes": m["successes"], "success_rate": m["success_rate"],
+            "ci95": m["success_ci95"],
+            "jerk_sq_mean": weighted_mean([(p["jerk_sq_mean"], p["episodes"]) for p in parts]),
+            "success_steps_mean": weighted_mean([(p["success_steps_mean"], p["successes"]) for p in parts]),
+            "shares": shares,
+            "chunk_ms": {"p50": m["latency_p50_ms_max"] or 0.0, "p99": m["latency_p99_ms_max"] or 0.0},
+            "chunks": {"admitted": int(m["chunks_admitted"] or 0), "refused": int(m["chunks_refused"] or 0),
+                       "deadline_misses": int(m["deadline_misses"] or 0)},
+            "seed_ranges": len(parts)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:

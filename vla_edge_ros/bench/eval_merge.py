@@ -44,26 +44,32 @@ def _max(values: Sequence[Optional[float]]) -> Optional[float]:
     return float(max(vals)) if vals else None
 
 
+def weighted_mean(parts: Sequence[tuple[Optional[float], float]]) -> Optional[float]:
+    """Mean of the values weighted by the second member of each pair; None values and zero weights left out,
+    None when nothing is left."""
+    kept = [(v, w) for v, w in parts if v is not None and w > 0]
+    total = sum(w for _, w in kept)
+    return sum(v * w for v, w in kept) / total if total else None
+
+
 def merge_rows(group: str, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The summed figures of one group's rows (the same setting, disjoint seeds)."""
     episodes = sum(int(r.get("episodes") or 0) for r in rows)
     successes = sum(int(r.get("successes") or 0) for r in rows)
-    steps = [(float(r.get("steps_mean") or 0.0) * int(r.get("episodes") or 0), r.get("new_plan_share")) for r in rows]
-    new_steps = [(n, share) for n, share in steps if share is not None and n > 0]
+    steps = [float(r.get("steps_mean") or 0.0) * int(r.get("episodes") or 0) for r in rows]
     chunks = [(r.get("runtime") or {}).get("chunks") or {} for r in rows]
     lat = [(r.get("runtime") or {}).get("latency_ms") or {} for r in rows]
-    ep_time = [((r.get("episode_s") or {}).get("mean"), int(r.get("episodes") or 0)) for r in rows]
-    weighted = [(t * n, n) for t, n in ep_time if t is not None and n]
     setting = rows[0].get("setting") or {}
     return {
         "group": group, "task": setting.get("task"), "backend": setting.get("backend"), "runs": len(rows),
         "episodes": episodes, "successes": successes,
         "success_rate": successes / episodes if episodes else None,
         "success_ci95": list(wilson_interval(successes, episodes)) if episodes else None,
-        "episode_s_mean": sum(a for a, _ in weighted) / sum(n for _, n in weighted) if weighted else None,
-        "new_frame_share": (sum(n * share for n, share in new_steps) / sum(n for n, _ in new_steps)
-                            if new_steps else None),
+        "episode_s_mean": weighted_mean([((r.get("episode_s") or {}).get("mean"), int(r.get("episodes") or 0))
+                                         for r in rows]),
+        "new_frame_share": weighted_mean([(r.get("new_plan_share"), n) for r, n in zip(rows, steps)]),
         "chunks_admitted": _sum([c.get("admitted") for c in chunks]),
+        "chunks_refused": _sum([c.get("refused") for c in chunks]),
         "deadline_misses": _sum([c.get("deadline_misses") for c in chunks]),
         "latency_p50_ms_max": _max([x.get("p50") for x in lat]),
         "latency_p99_ms_max": _max([x.get("p99") for x in lat]),
