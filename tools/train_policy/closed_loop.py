@@ -31,57 +31,80 @@ import numpy as np
 _CACHE = {}
 
 
-def _episode(job):
-    task, seed, ckpt, deploy, carry_kv, exec_steps, backend = job
-    import vla_edge_ros.sim  # noqa: F401  MUJOCO_GL before mujoco
+def make_policy_engine(ckpt, deploy, backend, instruction):
+    """The engine as the checkpoint's deploy block (training_record.json) says to run it."""
     from vla_edge_ros.engine.factory import make_engine
-    from vla_edge_ros.sim.episode import SimController
-    from vla_edge_ros.sim.metaworld_env import MetaWorldSim
 
-    if task not in _CACHE:
-        h, w = deploy["image_hw"]
-        sim = MetaWorldSim(task, "corner", w, h, 200)
-        eng = make_engine({"checkpoint": ckpt, "backend": backend, "instruction": sim.instruction,
-                           "tokens_per_frame": deploy["tokens_per_frame"], "decode_tokens": 8,
-                           "eviction_policy": deploy["eviction_policy"], "window_frames": deploy["window_frames"]},
-                          log=lambda s: None)
-        problem = eng.chunk_support_problem()
-        if problem:
-            raise RuntimeError(f"engine: {problem}")
-        _CACHE[task] = [sim, eng, 0]
-    sim, eng, fid = _CACHE[task]
-    carried = len(eng.kv.frames) if carry_kv else 0
-    if not carry_kv:
-        eng.reset()
-    t0 = time.perf_counter()
+    eng = make_engine({"checkpoint": ckpt, "backend": backend, "instruction": instruction,
+                       "tokens_per_frame": deploy["tokens_per_frame"], "decode_tokens": 8,
+                       "eviction_policy": deploy["eviction_policy"], "window_frames": deploy["window_frames"]},
+                      log=lambda s: None)
+    problem = eng.chunk_support_problem()
+    if problem:
+        raise RuntimeError(f"engine: {problem}")
+    return eng
+
+
+def play_episode(sim, eng, seed, fid, exec_steps, on_chunk=None, on_step=None):
+    """One episode of seed ``seed``: render, run a chunk (frame ids from ``fid``), apply its first ``exec_steps``
+    actions one per control step, again until the episode ends. ``on_chunk(result, chunk)`` may return the
+    (H, action_dims) actions to play instead of ``chunk``; ``on_step(action)`` sees each applied action.
+    Returns (the episode's result, the next frame id)."""
+    from vla_edge_ros.sim.episode import SimController
+
     ctl = SimController(sim, seed_start=seed, num_episodes=1, action_timeout_ms=1e9)
-    chunk_ms = []
-    grasp, obj_to_target, near = 0.0, float("inf"), 0.0  # push diagnostics from MetaWorld's info dict
     while True:
-        img = sim.render()
-        r = eng.run_chunk(eng.encode_frame(img), fid)
+        r = eng.run_chunk(eng.encode_frame(sim.render()), fid)
         fid += 1
-        _CACHE[task][2] = fid
-        chunk_ms.append(r.total_ms)
         chunk = np.asarray(r.chunk if getattr(r, "chunk", None) is not None else np.reshape(r.action, (1, -1)))
         row0_is_action = np.array_equal(chunk[0].astype(np.float32), np.asarray(r.action, np.float32))
         if chunk.shape[0] < exec_steps or not row0_is_action:
             raise RuntimeError(f"engine returned a chunk of shape {chunk.shape} (row 0 must be .action) for "
                                f"exec_steps={exec_steps}: this engine does not decode the checkpoint's chunks")
+        if on_chunk is not None:
+            replaced = on_chunk(r, chunk)
+            chunk = chunk if replaced is None else replaced
         for action in chunk[:exec_steps]:  # synchronous chunks: one chunk step per control step
             reason = ctl.offer("fresh", action, eng.action_names)
             if reason is not None:
                 raise RuntimeError(f"action rejected: {reason} {ctl.last_rejection}")
             res = ctl.control_step()
-            info = sim.last_info or {}
-            grasp = max(grasp, float(info.get("grasp_success", 0.0)))
-            near = max(near, float(info.get("near_object", 0.0)))
-            obj_to_target = min(obj_to_target, float(info.get("obj_to_target", float("inf"))))
+            if on_step is not None:
+                on_step(action)
             if res is not None:
-                return {"task": task, "seed": seed, "success": bool(res.success), "steps": res.steps,
-                        "chunks": len(chunk_ms), "saturated": res.saturated, "carried_frames": carried,
-                        "wall_s": time.perf_counter() - t0, "chunk_ms_median": float(np.median(chunk_ms)),
-                        "max_grasp_success": grasp, "max_near_object": near, "min_obj_to_target": obj_to_target}
+                return res, fid
+
+
+def _episode(job):
+    task, seed, ckpt, deploy, carry_kv, exec_steps, backend = job
+    import vla_edge_ros.sim  # noqa: F401  MUJOCO_GL before mujoco
+    from vla_edge_ros.sim.metaworld_env import MetaWorldSim
+
+    if task not in _CACHE:
+        h, w = deploy["image_hw"]
+        sim = MetaWorldSim(task, "corner", w, h, 200)
+        _CACHE[task] = [sim, make_policy_engine(ckpt, deploy, backend, sim.instruction), 0]
+    sim, eng, fid = _CACHE[task]
+    carried = len(eng.kv.frames) if carry_kv else 0
+    if not carry_kv:
+        eng.reset()
+    t0 = time.perf_counter()
+    chunk_ms = []
+    seen = {"grasp": 0.0, "near": 0.0, "obj_to_target": float("inf")}  # push diagnostics from MetaWorld's info
+
+    def on_step(_action):
+        info = sim.last_info or {}
+        seen["grasp"] = max(seen["grasp"], float(info.get("grasp_success", 0.0)))
+        seen["near"] = max(seen["near"], float(info.get("near_object", 0.0)))
+        seen["obj_to_target"] = min(seen["obj_to_target"], float(info.get("obj_to_target", float("inf"))))
+
+    res, _CACHE[task][2] = play_episode(sim, eng, seed, fid, exec_steps,
+                                        on_chunk=lambda r, chunk: chunk_ms.append(r.total_ms), on_step=on_step)
+    return {"task": task, "seed": seed, "success": bool(res.success), "steps": res.steps,
+            "chunks": len(chunk_ms), "saturated": res.saturated, "carried_frames": carried,
+            "wall_s": time.perf_counter() - t0, "chunk_ms_median": float(np.median(chunk_ms)),
+            "max_grasp_success": seen["grasp"], "max_near_object": seen["near"],
+            "min_obj_to_target": seen["obj_to_target"]}
 
 
 def main():

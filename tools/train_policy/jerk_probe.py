@@ -1,5 +1,6 @@
-"""Where a chunk policy's commanded jerk comes from (docs/SIM.md, issue 22): the synchronous loop without ROS
-(closed_loop.py's, numpy engine, push), for the single-step policy and a chunk policy played 2 and H steps per chunk.
+"""Where a chunk policy's commanded jerk comes from (docs/SIM.md, issue 22): closed_loop.py's synchronous loop
+(``play_episode``; numpy engine as the deploy block says, push), for the single-step policy and a chunk policy
+played 2 and H steps per chunk.
 
 Per setting it prints one JSON line: successes, and the mean squared second difference of the applied xyz deltas
 (the commanded trajectory's jerk x dt^3, up to a constant), split into triples of steps inside one chunk and
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # closed_loop.py: the loop this probes
 
 
 def expected_chunk(eng) -> np.ndarray:
@@ -33,37 +35,31 @@ def expected_chunk(eng) -> np.ndarray:
 
 def probe(ckpt: str, exec_steps: int, seeds: list, readout: str = "argmax") -> dict:
     import vla_edge_ros.sim  # noqa: F401  MUJOCO_GL before mujoco
-    from vla_edge_ros.engine.factory import make_engine
-    from vla_edge_ros.sim.episode import SimController
     from vla_edge_ros.sim.metaworld_env import MetaWorldSim
 
-    sim = MetaWorldSim("push", "corner", 128, 64, 200)
-    eng = make_engine({"checkpoint": ckpt, "backend": "numpy", "instruction": sim.instruction, "tokens_per_frame": 32,
-                       "decode_tokens": 8, "eviction_policy": "sliding_window", "window_frames": 2},
-                      log=lambda s: None)
+    from closed_loop import make_policy_engine, play_episode
+
+    deploy = json.loads((Path(ckpt) / "training_record.json").read_text())["deploy"]
+    h, w = deploy["image_hw"]
+    sim = MetaWorldSim("push", "corner", w, h, 200)
+    eng = make_policy_engine(ckpt, deploy, "numpy", sim.instruction)
     fid, successes = 0, 0
     across, inside, disagree = [], [], []
     for seed in seeds:
-        ctl = SimController(sim, seed_start=seed, num_episodes=1, action_timeout_ms=1e9)
-        applied, starts, prev, done = [], set(), None, False
-        while not done:
-            r = eng.run_chunk(eng.encode_frame(sim.render()), fid)
-            fid += 1
-            chunk = np.asarray(r.chunk if getattr(r, "chunk", None) is not None else np.reshape(r.action, (1, -1)))
+        applied, starts, prev = [], set(), [None]
+
+        def on_chunk(_result, chunk):
             if readout == "expectation" and eng.cfg.action_horizon > 1:
                 chunk = expected_chunk(eng)
-            if prev is not None and prev.shape[0] > exec_steps:
-                disagree.append(float(np.sum((chunk[0, :3] - prev[exec_steps, :3]) ** 2)))
-            prev = chunk
+            if prev[0] is not None and prev[0].shape[0] > exec_steps:
+                disagree.append(float(np.sum((chunk[0, :3] - prev[0][exec_steps, :3]) ** 2)))
+            prev[0] = chunk
             starts.add(len(applied))
-            for a in chunk[:exec_steps]:
-                ctl.offer("fresh", a, eng.action_names)
-                applied.append(np.asarray(a[:3], float))
-                res = ctl.control_step()
-                if res is not None:
-                    successes += int(res.success)
-                    done = True
-                    break
+            return chunk
+
+        res, fid = play_episode(sim, eng, seed, fid, exec_steps, on_chunk=on_chunk,
+                                on_step=lambda a: applied.append(np.asarray(a[:3], float)))
+        successes += int(res.success)
         xyz = np.array(applied)
         for t in range(2, len(xyz)):  # the triple t-2, t-1, t lies in one chunk unless t-1 or t starts one
             d2 = float(np.sum((xyz[t] - 2 * xyz[t - 1] + xyz[t - 2]) ** 2))
