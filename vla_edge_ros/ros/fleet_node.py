@@ -55,8 +55,9 @@ from vla_edge_ros.ros.fleet_camera_node import FleetCameraNode
 from vla_edge_ros.ros.inference_node import LOOP_PARAMS, InferenceNode
 
 _TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-# robot-scoped events that are that robot's fault only (ERROR in its own status, not the fleet's)
+# a robot's status may come from a fleet snapshot this old (/diagnostics builds every robot's right after it)
 ROBOT_SNAPSHOT_MAX_AGE_S = 0.25
+# robot-scoped events that are that robot's fault only (ERROR in its own status, not the fleet's)
 ROBOT_ERRORS = ("chunk_error", "bad_frame", "robot_add_failed", "robot_remove_failed", "action_callback_error")
 
 
