@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.node import Node
+from rclpy.parameter import Parameter
 from sensor_msgs.msg import CompressedImage, Image
 
 from vla_edge_ros import params as registry
@@ -33,6 +34,13 @@ from vla_edge_ros.core.double_buffer import DoubleBuffer
 from vla_edge_ros.core.metrics import LatencyStats, RateCounter
 from vla_edge_ros.ros import conversions, qos
 from vla_edge_ros.ros.param_bridge import ParamBridge
+
+
+def camera_parameter_overrides(values: Mapping[str, Any]) -> list:
+    """The ``vla_camera`` parameters among ``values`` as a node's ``parameter_overrides`` (other names dropped): what
+    the fleet's camera nodes are built with, in the edge's process or in the cameras' own."""
+    return [Parameter(k, value=v) for k, v in values.items()
+            if k in registry.BY_NAME and registry.BY_NAME[k].node == registry.CAMERA]
 
 
 @dataclass

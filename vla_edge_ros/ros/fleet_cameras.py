@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from vla_edge_ros.core import image_convert
 from vla_edge_ros.core.metrics import LatencyStats
 from vla_edge_ros.core.shared_frames import SharedFrameBuffer
-from vla_edge_ros.ros.camera_node import CameraNode
+from vla_edge_ros.ros.camera_node import CameraNode, camera_parameter_overrides
 
 RESTART_BACKOFF_S = 5.0  # at most one restart per this once two came within it
 STOP_TIMEOUT_S = 5.0
@@ -227,10 +227,7 @@ def camera_process_main(robots, camera_values, camera_topics, specs, conn, statu
     import rclpy
     from rclpy.context import Context
     from rclpy.executors import SingleThreadedExecutor
-    from rclpy.parameter import Parameter
     from rclpy.signals import SignalHandlerOptions
-
-    from vla_edge_ros import params as registry
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us in order
     stop = threading.Event()
@@ -242,9 +239,7 @@ def camera_process_main(robots, camera_values, camera_topics, specs, conn, statu
     nodes, executors, threads, orphaned = {}, [], [], []
     try:
         for ns in robots:
-            values = {**camera_values, "camera_topic": camera_topics[ns]}
-            overrides = [Parameter(k, value=v) for k, v in values.items()
-                         if k in registry.BY_NAME and registry.BY_NAME[k].node == registry.CAMERA]
+            overrides = camera_parameter_overrides({**camera_values, "camera_topic": camera_topics[ns]})
             nodes[ns] = SharedBufferCameraNode(buffers[ns], namespace="/" + ns, context=context,
                                                parameter_overrides=overrides)
         for ns, node in nodes.items():

@@ -44,13 +44,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
-from rclpy.parameter import Parameter
 from sensor_msgs.msg import JointState
 
 from vla_edge_ros import params as registry
 from vla_edge_ros.core.double_buffer import DoubleBuffer
 from vla_edge_ros.core.metrics import LatencyStats, RateCounter, current_rss_mb
 from vla_edge_ros.ros import conversions, qos
+from vla_edge_ros.ros.camera_node import camera_parameter_overrides
 from vla_edge_ros.ros.fleet_camera_node import FleetCameraNode
 from vla_edge_ros.ros.inference_node import LOOP_PARAMS, InferenceNode
 
@@ -183,8 +183,7 @@ class FleetNode(InferenceNode):
                 self._start_camera_process(camera_values)
             for ns in self.robots:
                 if self.camera_process is None:
-                    overrides = [Parameter(k, value=v) for k, v in {**camera_values, **self.topics[ns]}.items()
-                                 if k in registry.BY_NAME and registry.BY_NAME[k].node == registry.CAMERA]
+                    overrides = camera_parameter_overrides({**camera_values, **self.topics[ns]})
                     self.cameras[ns] = FleetCameraNode(self.buffers[ns], namespace="/" + ns,
                                                        context=node_kwargs.get("context"),
                                                        parameter_overrides=overrides)
