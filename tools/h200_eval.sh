@@ -59,7 +59,7 @@ nproc | sed 's/^/cpu cores: /'
 WARM=""  # compile the kernels once (PyCUDA's cache) before the runtimes start
 [[ " $RUNS" == *" cuda-"* ]] && WARM="$CKPT"
 [ -n "${CHUNK_CKPT:-}" ] && [ "${CHUNK_BACKEND:-cuda}" = cuda ] && WARM="$WARM metaworld_mt3 $CHUNK_CKPT"
-for ck in $WARM; do
+for ck in $(printf '%s\n' $WARM | awk '!seen[$0]++'); do  # each checkpoint once (CKPT is metaworld_mt3 by default)
     log "cuda warm-up: kernels compiled, $ck loaded"
     $PY -c "
 from vla_edge_ros.engine.factory import make_engine
