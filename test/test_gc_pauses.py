@@ -48,3 +48,49 @@ def test_freeze_moves_survivors_to_the_permanent_generation():
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
+
+
+class _Lifecycle:
+    """The inference node's lifecycle as Runtime.bring_up drives it; records the transitions it is asked for."""
+
+    def __init__(self, events: list, configure_ok: bool = True) -> None:
+        self.events, self.configure_ok, self.last_error = events, configure_ok, "configure failed"
+
+    def safe_transition(self, name: str) -> bool:
+        self.events.append(name)
+        return self.configure_ok or name != "configure"
+
+    def get_logger(self):
+        return type("Logger", (), {"error": lambda _self, msg: self.events.append("error")})()
+
+
+def _runtime_with(events: list, configure_ok: bool = True):
+    from vla_edge_ros.ros import runtime
+    rt = runtime.Runtime.__new__(runtime.Runtime)  # bring_up alone: no ROS context, no nodes
+    rt.inference, rt.gc_freeze, rt.active_since = _Lifecycle(events, configure_ok), None, None
+    return runtime, rt
+
+
+def test_bring_up_freezes_between_configure_and_activate(monkeypatch):
+    # the collect before the freeze stops every thread: it must come before any chunk or tick is due
+    events: list = []
+    runtime, rt = _runtime_with(events)
+    monkeypatch.setattr(runtime, "freeze_long_lived", lambda: events.append("freeze") or {"frozen_objects": 1})
+    monkeypatch.setattr(runtime, "GC_FREEZE", True)
+    assert rt.bring_up()
+    assert events == ["configure", "freeze", "activate"]
+    assert rt.gc_freeze == {"frozen_objects": 1} and rt.active_since is not None
+
+
+def test_bring_up_does_not_freeze_after_a_failed_configure_or_when_disabled(monkeypatch):
+    events: list = []
+    runtime, rt = _runtime_with(events, configure_ok=False)
+    monkeypatch.setattr(runtime, "freeze_long_lived", lambda: events.append("freeze") or {})
+    monkeypatch.setattr(runtime, "GC_FREEZE", True)
+    assert not rt.bring_up()
+    assert "freeze" not in events and "activate" not in events and rt.gc_freeze is None
+    events.clear()
+    runtime, rt = _runtime_with(events)
+    monkeypatch.setattr(runtime, "GC_FREEZE", False)  # VLA_GC_FREEZE=0
+    assert rt.bring_up()
+    assert events == ["configure", "activate"] and rt.gc_freeze is None

@@ -112,9 +112,12 @@ def _nan_to_none(obj: Any) -> Any:
 # bench/runtime_bench.py, see README). VLA_SWITCH_INTERVAL_S overrides it (0 keeps CPython's default).
 GIL_SWITCH_INTERVAL_S = float(os.environ.get("VLA_SWITCH_INTERVAL_S", "0.001"))
 QUIET_POINT_TIMEOUT_S = 0.1  # longest a stats / diagnostics collection waits for a gap between fleet passes
-# Seconds after activation at which the process freezes what it has allocated so far out of the cyclic
-# collector's full passes (core/gc_pauses.py says why); VLA_GC_FREEZE_AFTER_S=-1 leaves the collector as it is.
-GC_FREEZE_AFTER_S = float(os.environ.get("VLA_GC_FREEZE_AFTER_S", "3.0"))
+# The process freezes what start-up allocated out of the cyclic collector's full passes (core/gc_pauses.py says
+# why) between configure and activate: the gc.collect() before the freeze stops every thread for 13-50 ms, and
+# before activation no chunk is admitted and no tick is due. Done 3 s after activation instead (sessions 19-24),
+# that collect was the one late pass of the 8-robot H200 replays (a 13-22 ms generation-2 pause, the same length
+# as the pass's stall). VLA_GC_FREEZE=0 leaves the collector as it is.
+GC_FREEZE = os.environ.get("VLA_GC_FREEZE", "1") != "0"
 
 
 class Runtime:
@@ -244,21 +247,15 @@ class Runtime:
                 print(f"[vla_runtime] executor of {name} stopped: {exc!r}", file=sys.stderr)
 
     def bring_up(self) -> bool:
-        ok = self.inference.safe_transition("configure") and self.inference.safe_transition("activate")
+        ok = self.inference.safe_transition("configure")
+        if ok and GC_FREEZE and self.gc_freeze is None:  # the engine is loaded and warm; nothing runs yet
+            self.gc_freeze = freeze_long_lived()
+        ok = ok and self.inference.safe_transition("activate")
         self.active_since = time.monotonic()
         if not ok:
             self.inference.get_logger().error(f"autostart did not reach 'active' "
                                               f"({self.inference.last_error or 'see log'})")
         return ok
-
-    def freeze_gc_when_settled(self, after_s: float = GC_FREEZE_AFTER_S) -> bool:
-        """Once, ``after_s`` after activation (warm-up allocations done): freeze the long-lived objects."""
-        if self.gc_freeze is not None or after_s < 0 or self.active_since is None:
-            return False
-        if time.monotonic() - self.active_since < after_s:
-            return False
-        self.gc_freeze = freeze_long_lived()
-        return True
 
     def stop(self) -> None:
         if self.inference is not None:
@@ -351,7 +348,6 @@ def run(role: str, argv: list[str], autostart: bool = True, stats_out: Optional[
     rc = 0
     t_end = None if duration_s is None else time.monotonic() + duration_s
     while not stop.is_set():
-        rt.freeze_gc_when_settled()
         timeout = 1.0 if stats_every_s is None else stats_every_s
         if t_end is not None:
             timeout = min(timeout, max(0.0, t_end - time.monotonic()))
