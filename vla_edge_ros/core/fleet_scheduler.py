@@ -38,10 +38,7 @@ Every cycle in which nobody was admitted although some robot had time left relax
 (``BatchCostModel.relax``: AdmissionController's rule, so a burst of slow passes expires after about as many
 refused cycles while a lasting rise of the cost or of its noise keeps refusing), and after
 ``probe_after_cycles`` such cycles the earliest such robot runs alone as a probe to re-measure
-(AdmissionController's probe, fleet-wide). The same holds for every larger size: a cycle that admitted M robots
-and refused another for capacity relaxes the estimate of M + 1, the one that refused it. Without that, a burst
-of slow two-robot passes early in the 8-robot H200 replay (session 24) kept the two-robot estimate above the
-deadline for the whole run: one robot per pass, half the fresh share, a quarter of the ticks held.
+(AdmissionController's probe, fleet-wide).
 
 ``cost_quantile`` (the same parameter as the single robot's, default 0.5): a pass admitted with the least slack
 (estimate = the time left) misses when its overrun exceeds the spread, i.e. with probability up to 1 - q; EDF
@@ -373,8 +370,6 @@ class FleetScheduler:
                 else:
                     refused[name] = CAPACITY
             probe = False
-            if batch and len(batch) < self.max_batch and CAPACITY in refused.values():
-                self.cost_model.relax(len(batch) + 1)  # the size that refused the next member (module docstring)
             if batch or not short_of_time:
                 self._empty_cycles = 0
             else:
