@@ -110,16 +110,16 @@ def edge_stats(per_robot: dict, backend="numpy", memory=True, batch_sizes=None) 
                                    "cycle_overruns": 0, "batch_failures": 0}}}
 
 
-def robot_stats(fresh, repeat=0, hold=0) -> dict:
-    return {"ticks": {"fresh": fresh, "repeat": repeat, "hold": hold}, "action": {"missed_ticks": 0}}
+def robot_stats(fresh, repeat=0, hold=0, missed=0) -> dict:
+    return {"ticks": {"fresh": fresh, "repeat": repeat, "hold": hold}, "action": {"missed_ticks": missed}}
 
 
 def test_window_figures_table_and_a_met_verdict():
     ns = ["r1", "r2"]
     start = edge_stats({"r1": (10, 1, 0, 20), "r2": (10, 0, 0, 20)}, batch_sizes={"1": 3, "2": 5})
     end = edge_stats({"r1": (1010, 2, 5, 2020), "r2": (1010, 0, 0, 2020)}, batch_sizes={"1": 3, "2": 505})
-    r = fr.summarise(ns, start, end, {"r1": robot_stats(0, 0, 300), "r2": robot_stats(0, 0, 300)},
-                     {"r1": robot_stats(900, 100, 300), "r2": robot_stats(1000, 0, 300)},
+    r = fr.summarise(ns, start, end, {"r1": robot_stats(0, 0, 300, missed=2), "r2": robot_stats(0, 0, 300)},
+                     {"r1": robot_stats(900, 100, 300, missed=3), "r2": robot_stats(1000, 0, 300)},
                      {"r1": {"camera_ticks": 2100}, "r2": {"camera_ticks": 2050}}, {"r1": 1 << 20})
     r1, r2 = r["robots"]["r1"], r["robots"]["r2"]
     assert (r1["admitted"], r1["deadline_misses"], r1["refused"], r1["frames_received"]) == (1000, 1, 5, 2000)
@@ -127,10 +127,12 @@ def test_window_figures_table_and_a_met_verdict():
     assert r1["ticks"] == {"fresh": 900, "repeat": 100, "hold": 0} and r1["fresh_share"] == pytest.approx(0.9)
     assert r1["kv_bytes"] == 1 << 20 and r2["kv_bytes"] == 1 << 19  # the sampled peak beats the final figure
     assert (r1["frames_published"], r1["frames_received_total"]) == (2100, 2020)
+    assert (r1["missed_ticks"], r1["missed_ticks_total"], r2["missed_ticks"]) == (1, 3, 0)  # start-up's 2 are not the window's
     assert r["edge"]["memory_kind"].startswith("host memory") and r["edge"]["missing"] == []
     assert r["verdict"] == {"met": True, "reasons": []}
     text = fr.table({**r, "meta": {"duration_s": 8.0, "camera_hz": 60.0, "bag_description": "synthetic"}})
     assert "| r1 | 2100 / 2020 | 1000 | 5 | 1 | 0.100% | 20.0 / 30.0 | 900 / 100 / 0 | 90.0% | 1.00 MiB |" in text
+    assert "grid points skipped in the window (a tick with no message): r1 1, r2 0 (since start: 3, 0)" in text
     assert "VERDICT: MET" in text and "weights 2.00 MiB" in text and "{'2': 500}" in text  # the window's passes
     assert r1["latency_ms"]["whole_run"] and "it has no histograms" in text  # an edge without them: said so
     json.dumps(r)  # written as fleet_replay.json

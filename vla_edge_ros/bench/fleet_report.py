@@ -31,6 +31,11 @@ def counter_delta(end: dict, start: Optional[dict]) -> dict:
     return {k: v - int((start or {}).get(k, 0) or 0) for k, v in end.items()}
 
 
+def _window_count(end: Any, start: Any) -> Optional[int]:
+    """``end - start`` of a counter (start absent: 0), None when the end is unknown."""
+    return None if end is None else int(end) - int(start or 0)
+
+
 def _ticks(robot_stats: Optional[dict]) -> dict[str, int]:
     t = (robot_stats or {}).get("ticks") or {}
     return {k: int(t.get(k, 0) or 0) for k in TICK_KINDS}
@@ -91,7 +96,10 @@ def summarise(ns: list[str], edge_start: dict, edge_end: dict, robots_start: dic
         robots[name] = {**c, "miss_rate": _rate(c["deadline_misses"], c["admitted"]),
                         "latency_ms": lat, "ticks": t,
                         "fresh_share": _rate(t["fresh"], n_ticks),
-                        "missed_ticks": _get(robots_end.get(name), "action", "missed_ticks"),
+                        # the action timer's skipped grid points: in the window, and since the robot started
+                        "missed_ticks": _window_count(_get(robots_end.get(name), "action", "missed_ticks"),
+                                                     _get(robots_start.get(name), "action", "missed_ticks")),
+                        "missed_ticks_total": _get(robots_end.get(name), "action", "missed_ticks"),
                         "frames_published": _get((replays or {}).get(name), "camera_ticks"),  # whole replay
                         "frames_received_total": edge_robot(final, name)["frames_received"],  # whole run
                         "kv_bytes": max(kv) if kv else None, "kv_max_occupancy_tokens":
@@ -190,6 +198,12 @@ def table(result: dict[str, Any]) -> str:
               f"- batches by size: {e['batch_sizes']}; pass p50 / p99 / max {_f(pm['p50'])} / {_f(pm['p99'])} / "
               f"{_f(pm['max'])} ms; host part of decision-to-results p50 / p99 {_f(hm.get('p50'))} / "
               f"{_f(hm.get('p99'))} ms; cycle overruns {e['cycle_overruns']}, batch failures {e['batch_failures']}"]
+    missed = {ns: r.get("missed_ticks") for ns, r in result["robots"].items()}
+    if any(v is not None for v in missed.values()):
+        lines.append("- robots' action timers, grid points skipped in the window (a tick with no message): "
+                     + ", ".join(f"{ns} {_f(v, '{:d}')}" for ns, v in missed.items())
+                     + " (since start: " + ", ".join(f"{_f(r.get('missed_ticks_total'), '{:d}')}"
+                                                     for r in result["robots"].values()) + ")")
     cpu = e.get("cpu") or {}
     if cpu.get("cpu_s_per_s") is not None:
         lines.append(f"- edge process CPU {cpu['cpu_s_per_s']:.3f} s per s over the window"
