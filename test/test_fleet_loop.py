@@ -371,12 +371,13 @@ def test_deferred_frames_are_converted_only_when_admitted_and_a_bad_one_is_that_
     assert h.got[0][1].frame_id == 1 and h.got[0][1].frame_stamp_ns == 33 * MS
     assert h.loop.stats()["scheduler"]["cost"]["by_batch_size"]["1"]["host_ema_ms"] == pytest.approx(2.5)
 
+    # b's turn (equal deadlines rotate: a was just served): its new frame is malformed
     bad = DeferredFrame(ImageRejected("bad_compressed", "not a decodable JPEG/PNG"), 0, 9)
-    out = cycle(h, {"a": bad})
-    assert out.outcomes["a"] == BAD_FRAME and bad.converted == 1 and out.ran == ()
-    a = robot(h, "a")
-    assert a["bad_frames"] == 1 and a["errors"] == 0 and "bad_compressed" in a["last_error"]
-    assert [(n, d["frame_id"]) for n, k, d in h.events if k == "bad_frame"] == [("a", 9)]
+    out = cycle(h, {"b": bad})
+    assert out.outcomes["b"] == BAD_FRAME and bad.converted == 1 and out.ran == ()
+    b = robot(h, "b")
+    assert b["bad_frames"] == 1 and b["errors"] == 0 and "bad_compressed" in b["last_error"]
+    assert [(n, d["frame_id"]) for n, k, d in h.events if k == "bad_frame"] == [("b", 9)]
 
 
 def test_window_percentiles_from_two_cumulative_histogram_snapshots():

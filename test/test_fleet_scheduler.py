@@ -119,6 +119,21 @@ def drive(fs, cycles, names, silent=lambda k: ()):
     return out
 
 
+def test_equal_deadlines_share_the_passes_round_robin():
+    """The fleet loop gives all robots of a cycle one deadline: the batch must rotate, not go to the first names
+    (promotion alone left r1 in every pass and r4..r8 at what the starvation limit gave them)."""
+    names = [f"r{i}" for i in range(1, 9)]
+    fs = fleet(names, LINEAR, max_batch=3, margin_ms=2.0, starvation_limit=3)
+    admitted = dict.fromkeys(names, 0)
+    for _ in range(80):
+        plan = fs.plan(NOW, dict.fromkeys(names, NOW + 30 * MS))
+        assert len(plan.batch) == 3  # 14 ms for three: the batch is full, five refused for capacity
+        for n in plan.batch:
+            admitted[n] += 1
+    assert max(admitted.values()) - min(admitted.values()) <= 1, admitted  # 240 passes-members over 8: 30 each
+    assert fs.stats()["fleet"]["starvation_promotions"] == 0  # nobody waited as long as the limit
+
+
 def test_join_leave_and_silence_do_not_disturb_the_others():
     base = fleet("ab", LINEAR, max_batch=4)
     base_plans = drive(base, 12, "ab")
