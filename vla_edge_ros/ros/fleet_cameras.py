@@ -226,8 +226,9 @@ def camera_process_main(robots, camera_values, camera_topics, specs, conn, statu
     ``status_period_s``. Ends on "stop" or when ``conn`` closes."""
     import rclpy
     from rclpy.context import Context
-    from rclpy.executors import SingleThreadedExecutor
     from rclpy.signals import SignalHandlerOptions
+
+    from vla_edge_ros.ros.executors import spin_each, stop_spinning
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us in order
     stop = threading.Event()
@@ -242,13 +243,7 @@ def camera_process_main(robots, camera_values, camera_topics, specs, conn, statu
             overrides = camera_parameter_overrides({**camera_values, "camera_topic": camera_topics[ns]})
             nodes[ns] = SharedBufferCameraNode(buffers[ns], namespace="/" + ns, context=context,
                                                parameter_overrides=overrides)
-        for ns, node in nodes.items():
-            ex = SingleThreadedExecutor(context=context)
-            ex.add_node(node)
-            th = threading.Thread(target=_spin, args=(ex,), name=f"exec:{ns}/vla_camera", daemon=True)
-            executors.append(ex)
-            threads.append(th)
-            th.start()
+        executors, threads = spin_each(nodes.values(), context)
 
         def watch_parent():  # "stop", or EOF: the parent is gone
             try:
@@ -266,10 +261,7 @@ def camera_process_main(robots, camera_values, camera_topics, specs, conn, statu
             except (OSError, ValueError, BrokenPipeError):
                 break
     finally:
-        for ex in executors:
-            ex.shutdown(timeout_sec=1.0)
-        for th in threads:  # out of rclpy's native code before the context goes: else the exit may abort
-            th.join(2.0)
+        stop_spinning(executors, threads, shutdown_timeout_s=1.0, join_timeout_s=2.0)
         for node in nodes.values():
             node.destroy_node()
         try:
@@ -283,13 +275,6 @@ def camera_process_main(robots, camera_values, camera_topics, specs, conn, statu
                     os.unlink(buf.path)
                 except OSError:
                     pass
-
-
-def _spin(ex) -> None:
-    try:
-        ex.spin()
-    except Exception:  # the context was shut down under it: leave quietly
-        pass
 
 
 def _plain(x: Any) -> Any:

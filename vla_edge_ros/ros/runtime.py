@@ -45,6 +45,7 @@ from vla_edge_ros.core.double_buffer import DoubleBuffer
 from vla_edge_ros.core.gc_pauses import GcPauseMonitor, freeze_long_lived
 from vla_edge_ros.core.metrics import peak_rss_mb
 from vla_edge_ros.ros import diagnostics
+from vla_edge_ros.ros.executors import spin_each, stop_spinning
 
 ROLES = ("all", "edge", "robot")
 
@@ -225,26 +226,12 @@ class Runtime:
 
     # ---- lifecycle of the process ---------------------------------------------------------------------
     def start(self) -> None:
-        for node in self.nodes:
-            ex = SingleThreadedExecutor(context=self.context)
-            ex.add_node(node)
-            th = threading.Thread(target=self._spin, args=(ex, node.get_name()), name=f"exec:{node.get_name()}",
-                                  daemon=True)
-            self.executors.append(ex)
-            self.threads.append(th)
-            th.start()
+        self.executors, self.threads = spin_each(self.nodes, self.context)
         self.started_at = time.monotonic()
         if self.inference is not None and self.autostart:
             self.bring_up()
         else:
             self.active_since = self.started_at
-
-    def _spin(self, ex: SingleThreadedExecutor, name: str) -> None:
-        try:
-            ex.spin()
-        except Exception as exc:  # the context was shut down under us: leave quietly
-            if not isinstance(exc, (KeyboardInterrupt,)) and rclpy.ok(context=self.context):
-                print(f"[vla_runtime] executor of {name} stopped: {exc!r}", file=sys.stderr)
 
     def bring_up(self) -> bool:
         ok = self.inference.safe_transition("configure")
@@ -263,10 +250,7 @@ class Runtime:
                 self.inference.safe_transition("shutdown")
             except Exception as exc:
                 print(f"[vla_runtime] inference shutdown: {exc!r}", file=sys.stderr)
-        for ex in self.executors:
-            ex.shutdown(timeout_sec=2.0)
-        for th in self.threads:
-            th.join(timeout=3.0)
+        stop_spinning(self.executors, self.threads)
 
     def destroy(self) -> None:
         self.gc_monitor.uninstall()
