@@ -44,6 +44,7 @@ import numpy as np
 
 from vla_edge_ros import params
 from vla_edge_ros.core.admission import CycleClock
+from vla_edge_ros.core.cycle_runner import CycleRunner
 from vla_edge_ros.core.double_buffer import DoubleBuffer
 from vla_edge_ros.core.fleet_contract import BatchRequest, FleetEngine  # noqa: F401  (re-exported)
 from vla_edge_ros.core.fleet_scheduler import BAD_DEADLINE, CAPACITY, DEADLINE, UNKNOWN, BatchPlan, FleetScheduler
@@ -108,18 +109,16 @@ class FleetLoop:
         self.deadline_ms = float(deadline_ms)
         self.saliency_threshold = float(saliency_threshold)
         self.late_discard_ms = None if late_discard_ms is None else float(late_discard_ms)
-        self._clock_ns, self.wait_timeout_s, self.thread_name = clock_ns, wait_timeout_s, thread_name
+        self._clock_ns = clock_ns
         self._history = history
         self.clock = CycleClock(cycle_period_ms, start_ns=clock_ns())
         self._lock = threading.Lock()  # guards _robots (replaced, not mutated), _pending, _members
         self._robots: dict[str, _Robot] = {}
         self._pending: list[tuple[str, str, Optional[DoubleBuffer]]] = []  # ("add"|"remove", name, buffer)
         self._members: set[str] = set()  # names as they will be once _pending is applied
-        self._stop, self._resumed = threading.Event(), threading.Event()
-        self._resumed.set()
-        self._between_passes = threading.Event()  # set while the thread sleeps to the next cycle boundary
-        self._served_cycle = -1  # the cycle index the thread served last
-        self._thread: Optional[threading.Thread] = None
+        self.runner = CycleRunner(self.clock, self.run_cycle, while_paused=self.apply_pending_membership,
+                                  on_error=self._loop_error, on_event=lambda kind: self._emit(None, kind, {}),
+                                  clock_ns=clock_ns, wait_timeout_s=wait_timeout_s, thread_name=thread_name)
         self._in_flight_since: Optional[int] = None
         self.totals = dict.fromkeys(COUNTERS, 0)  # every robot ever served, those that left included
         self.batch_sizes: dict[int, int] = {}
@@ -128,7 +127,6 @@ class FleetLoop:
         self.host_ms = LatencyStats(history)  # decision to results minus the engine's pass (the cost model's host)
         self.host_hist = CumulativeHistogram()
         self.profile = PassProfile(clock_ns=clock_ns)  # each pass's stages, wall and CPU: what the host tail waited for
-        self.thread_cpu_s = 0.0  # CPU time of the loop's thread so far (updated after every cycle)
         self.fleet = dict.fromkeys(("cycles", "cycles_paused", "cycle_overruns", "batches", "batch_failures",
                                     "engine_resets", "unexpected_results", "timing_invalid", "loop_errors",
                                     "callback_errors", "robots_added", "robots_removed", "robot_add_failures",
@@ -444,95 +442,48 @@ class FleetLoop:
         self._emit(None, "warmup_done", dict(self.warmup_figures))
         return self.warmup_figures
 
-    # ---- thread -------------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        self._emit(None, "started", {})
-        served: Optional[int] = None
-        while not self._stop.is_set():
-            try:
-                if not self._resumed.is_set():
-                    self.apply_pending_membership()
-                    self._resumed.wait(self.wait_timeout_s)
-                    continue
-                now = self._clock_ns()
-                index = self.clock.cycle_index(now)
-                if served is not None and index <= served:  # this cycle is served: sleep to the next boundary
-                    self._between_passes.set()
-                    self._stop.wait(max(0.0, (self.clock.next_deadline(now) - now) / 1e9))
-                    continue
-                served = self._served_cycle = index
-                self._between_passes.clear()
-                self.run_cycle(now)
-                self.thread_cpu_s = time.thread_time()
-            except Exception as exc:  # a bug outside the pass: report, back off one period, keep going
-                self.fleet["loop_errors"] += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                self._emit(None, "loop_error", {"error": self.last_error, "type": type(exc).__name__})
-                self._stop.wait(self.clock.period_ms / 1e3)
-        self._emit(None, "stopped", {})
+    # ---- thread (core/cycle_runner.py) ---------------------------------------------------------------------
+    def _loop_error(self, exc: Exception) -> None:
+        self.fleet["loop_errors"] += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        self._emit(None, "loop_error", {"error": self.last_error, "type": type(exc).__name__})
 
     def wait_between_passes(self, timeout_s: float, min_gap_ms: float = 8.0) -> bool:
-        """For the process's other Python threads' housekeeping (stats files, /diagnostics): block until the loop
-        sleeps between passes with at least ``min_gap_ms`` to the next cycle boundary, at most ``timeout_s``.
-        Why: every GIL hand-back of a pass (each numpy or CUDA call) waits for whichever thread holds the GIL, up
-        to the switch interval each time; seconds of snapshot and JSON work landing inside a pass were measured
-        as the fleet's host tail (docs/FIGURES.md). True when such a gap was found (or the loop is not running:
-        nothing to wait for), False on timeout. Best effort: a pass may still start while the caller works."""
-        end = time.monotonic() + max(0.0, timeout_s)
-        while True:
-            if not self.running or self.paused:
-                return True
-            now = self._clock_ns()
-            between = self._between_passes.is_set()
-            if (between and self.clock.cycle_index(now) == self._served_cycle
-                    and (self.clock.next_deadline(now) - now) / 1e6 >= min_gap_ms):
-                return True
-            left = end - time.monotonic()
-            if left <= 0:
-                return False
-            if between:  # the gap left is too short: the next pass starts within it
-                time.sleep(min(left, 0.001))
-            else:  # a pass runs: its end sets the event
-                self._between_passes.wait(left)
+        """For the process's other Python threads' housekeeping (stats files, /diagnostics): CycleRunner's."""
+        return self.runner.wait_between_passes(timeout_s, min_gap_ms)
 
     def start(self) -> None:
         if self.running:
             raise RuntimeError("fleet loop already running")
-        self._stop.clear()
-        self.clock.set_period_ms(self.clock.period_ms, start_ns=self._clock_ns())
-        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
-        self._thread.start()
+        self.runner.start()
 
     def stop(self, timeout_s: float = 5.0) -> bool:
         """Stop and join; False when the thread is still inside a (hung) pass after ``timeout_s``."""
-        self._stop.set()
-        self._resumed.set()  # wake a paused loop so it sees the stop
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                return False
-            self._thread = None
-        return True
+        return self.runner.stop(timeout_s)
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.runner.running
+
+    @property
+    def thread_cpu_s(self) -> float:
+        return self.runner.thread_cpu_s
 
     def pause(self) -> None:
         """Stop running passes (the pass in flight, if any, completes)."""
-        self._resumed.clear()
+        self.runner.pause()
         self._emit(None, "paused", {})
 
     def resume(self) -> None:
         """Resume; frames written while paused are dropped (counted per robot), retries forgotten."""
         for robot in self._robots.values():
             robot.resume_written, robot.retry = robot.buffer.written, None
-        self._resumed.set()
+        self.runner.resume()
         self._emit(None, "resumed", {})
 
     @property
     def paused(self) -> bool:
-        return not self._resumed.is_set()
+        return self.runner.paused
 
     # ---- figures ------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
