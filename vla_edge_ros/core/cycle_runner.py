@@ -14,6 +14,9 @@ threads around it meet it, which is a separate thing to hold in mind and to test
 - ``wait_between_passes``: the stats and /diagnostics threads' housekeeping waits for the gap after a pass
   (every GIL hand-back of a pass waits for whichever thread holds the GIL; docs/FIGURES.md measured that work
   landing inside passes as the fleet's host tail).
+
+``LoopThreadState`` (stop events, stop-and-join, running / paused) is shared with core/inference_loop.py, whose
+thread waits for frames and for a chunk to be due rather than for cycle boundaries.
 """
 from __future__ import annotations
 
@@ -24,7 +27,35 @@ from typing import Callable, Optional
 from vla_edge_ros.core.admission import CycleClock
 
 
-class CycleRunner:
+class LoopThreadState:
+    """A loop thread's stop / pause state and its stop-and-join: CycleRunner's and InferenceLoop's."""
+
+    def _init_loop_thread_state(self) -> None:
+        self._stop, self._resumed = threading.Event(), threading.Event()
+        self._resumed.set()
+        self._thread: Optional[threading.Thread] = None
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop and join; False when the thread is still inside a (hung) pass or chunk after ``timeout_s``."""
+        self._stop.set()
+        self._resumed.set()  # wake a paused thread so it sees the stop
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        return True
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+
+class CycleRunner(LoopThreadState):
     def __init__(self, clock: CycleClock, serve: Callable[[int], None], *,
                  while_paused: Callable[[], None] = lambda: None,
                  on_error: Callable[[Exception], None] = lambda exc: None,
@@ -34,11 +65,9 @@ class CycleRunner:
         self.clock, self.serve, self.while_paused = clock, serve, while_paused
         self.on_error, self.on_event = on_error, on_event
         self._clock_ns, self.wait_timeout_s, self.thread_name = clock_ns, wait_timeout_s, thread_name
-        self._stop, self._resumed = threading.Event(), threading.Event()
-        self._resumed.set()
+        self._init_loop_thread_state()
         self._between_passes = threading.Event()  # set while the thread sleeps to the next cycle boundary
         self._served_cycle = -1  # the cycle index the thread served last
-        self._thread: Optional[threading.Thread] = None
         self.thread_cpu_s = 0.0  # CPU time of the thread so far (updated after every served cycle)
 
     def _run(self) -> None:
@@ -94,21 +123,6 @@ class CycleRunner:
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
-    def stop(self, timeout_s: float = 5.0) -> bool:
-        """Stop and join; False when the thread is still inside a (hung) pass after ``timeout_s``."""
-        self._stop.set()
-        self._resumed.set()  # wake a paused thread so it sees the stop
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                return False
-            self._thread = None
-        return True
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def pause(self) -> None:
         """Serve no more cycles (the one in progress completes)."""
         self._resumed.clear()
@@ -116,6 +130,3 @@ class CycleRunner:
     def resume(self) -> None:
         self._resumed.set()
 
-    @property
-    def paused(self) -> bool:
-        return not self._resumed.is_set()

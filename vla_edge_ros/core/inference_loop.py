@@ -43,6 +43,7 @@ from vla_edge_ros import params
 from vla_edge_ros.core.admission import AdmissionController, CycleClock
 from vla_edge_ros.core.chunk_schedule import ChunkSchedule
 from vla_edge_ros.core.committed_prefix import CommittedPrefix
+from vla_edge_ros.core.cycle_runner import LoopThreadState
 from vla_edge_ros.core.double_buffer import DoubleBuffer
 from vla_edge_ros.core.loop_settings import ADMISSION_KEYS, KV_KEYS, LIVE_KEYS, check_live_values, check_loop_values
 from vla_edge_ros.core.metrics import LatencyStats
@@ -66,7 +67,7 @@ def cosine_distance(a: np.ndarray, b: np.ndarray) -> float:
     return float(1.0 - np.dot(a, b) / (na * nb))
 
 
-class InferenceLoop:
+class InferenceLoop(LoopThreadState):
     def __init__(self, engine: Any, frame_buffer: DoubleBuffer, admission: AdmissionController, period_ms: float,
                  on_action: Callable[[Any, Any], None], on_event: Optional[Callable[[str, dict], None]] = None, *,
                  decode_tokens: int = 8, saliency_threshold: float = 0.2, late_discard_ms: Optional[float] = None,
@@ -110,10 +111,7 @@ class InferenceLoop:
 
         self._lock = threading.Lock()  # guards _pending (update() runs on a parameter-callback thread)
         self._pending: dict[str, Any] = {}
-        self._stop = threading.Event()
-        self._resumed = threading.Event()
-        self._resumed.set()
-        self._thread: Optional[threading.Thread] = None
+        self._init_loop_thread_state()
         self._served_cycle: Optional[int] = None
         self._prev_pooled: Optional[np.ndarray] = None
         self._in_flight_since: Optional[int] = None
@@ -464,23 +462,6 @@ class InferenceLoop:
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
-    def stop(self, timeout_s: float = 5.0) -> bool:
-        """Stop and join; False when the thread is still inside a (hung) chunk after ``timeout_s``."""
-        self._stop.set()
-        self._resumed.set()  # wake a paused loop so it can see the stop
-        t = self._thread
-        if t is None:
-            return True
-        t.join(timeout_s)
-        if t.is_alive():
-            return False
-        self._thread = None
-        return True
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def pause(self) -> None:
         """Stop admitting chunks (the chunk in flight, if any, completes)."""
         self._resumed.clear()
@@ -495,10 +476,6 @@ class InferenceLoop:
         self.committed.forget()
         self._resumed.set()
         self._emit("resumed", {})
-
-    @property
-    def paused(self) -> bool:
-        return not self._resumed.is_set()
 
     # ---- figures ----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
