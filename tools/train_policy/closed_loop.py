@@ -31,6 +31,15 @@ import numpy as np
 _CACHE = {}
 
 
+def load_deploy(ckpt):
+    """The checkpoint's deploy block (training_record.json, written by train_eval.py), None without a record."""
+    path = os.path.join(ckpt, "training_record.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["deploy"]
+
+
 def make_policy_engine(ckpt, deploy, backend, instruction):
     """The engine as the checkpoint's deploy block (training_record.json) says to run it."""
     from vla_edge_ros.engine.factory import make_engine
@@ -128,7 +137,9 @@ def main():
     exec_steps = a.exec_steps or horizon
     if not 1 <= exec_steps <= horizon:
         p.error(f"--exec-steps must be in [1, action_horizon={horizon}], got {exec_steps}")
-    deploy = json.load(open(os.path.join(a.ckpt, "training_record.json")))["deploy"]
+    deploy = load_deploy(a.ckpt)
+    if deploy is None:
+        p.error(f"{a.ckpt} has no training_record.json (its deploy block says how to run it)")
     print("[closed_loop] deploy", json.dumps(deploy), f"action_horizon {horizon}, exec_steps {exec_steps}",
           flush=True)
     stride = int(deploy.get("frame_stride_control_steps", 1))

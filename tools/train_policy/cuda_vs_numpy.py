@@ -1,9 +1,9 @@
 """The CUDA engine on a trained checkpoint against the numpy engine (issue 21: "the CUDA engine loads the trained
 checkpoint"): both run the frames of render_probe.py's trajectories as the runtime would (the same instruction,
 sliding window of 2 frames, one chunk per frame, the KV cache reset per trajectory) and the action bins are
-compared step by step (every step of a chunk). A checkpoint with a deploy block (training_record.json) runs as closed_loop.py runs it
-(its tokens per frame, eviction and window); a chunk policy's tokens are also compared per chunk step, and the
-disagreeing bins say how far apart they are.
+compared step by step (every step of a chunk). A checkpoint with a deploy block (training_record.json) runs as
+closed_loop.py runs it (its tokens per frame, eviction and window); a chunk policy's bins are also compared per
+chunk step, and the disagreeing bins say how far apart they are.
 
     python3 tools/train_policy/cuda_vs_numpy.py metaworld_mt3 FRAMES.npz [--json OUT]
 """
@@ -17,23 +17,16 @@ import numpy as np
 from vla_edge_ros.engine.factory import make_engine
 from vla_edge_ros.sim.tasks import task_spec
 
-
-def _deploy(checkpoint: str):
-    path = os.path.join(checkpoint, "training_record.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f).get("deploy")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # closed_loop.py: how a deploy block runs
+from closed_loop import load_deploy, make_policy_engine  # noqa: E402
 
 
 def run(backend: str, checkpoint: str, frames) -> dict:
     out = {}
-    deploy = _deploy(checkpoint)
+    deploy = load_deploy(checkpoint)
     for key in sorted(frames.files):
         task = key.rsplit("_", 1)[0]
         if deploy:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            from closed_loop import make_policy_engine
             eng = make_policy_engine(checkpoint, deploy, backend, task_spec(task).instruction)
         else:
             eng = make_engine({"backend": backend, "checkpoint": checkpoint, "instruction": task_spec(task).instruction,
@@ -68,7 +61,7 @@ def main(argv=None) -> int:
     a_ref, a_got = np.concatenate([ref[k] for k in ref]), np.concatenate([got[k] for k in ref])
     diff = np.abs(a_ref.astype(np.int64) - a_got.astype(np.int64))[a_ref != a_got]
     if diff.size:
-        print(f"disagreeing tokens: {diff.size}, |bin difference| median {np.median(diff):.0f}, "
+        print(f"disagreeing bins: {diff.size}, |bin difference| median {np.median(diff):.0f}, "
               f"<= 1: {(diff <= 1).mean():.1%}, max {diff.max()}")
     dims = int(a.action_dims)
     per_step = []

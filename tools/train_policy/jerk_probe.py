@@ -37,9 +37,9 @@ def probe(ckpt: str, exec_steps: int, seeds: list, readout: str = "argmax") -> d
     import vla_edge_ros.sim  # noqa: F401  MUJOCO_GL before mujoco
     from vla_edge_ros.sim.metaworld_env import MetaWorldSim
 
-    from closed_loop import make_policy_engine, play_episode
+    from closed_loop import load_deploy, make_policy_engine, play_episode
 
-    deploy = json.loads((Path(ckpt) / "training_record.json").read_text())["deploy"]
+    deploy = load_deploy(ckpt)
     h, w = deploy["image_hw"]
     sim = MetaWorldSim("push", "corner", w, h, 200)
     eng = make_policy_engine(ckpt, deploy, "numpy", sim.instruction)
