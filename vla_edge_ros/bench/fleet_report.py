@@ -93,13 +93,14 @@ def summarise(ns: list[str], edge_start: dict, edge_end: dict, robots_start: dic
         lat = _window_ms(_get(edge_end, *loop_path, default={}), _get(edge_start, *loop_path, default={}),
                          "latency_hist", "latency_ms")
         kv = [x for x in ((kv_peak or {}).get(name), per_kv.get(name)) if x is not None]
+        missed_end = _get(robots_end.get(name), "action", "missed_ticks")
         robots[name] = {**c, "miss_rate": _rate(c["deadline_misses"], c["admitted"]),
                         "latency_ms": lat, "ticks": t,
                         "fresh_share": _rate(t["fresh"], n_ticks),
                         # the action timer's skipped grid points: in the window, and since the robot started
-                        "missed_ticks": _window_count(_get(robots_end.get(name), "action", "missed_ticks"),
-                                                     _get(robots_start.get(name), "action", "missed_ticks")),
-                        "missed_ticks_total": _get(robots_end.get(name), "action", "missed_ticks"),
+                        "missed_ticks": _window_count(missed_end, _get(robots_start.get(name), "action",
+                                                                       "missed_ticks")),
+                        "missed_ticks_total": missed_end,
                         "frames_published": _get((replays or {}).get(name), "camera_ticks"),  # whole replay
                         "frames_received_total": edge_robot(final, name)["frames_received"],  # whole run
                         "kv_bytes": max(kv) if kv else None, "kv_max_occupancy_tokens":

@@ -453,9 +453,7 @@ class FleetLoop:
         return self.runner.wait_between_passes(timeout_s, min_gap_ms)
 
     def start(self) -> None:
-        if self.running:
-            raise RuntimeError("fleet loop already running")
-        self.runner.start()
+        self.runner.start()  # RuntimeError when already running
 
     def stop(self, timeout_s: float = 5.0) -> bool:
         """Stop and join; False when the thread is still inside a (hung) pass after ``timeout_s``."""

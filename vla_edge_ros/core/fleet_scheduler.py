@@ -18,11 +18,12 @@ Starvation: EDF alone lets a robot whose deadline is always the latest lose ever
 capacity ``starvation_limit`` times since its last admission is placed first (longest-starved first) next
 cycle; the batch check still protects every member's deadline, so a promotion displaces, it never causes a
 miss. Deadline refusals and silent cycles neither add to nor reset that count: they are not the scheduler's
-choice. Equal deadlines -- the fleet loop gives every robot of a cycle the same one -- go to the robot admitted least
-recently (then by name): round robin. Ordered by name alone, the first names
-took every pass (the 8-robot H200 replay with passes of three, session 24: r1 98 % of its ticks fresh, r2 50 %,
-the others the 25 % that promotion gave them). Robots are state by name only: joining, leaving or going silent (simply absent from ``ready``) touches
-no other robot's counters, and a robot's outcome depends on the others only through the shared batch.
+choice. Equal deadlines -- the fleet loop gives every robot of a cycle the same one -- go to the robot admitted
+least recently (then by name): round robin. Ordered by name alone, the first names took every pass (the 8-robot
+H200 replay with passes of three, session 24: r1 98 % of its ticks fresh, r2 50 %, the others the 25 % that
+promotion gave them). Robots are state by name only: joining, leaving or going silent (simply absent from
+``ready``) touches no other robot's counters, and a robot's outcome depends on the others only through the
+shared batch.
 
 The cost of a batch, ``BatchCostModel``: per batch size M, EMAs of three parts of what lies between the decision
 and the members' results, plus a spread (the ``cost_quantile`` quantile of recent overruns of their sum), as

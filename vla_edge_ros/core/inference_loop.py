@@ -192,7 +192,7 @@ class InferenceLoop(LoopThreadState):
         cost), then ``engine.reset()`` so no warm-up frame stays in the KV cache. Not counted in live stats."""
         if n < 0:
             raise ValueError(f"warmup chunk count must be >= 0, got {n}")
-        if self._thread is not None and self._thread.is_alive():
+        if self.running:
             raise RuntimeError("warmup() must run before start(): the engine belongs to one thread")
         rng = np.random.default_rng(0)
         image = rng.integers(0, 256, size=image_shape, dtype=np.uint8)
@@ -452,7 +452,7 @@ class InferenceLoop(LoopThreadState):
         self._emit("stopped", {})
 
     def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        if self.running:
             raise RuntimeError("inference loop already running")
         self._stop.clear()
         self.clock.set_period_ms(self.clock.period_ms, start_ns=self._time_ns())
