@@ -5,7 +5,7 @@
 // meta (device ints, written by the host before a graph replay): meta[0] = L keys seen by the prefill chunk,
 // meta[1] = p0 (position of prefill token 0), meta[2] = T valid prefill tokens, meta[3] = n_ctx (decode base),
 // meta[4] = 1: the prefill pass is bidirectional (vla.chunk_decode "parallel": the A action slots see each other and
-// the whole context), 0: causal. One record per pass (engine/cuda/plan.py META_INTS, chunk_inputs).
+// the whole context), 0: causal. One record per pass (engine/cuda/pass_meta.py META_INTS, chunk_inputs).
 // Decode step s (1-based) sees L = meta[3] + s keys and sits at position meta[3] + s - 1.
 // rope_cs: float2 (cos, sin) [positions][HD/2], HF rotate_half convention.
 // Softmax runs in the log2 domain: queries are pre-scaled by log2(e)/sqrt(HD).

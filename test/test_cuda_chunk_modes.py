@@ -2,7 +2,7 @@
 
 Parallel (``vla.chunk_decode: parallel``): after the frame's prefill, one prefill-shaped pass over the A = H x 7
 action slots (bidirectional among them: cuda/rope_attention.cu meta[4]), gen[1 + r] = slot r's argmax; more than
-32 slots run in 32-row tiles (forward._layers), more than plan.PARALLEL_MAX_TILES tiles are refused by name, before
+32 slots run in 32-row tiles (forward._layers), more than pass_meta.PARALLEL_MAX_TILES tiles are refused by name, before
 anything is allocated. Forced prefix
 (``run_chunk(forced_bins=(d, 7))``): the forced ids go to the device with the meta copy and every argmax writes them
 where given, so the decode chain is teacher-forced and the parallel choices replaced, as numpy does.

@@ -12,7 +12,8 @@ import pytest
 
 from vla_edge_ros.engine.cuda.buffers import interleave_gate_up
 from vla_edge_ros.engine.cuda.kernels import KERNEL_FILES
-from vla_edge_ros.engine.cuda.plan import LaunchConstants, gemm4_grid, meta_record
+from vla_edge_ros.engine.cuda.pass_meta import meta_record
+from vla_edge_ros.engine.cuda.plan import LaunchConstants, gemm4_grid
 from vla_edge_ros.engine.cuda.probe import CUDA_DIR, cuda_status
 
 pytestmark = pytest.mark.gpu

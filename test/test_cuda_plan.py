@@ -16,11 +16,12 @@ import pytest
 from vla_edge_ros.engine.config import ModelConfig, qwen2_5_0_5b_dict, qwen2_5_1_5b_dict, tiny_default_dict
 from vla_edge_ros.engine.cuda import forward
 from vla_edge_ros.engine.cuda.kernels import (BENCH_KERNELS, BY_NAME, KERNEL_FILES, KERNELS, LAUNCH_CONSTANTS)
-from vla_edge_ros.engine.cuda.plan import (FORCED_AT, LATE_TRIGGER_FAMILIES, META_INTS, PARALLEL_MAX_TILES,
-                                           PARALLEL_RECORD, T_CHUNK, DeviceLimits, LaunchConstants, Tuning,
-                                           check_geometry, chunk_meta, forced_at, gemm4_grid, late_trigger_mask,
-                                           memory_plan, meta_ints, meta_record, padded_intermediate, parallel_record,
-                                           parallel_records, parallel_slots_problem, parallel_tiles, plan, split_len)
+from vla_edge_ros.engine.cuda.pass_meta import (FORCED_AT, META_INTS, PARALLEL_MAX_TILES, PARALLEL_RECORD,
+                                                chunk_meta, forced_at, meta_ints, meta_record, parallel_record,
+                                                parallel_records, parallel_slots_problem, parallel_tiles)
+from vla_edge_ros.engine.cuda.plan import (LATE_TRIGGER_FAMILIES, T_CHUNK, DeviceLimits, LaunchConstants, Tuning,
+                                           check_geometry, gemm4_grid, late_trigger_mask, memory_plan,
+                                           padded_intermediate, plan, split_len)
 from vla_edge_ros.engine.cuda.probe import CUDA_DIR
 from vla_edge_ros.engine.interface import EngineError
 

@@ -12,8 +12,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.cuda.plan import (META_INTS, PARALLEL_RECORD, T_CHUNK, chunk_meta, forced_at, meta_ints,
-                                           meta_record, padded_intermediate, parallel_tiles)
+from vla_edge_ros.engine.cuda.pass_meta import (META_INTS, PARALLEL_RECORD, chunk_meta, forced_at, meta_ints,
+                                                meta_record, parallel_tiles)
+from vla_edge_ros.engine.cuda.plan import T_CHUNK, padded_intermediate
 from vla_edge_ros.engine.cuda.vram import VramTracker
 from vla_edge_ros.engine.geometry import chunk_action_tokens, is_parallel, parallel_slot_token
 from vla_edge_ros.engine.interface import EngineError
@@ -206,7 +207,7 @@ class Activations:
         """scratch_slots: the chunk's decode tokens (engine/geometry.chunk_scratch_slots): S autoregressive decode
         steps, or the A parallel slots; logits / tok_buf hold one row more (gen[0], the prefill's)."""
         cuda = mem.cuda
-        # rows of a pass: one tile (the frame's), or the parallel pass's tiles (plan.parallel_tiles)
+        # rows of a pass: one tile (the frame's), or the parallel pass's tiles (pass_meta.parallel_tiles)
         self.tiles = parallel_tiles(cfg)
         H, I, T, n_bins = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK * self.tiles, cfg.n_action_bins
         nq = cfg.num_attention_heads * cfg.head_dim
@@ -228,7 +229,7 @@ class Activations:
         # outputs: action-row logits of the prefill and every decode step, the greedy tokens
         self.logits = mem.alloc("logits", 4 * (scratch_slots + 1) * n_bins)
         self.tok_buf = mem.alloc("tok_buf", 4 * (scratch_slots + 1))
-        # host-written ints (plan.chunk_meta): the frame prefill's record [L keys seen, p0, T rows, n_ctx,
+        # host-written ints (pass_meta.chunk_meta): the frame prefill's record [L keys seen, p0, T rows, n_ctx,
         # bidirectional, ...] (the decode reads it too), the parallel pass's record, forced[gen] (-1 = free)
         n_meta = meta_ints(scratch_slots + 1, self.tiles)
         empty = chunk_meta(scratch_slots + 1, meta_record(0, 0, 0, 0), tiles=self.tiles)  # nothing forced yet
@@ -244,7 +245,7 @@ class Activations:
 
 
     def meta_tile(self, t: int) -> int:
-        """Device pointer of the parallel pass's record of row tile t (plan.parallel_records)."""
+        """Device pointer of the parallel pass's record of row tile t (pass_meta.parallel_records)."""
         return self.meta_parallel + 4 * META_INTS * int(t)
 
 

@@ -4,7 +4,7 @@ CUDA graph replays (the prefill pass, then the decode steps, or the parallel pas
 Set-up order: refuse what cannot run (geometry, VRAM budget) before any allocation; compile; plan the launches
 (plan.py) from the compiled kernels' constants and the device's limits; upload; prefill the pinned instruction
 prefix eagerly; capture the two graphs. A chunk: the KV manager admits the frame, the host writes the frame's rows,
-the slot list and ``meta`` (plan.chunk_meta: a record per pass and the forced prefix) by async copies, replays both
+the slot list and ``meta`` (pass_meta.chunk_meta: a record per pass and the forced prefix) by async copies, replays both
 graphs and reads back the tokens and logits. The greedy chain stays on the device (each step's argmax feeds the next
 step's embedding gather).
 
@@ -22,8 +22,8 @@ scratch slots, bidirectional) is written with the frame's in the one meta copy b
 its own rather than the prefill graph replayed with other meta: the head differs (all A rows, not the last one), the
 record differs, and the event between the two graphs times it as ``decode_ms`` (the cost model counts the pass as
 one decode step: ``decode_steps`` = 1; ``scratch_slots`` = A sizes the buffers). Cost: about one prefill pass per
-32-row tile of slots (plan.parallel_tiles: H = 4 x 7 is one tile, H = 8 x 7 two; each tile's GEMMs read every
-weight, forward._layers); more than plan.PARALLEL_MAX_TILES tiles are refused by name (plan.parallel_slots_problem).
+32-row tile of slots (pass_meta.parallel_tiles: H = 4 x 7 is one tile, H = 8 x 7 two; each tile's GEMMs read every
+weight, forward._layers); more than PARALLEL_MAX_TILES tiles are refused by name (pass_meta.parallel_slots_problem).
 
 Forced prefix (``run_chunk(forced_bins=...)``, geometry.forced_gen): the forced ids go to the device in the meta
 copy, and every argmax writes the forced id where there is one (the logits stay the computed ones). In the decode
@@ -44,9 +44,9 @@ from vla_edge_ros.engine.cuda import forward
 from vla_edge_ros.engine.cuda.buffers import Activations, DeviceMemory, KVCache, Weights, f32_to_bf16_bits
 from vla_edge_ros.engine.cuda.device import DeviceEngine
 from vla_edge_ros.engine.cuda.kernels import Launcher
-from vla_edge_ros.engine.cuda.plan import (BLOCK, KERNEL_SUFFIX, T_CHUNK, Launch, Tuning, chunk_meta,
-                                           for_weight_dtype, memory_plan, meta_record, padded_intermediate,
-                                           parallel_records, parallel_slots_problem, plan)
+from vla_edge_ros.engine.cuda.pass_meta import chunk_meta, meta_record, parallel_records, parallel_slots_problem
+from vla_edge_ros.engine.cuda.plan import (BLOCK, KERNEL_SUFFIX, T_CHUNK, Launch, Tuning, for_weight_dtype,
+                                           memory_plan, padded_intermediate, plan)
 from vla_edge_ros.engine.cuda.probe import cuda_status
 from vla_edge_ros.engine.cuda.vram import check_budget, quantized_model_bytes
 from vla_edge_ros.engine.geometry import (check_chunk_geometry, check_forced_bins, chunk_actions, chunk_bins,
@@ -213,7 +213,7 @@ class CudaEngine(DeviceEngine, Engine):
     # ---- host-side inputs --------------------------------------------------------------------------------
     def _set_inputs(self, rows: np.ndarray, slots: np.ndarray, L: int, p0: int, T: int, n_ctx: int,
                     forced: np.ndarray | None = None, parallel: bool = False) -> None:
-        """The prefill's rows, the slot list and the meta buffer (plan.chunk_meta: this pass's record, the parallel
+        """The prefill's rows, the slot list and the meta buffer (pass_meta.chunk_meta: this pass's record, the parallel
         pass's when ``parallel``, geometry.forced_gen's ``forced`` ids or none) by async copies on the stream."""
         cuda, a, kv = self._cuda, self.act, self.kvc
         a.h_x[:T] = rows
@@ -284,7 +284,7 @@ class CudaEngine(DeviceEngine, Engine):
 
     def chunk_support_problem(self) -> str | None:
         """Autoregressive chunks of any H are decoded, parallel ones of up to PARALLEL_MAX_TILES x T_CHUNK action
-        slots (one prefill-shaped pass in row tiles); a wider one is refused by name (plan.parallel_slots_problem)."""
+        slots (one prefill-shaped pass in row tiles); more are refused by name (pass_meta.parallel_slots_problem)."""
         problem = parallel_slots_problem(self.cfg)
         return None if problem is None else f"the {self.name} backend refuses {problem}"
 

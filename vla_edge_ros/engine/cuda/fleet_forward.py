@@ -18,7 +18,7 @@ from vla_edge_ros.engine.cuda.forward import _qscale
 from vla_edge_ros.engine.cuda.plan import BLOCK, SMEM_DEFAULT, Launch, padded_intermediate, split_len
 from vla_edge_ros.engine.interface import EngineError
 
-REC = 8  # ints per member record (plan.META_INTS; index 5 = the member's first row in the pass)
+REC = 8  # ints per member record (pass_meta.META_INTS; index 5 = the member's first row in the pass)
 GR_MAX_KS = 1536  # gemv_rows_atomic's K slice: 16 rows x 1536 fp32 = 96 KiB of shared memory, two blocks per SM
 # the few-row decode GEMM by tuning.fleet_gemv (cuda/fleet.cu): fp32 dot products on the CUDA cores, or mma with
 # the weights as the m16 side

@@ -4,9 +4,10 @@ The same functions run eagerly (the instruction prefix, graphs off) and under gr
 (kernels.Launcher, or the profiling tools' recording one), ``p`` the LaunchPlan, ``w`` / ``a`` / ``kv`` the
 buffers. Per layer of the prefill: RMSNorm -> QKV GEMM -> attention -> split merge -> o_proj GEMM (+residual) ->
 RMSNorm -> gate/up GEMM (SiLU * up) -> down GEMM (+residual); with quantised weights the same launches go to the
-*_i8 / *_f8 / *_i4 kernels (plan.for_weight_dtype), which take the scales and zero points last. Per layer of a decode step: RMSNorm + QKV GEMV (+ K/V
-store) -> attention -> split merge -> o_proj GEMV (+residual) -> RMSNorm + gate/up GEMV -> down GEMV (+residual).
-``meta`` on the device (plan.chunk_meta) = a record per pass [L keys seen, p0 position of row 0, T rows, n_ctx,
+*_i8 / *_f8 / *_i4 kernels (plan.for_weight_dtype), which take the scales and zero points last. Per layer of a
+decode step: RMSNorm + QKV GEMV (+ K/V store) -> attention -> split merge -> o_proj GEMV (+residual) -> RMSNorm +
+gate/up GEMV -> down GEMV (+residual).
+``meta`` on the device (pass_meta.chunk_meta) = a record per pass [L keys seen, p0 position of row 0, T rows, n_ctx,
 bidirectional, ...] (the frame prefill's at a.meta, the parallel pass's at a.meta_parallel), then forced[gen]
 (a.forced: every argmax writes the forced id where it is >= 0, so a forced prefix feeds the next decode step).
 The parallel pass (vla.chunk_decode "parallel", ``parallel``) is the prefill's layers over the A slot rows with its
@@ -66,13 +67,13 @@ def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: 
     """The layers and the final norm of a prefill-shaped pass over a.x_pre -> final_h, reading the pass's record
     ``meta`` (the frame's causal one, or the parallel pass's bidirectional one).
 
-    ``tiles`` > 1 (a parallel pass of more than T_CHUNK slots): the row-wise kernels take every row at once; each
-    GEMM runs once per 32-row tile (the measured 32-row kernels, weights read once per tile), and the attention and
-    its merge once per tile with that tile's record (a.meta_tile(t), plan.parallel_records) and query rows. Tile 0's
-    attention stores every slot's K/V (it reads each key of the pass fresh from the QKV rows); tile t > 0 finds the
-    keys of the rows before its own in the cache, staged before its PDL wait, so it is launched serially (after tile
-    0's attention and merge are complete); the keys from its own row on it reads fresh, like tile 0. The split
-    partials are one tile's, reused: each tile's merge runs before the next tile's attention."""
+    ``tiles`` > 1 (a parallel pass of more than T_CHUNK slots): the row-wise kernels take every row at once; each GEMM
+    runs once per 32-row tile (the measured 32-row kernels, weights read once per tile), and the attention and its merge
+    once per tile with that tile's record (a.meta_tile(t), pass_meta.parallel_records) and query rows. Tile 0's
+    attention stores every slot's K/V (it reads each key of the pass fresh from the QKV rows); tile t > 0 finds the keys
+    of the rows before its own in the cache, staged before its PDL wait, so it is launched serially (after tile 0's
+    attention and merge are complete); the keys from its own row on it reads fresh, like tile 0. The split partials are
+    one tile's, reused: each tile's merge runs before the next tile's attention."""
     H, I, T, eps = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK, cfg.rms_norm_eps
     G, n_kvh, HD = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads, cfg.head_dim
     nq = cfg.num_attention_heads * HD
