@@ -47,6 +47,24 @@ def test_a_checkpoint_of_the_wrong_horizon_is_refused_by_name(checkpoints, tmp_p
         C.eval_command("async_latest", args, tmp_path, 100)
 
 
+def test_a_readout_suffix_adds_action_readout_and_bad_names_are_refused(checkpoints, tmp_path, capsys):
+    args = C.parse_args(["--single-checkpoint", checkpoints["single"], "--chunk-checkpoint", checkpoints["chunk"],
+                         "--jobs", "2", "--latencies", "0"])
+    plain, mean = (C.eval_command(s, args, tmp_path / s, 100) for s in ("async_latest", "async_latest+expectation"))
+    params = [[c[i + 1] for i, x in enumerate(c) if x == "--runtime-param"] for c in (plain, mean)]
+    assert params[1] == params[0] + ["action_readout:=expectation"]
+    assert not any(p.startswith("action_readout") for p in params[0])
+    assert mean[mean.index("--checkpoint") + 1] == checkpoints["chunk"]
+    outs = [c[c.index("--out") + 1] for c in C.cells(args, ["async_latest", "async_latest+expectation"], tmp_path)]
+    assert outs == [str(tmp_path / "async_latest" / "inj0"), str(tmp_path / "async_latest+expectation" / "inj0")]
+    assert C.split_scheme("single_step+argmax") == ("single_step", "argmax")
+    for bad, why in (("async_latest+mean", "unknown readout 'mean'"), ("fast+expectation", "unknown scheme 'fast'")):
+        with pytest.raises(ValueError, match=why):
+            C.split_scheme(bad)
+        assert C.main(["--chunk-checkpoint", checkpoints["chunk"], "--schemes", bad, "--out", str(tmp_path)]) == 2
+        assert why in capsys.readouterr().err
+
+
 def test_the_table_has_a_row_per_scheme_and_latency_and_shows_a_missing_scheme(tmp_path):
     def row(inject, successes):
         return {"setting": {"inject_ms": inject}, "status": "ok", "episodes": 10, "successes": successes,

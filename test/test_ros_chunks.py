@@ -284,7 +284,7 @@ def test_configure_runs_an_h4_checkpoint_and_the_loop_counts_its_decode_steps(sy
 
 def test_configure_runs_a_parallel_checkpoint_with_forcing_on(system, tmp_path):
     """Issue 22: numpy decodes vla.chunk_decode parallel (one pass: the cost model counts 1 decode step);
-    force_committed_steps reaches the inference loop."""
+    force_committed_steps reaches the inference loop, action_readout the engine."""
     from vla_edge_ros.core.double_buffer import DoubleBuffer
     from vla_edge_ros.ros.inference_node import InferenceNode
 
@@ -292,9 +292,11 @@ def test_configure_runs_a_parallel_checkpoint_with_forcing_on(system, tmp_path):
     ckpt = checkpoint_with(tmp_path, {"action_horizon": 4, "chunk_decode": "parallel"})
     node = InferenceNode(DoubleBuffer(), arbiter=action.arbiter, context=action.context, parameter_overrides=[
         Parameter("checkpoint", value=str(ckpt)), Parameter("backend", value="numpy"),
-        Parameter("warmup_chunks", value=2), Parameter("force_committed_steps", value=True)])
+        Parameter("warmup_chunks", value=2), Parameter("force_committed_steps", value=True),
+        Parameter("action_readout", value="expectation")])
     try:
         assert node.safe_transition("configure"), node.last_error
+        assert node.engine.action_readout == "expectation"
         assert (node.engine.decode_steps, node.engine.scratch_slots, node.loop.decode_tokens) == (1, 28, 1)
         assert node.action_horizon == 4 and node.loop.committed.active
     finally:

@@ -25,6 +25,7 @@ BACKENDS = ("auto", "cuda", "numpy")
 IMAGE_TRANSPORTS = ("raw", "compressed")
 CHUNK_MERGES = ("latest", "temporal_ensemble", "blend")  # core/executor.MERGES (a test keeps them equal)
 WEIGHT_DTYPES = ("bf16", "int8", "fp8", "int4")  # engine/quant.WEIGHT_DTYPES (a test keeps them equal)
+ACTION_READOUTS = ("argmax", "expectation")  # engine/geometry.ACTION_READOUTS (a test keeps them equal)
 
 # kv_budget_tokens = 0 (the default) takes the backend's own budget. A KV cache the GPU attends over in
 # ~1 ms per chunk costs the numpy backend far more on the 2-core CPU the README documents. Measured there
@@ -75,22 +76,21 @@ class ParamSpec:
 
 PARAMS: tuple[ParamSpec, ...] = (
     # ---- camera subscriber ------------------------------------------------------------------------------
-    ParamSpec("camera_topic", str, "/camera/image_raw", "sensor_msgs/Image topic (sensor-data QoS); compressed "
-              "transport: '<camera_topic>/compressed'",
+    ParamSpec("camera_topic", str, "/camera/image_raw", "sensor_msgs/Image topic (sensor-data QoS); compressed: "
+              "'<camera_topic>/compressed'",
               CAMERA),
     ParamSpec("image_transport", str, "raw", "raw: sensor_msgs/Image; compressed: sensor_msgs/CompressedImage "
               "(JPEG/PNG, decoded off the hot path)", CAMERA, choices=IMAGE_TRANSPORTS),
     ParamSpec("camera_deadline_ms", float, 100.0, "QoS deadline of the camera subscription: missing it marks "
               "the camera stalled", CAMERA, min=1.0, max=60000.0),
-    ParamSpec("max_image_bytes", int, 33554432, "images larger than this are rejected (counted) before decoding",
+    ParamSpec("max_image_bytes", int, 33554432, "larger images are rejected (counted) before decoding",
               CAMERA, min=1, max=1 << 31),
-    ParamSpec("frozen_frame_limit", int, 30, "identical frames in a row (still 3x as long as usual) "
-              "that flag a frozen camera; 0 = off", CAMERA, min=0, max=1000000, live=True, applies="next frame"),
+    ParamSpec("frozen_frame_limit", int, 30, "identical frames in a row that flag a frozen camera (0 = off)", CAMERA, min=0, max=1000000, live=True, applies="next frame"),
     ParamSpec("hold_on_frozen", bool, False, "a frozen camera is stale (the robot holds)",
               CAMERA, live=True, applies="next frame"),
     # ---- inference ----------------------------------------------------------------------------------------
     ParamSpec("checkpoint", str, "", "HF-layout checkpoint directory (config.json + *.safetensors); empty = "
-              "the embedded tiny default", INFERENCE),
+              "the tiny default", INFERENCE),
     ParamSpec("backend", str, "auto", "auto picks cuda when PyCUDA imports and a GPU is present, else numpy",
               INFERENCE, choices=BACKENDS),
     ParamSpec("instruction", str, "pick up the object", "language instruction, encoded as the pinned KV prefix",
@@ -98,8 +98,8 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("tokens_per_frame", int, 32, "vision tokens (KV slots) per camera frame", INFERENCE, min=1, max=1024),
     ParamSpec("decode_tokens", int, 8, "greedy decode steps per chunk: 7 bins + 1 end token (H steps: >= 7H + 1)",
               INFERENCE, min=1, max=64),
-    ParamSpec("kv_budget_tokens", int, 0, "KV-cache budget in tokens, prefix included; 0 = the "
-              "backend's (cuda 4096, numpy 512)",
+    ParamSpec("kv_budget_tokens", int, 0, "KV-cache tokens, prefix included; 0 = the backend's "
+              "(cuda 4096, numpy 512)",
               INFERENCE, min=0, max=1 << 20, live=True, applies="at once (a shrink evicts)"),
     ParamSpec("eviction_policy", str, "semantic", "KV eviction policy", INFERENCE, choices=EVICTION_POLICIES,
               live=True, applies="next eviction"),
@@ -111,20 +111,19 @@ PARAMS: tuple[ParamSpec, ...] = (
               min=0.0, max=10000.0, live=True, applies="next cycle"),
     ParamSpec("ema_alpha", float, 0.2, "smoothing of the prefill / per-token decode cost EMAs", INFERENCE,
               min=0.001, max=1.0, live=True, applies="next chunk"),
-    ParamSpec("cost_quantile", float, 0.5, "quantile of the last 256 chunks' overruns added to the "
-              "mean estimate; 0 = the mean alone", INFERENCE, min=0.0, max=1.0, live=True,
+    ParamSpec("cost_quantile", float, 0.5, "quantile of the last 256 overruns added to the mean "
+              "estimate (0: none)", INFERENCE, min=0.0, max=1.0, live=True,
               applies="next chunk"),
     ParamSpec("warmup_chunks", int, 3, "chunks run at configure time to seed the cost EMAs", INFERENCE,
               min=0, max=1000),
-    ParamSpec("inference_thread_nice", int, 5, "nice increment of the inference thread (Linux): callbacks win a "
-              "small CPU (0 = off)",
+    ParamSpec("inference_thread_nice", int, 5, "nice increment of the inference thread (Linux; 0 = off)",
               INFERENCE, min=0, max=19),
     ParamSpec("max_vram_gb", float, 8.0, "refuse to start when model + KV budget + scratch exceed this",
               INFERENCE, min=0.01, max=1024.0),
     ParamSpec("weight_dtype", str, "bf16", "linear-layer weights (numpy and cuda)",
               INFERENCE, choices=WEIGHT_DTYPES),
-    ParamSpec("saliency_threshold", float, 0.2, "cosine distance from the last frame's pooled embedding "
-              "that makes a frame salient", INFERENCE, min=0.0, max=2.0, live=True,
+    ParamSpec("saliency_threshold", float, 0.2, "cosine distance to the last frame (pooled) that makes a "
+              "frame salient", INFERENCE, min=0.0, max=2.0, live=True,
               applies="next frame"),
     ParamSpec("fresh_action_topic", str, "/vla/action_fresh", "fresh actions (chunks) from the edge to the "
               "robot (split)", INFERENCE),
@@ -132,6 +131,8 @@ PARAMS: tuple[ParamSpec, ...] = (
               "0 = H/2", INFERENCE, min=0, max=4096, live=True, applies="next cycle"),
     ParamSpec("force_committed_steps", bool, False, "with chunk_merge blend: force-decode the committed steps (RTC)",
               INFERENCE),
+    ParamSpec("action_readout", str, "argmax", "a slot's action: its likeliest bin, or the bins' softmax mean",
+              INFERENCE, choices=ACTION_READOUTS),
     # ---- one edge serving a fleet (issue 24, ros/fleet_node.py; docs/OPERATIONS.md "One edge, many robots") --
     ParamSpec("robot_namespaces", str, "", "--role edge: robots served, comma-separated (r1,r2)",
               INFERENCE),
@@ -150,8 +151,8 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("stale_after_ms", float, 200.0, "hold (zero motion, gripper kept) once the newest frame or "
               "action is older", ACTION, min=1.0, max=600000.0, live=True, applies="next tick"),
     ParamSpec("action_topic", str, "/vla/action", "sensor_msgs/JointState published every tick", ACTION),
-    ParamSpec("action_status_topic", str, "/vla/action_status", "diagnostic_msgs/DiagnosticStatus per tick: "
-              "kind, source frame stamp, age, sequence", ACTION),
+    ParamSpec("action_status_topic", str, "/vla/action_status", "per-tick DiagnosticStatus: kind, source stamp, age, "
+              "sequence", ACTION),
     ParamSpec("chunk_merge", str, "latest", "merge of overlapping action chunks", ACTION, choices=CHUNK_MERGES),
     # docs/OPERATIONS.md "Action chunks": which steps, their times; published once per accepted chunk
     ParamSpec("action_trajectory_topic", str, "/vla/action_trajectory", "chunks as trajectory_msgs/JointTrajectory "

@@ -40,13 +40,14 @@ def load_deploy(ckpt):
         return json.load(f)["deploy"]
 
 
-def make_policy_engine(ckpt, deploy, backend, instruction):
+def make_policy_engine(ckpt, deploy, backend, instruction, action_readout="argmax"):
     """The engine as the checkpoint's deploy block (training_record.json) says to run it."""
     from vla_edge_ros.engine.factory import make_engine
 
     eng = make_engine({"checkpoint": ckpt, "backend": backend, "instruction": instruction,
                        "tokens_per_frame": deploy["tokens_per_frame"], "decode_tokens": 8,
-                       "eviction_policy": deploy["eviction_policy"], "window_frames": deploy["window_frames"]},
+                       "eviction_policy": deploy["eviction_policy"], "window_frames": deploy["window_frames"],
+                       "action_readout": action_readout},
                       log=lambda s: None)
     problem = eng.chunk_support_problem()
     if problem:

@@ -6,8 +6,8 @@ Per setting it prints one JSON line: successes, and the mean squared second diff
 (the commanded trajectory's jerk x dt^3, up to a constant), split into triples of steps inside one chunk and
 triples that cross a chunk switch; for chunks played in part, how far each new chunk's step 0 is from the previous
 chunk's prediction for the same tick. If the triples inside a chunk are as rough as those across a switch, the
-jerk is the policy's own, not the merging of chunks. ``--readout expectation`` (an experiment, not in the engines,
-which take each slot's argmax bin) plays each chunk slot as the expectation of its bin distribution over all bins.
+jerk is the policy's own, not the merging of chunks. ``--readout expectation`` runs the chunk policy's engine with
+``action_readout`` expectation (each slot played as the mean of its bin distribution: engine/geometry.py).
 
     MUJOCO_GL=egl python tools/train_policy/jerk_probe.py results/policy_h200_p4 --seeds 8
 """
@@ -22,17 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # closed_loop.py: the loop this probes
 
 
-def expected_chunk(eng) -> np.ndarray:
-    """The last chunk with each slot read out as the expectation of its softmax over the bins (bin centres)."""
-    from vla_edge_ros.engine.geometry import action_token_slice
-
-    cfg, tok = eng.cfg, eng.tokenizer
-    logits = np.asarray(eng.last_logits, np.float64)[action_token_slice(cfg)]  # (H x action_dims, bins)
-    p = np.exp(logits - logits.max(axis=1, keepdims=True))
-    normalized = (p / p.sum(axis=1, keepdims=True)) @ tok.bin_centers
-    return np.stack([tok.unnormalize(row) for row in normalized.reshape(cfg.action_horizon, cfg.action_dims)])
-
-
 def probe(ckpt: str, exec_steps: int, seeds: list, readout: str = "argmax") -> dict:
     import vla_edge_ros.sim  # noqa: F401  MUJOCO_GL before mujoco
     from vla_edge_ros.sim.metaworld_env import MetaWorldSim
@@ -42,15 +31,13 @@ def probe(ckpt: str, exec_steps: int, seeds: list, readout: str = "argmax") -> d
     deploy = load_deploy(ckpt)
     h, w = deploy["image_hw"]
     sim = MetaWorldSim("push", "corner", w, h, 200)
-    eng = make_policy_engine(ckpt, deploy, "numpy", sim.instruction)
+    eng = make_policy_engine(ckpt, deploy, "numpy", sim.instruction, action_readout=readout)
     fid, successes = 0, 0
     across, inside, disagree = [], [], []
     for seed in seeds:
         applied, starts, prev = [], set(), [None]
 
         def on_chunk(_result, chunk):
-            if readout == "expectation" and eng.cfg.action_horizon > 1:
-                chunk = expected_chunk(eng)
             if prev[0] is not None and prev[0].shape[0] > exec_steps:
                 disagree.append(float(np.sum((chunk[0, :3] - prev[0][exec_steps, :3]) ** 2)))
             prev[0] = chunk

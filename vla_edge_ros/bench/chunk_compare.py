@@ -14,6 +14,10 @@ is the runtime's, not a model of it:
 | async_temporal_ensemble | the H-step policy | the same, chunk_merge temporal_ensemble (ACT) |
 | async_blend | the H-step policy | the same, chunk_merge blend + force_committed_steps (RTC-like) |
 
+A scheme name may end in ``+<readout>`` (``async_latest+expectation``): the same scheme with the runtime's
+``action_readout`` set to it (engine/geometry.py: the argmax bin's centre, the default, or the mean of the bin
+centres under each slot's softmax), into a folder of that name, so that both readouts sit in one table.
+
 Latency is injected through the runtime's fault hook (`VLA_FAULT_INJECT=hang:<ms>@1+`: every chunk sleeps that
 long, then runs). The deadline is one value for every scheme (``--deadline``, default 400 ms: two 5 Hz steps),
 so that a single-step policy slowed by the injection is admitted and acts late rather than being refused
@@ -51,6 +55,18 @@ SCHEMES: dict[str, dict[str, Any]] = {
 }
 
 
+def split_scheme(name: str) -> tuple[str, Optional[str]]:
+    """``scheme[+readout]`` -> (scheme, readout or None); ValueError naming what is unknown."""
+    from vla_edge_ros.params import ACTION_READOUTS
+
+    base, plus, readout = name.partition("+")
+    if base not in SCHEMES:
+        raise ValueError(f"unknown scheme {base!r} (one of {', '.join(SCHEMES)})")
+    if plus and readout not in ACTION_READOUTS:
+        raise ValueError(f"unknown readout {readout!r} in {name!r} (one of {', '.join(ACTION_READOUTS)})")
+    return base, (readout if plus else None)
+
+
 def horizon_of(checkpoint: str) -> int:
     from vla_edge_ros.engine import shipped
 
@@ -62,7 +78,8 @@ def eval_command(scheme: str, args: argparse.Namespace, out: Path, domain_id: in
                  latencies: Optional[str] = None, seeds: Optional[tuple[int, int]] = None) -> list[str]:
     """The `vla_eval` command of one scheme, over ``latencies`` (default: all of --latencies) into ``out``;
     ``seeds`` (first seed, episodes) is one split of the cell (default: --seed-start, --episodes)."""
-    spec = SCHEMES[scheme]
+    base, readout = split_scheme(scheme)
+    spec = SCHEMES[base]
     ckpt = args.chunk_checkpoint if spec["chunk"] else args.single_checkpoint
     h = horizon_of(ckpt)
     if spec["chunk"] != (h > 1):
@@ -76,7 +93,7 @@ def eval_command(scheme: str, args: argparse.Namespace, out: Path, domain_id: in
            "--control-hz", f"{args.hz:g}", "--image-wh", "128", "64", "--seed-start", str(seed_start),
            "--camera-after-control", "--runtime-param", "window_frames:=2", "--baselines", "none",
            "--domain-id", str(domain_id), "--out", str(out)]
-    for p in spec["params"]:
+    for p in spec["params"] + ([f"action_readout:={readout}"] if readout else []):
         cmd += ["--runtime-param", p.format(H=h)]
     if not args.progress:
         cmd.append("--no-progress")
@@ -240,7 +257,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--single-checkpoint", default="metaworld_mt3", help="the H = 1 policy (a path or shipped name)")
     ap.add_argument("--chunk-checkpoint", required=True, help="the H-step policy of the same recipe")
-    ap.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma list of {', '.join(SCHEMES)}")
+    ap.add_argument("--schemes", default=",".join(SCHEMES),
+                    help=f"comma list of {', '.join(SCHEMES)}, each optionally +argmax / +expectation")
     ap.add_argument("--task", default="push")
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--latencies", default="0,200", help="injected chunk latency, ms, comma list")
@@ -261,9 +279,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    unknown = [s for s in schemes if s not in SCHEMES]
-    if unknown:
-        print(f"chunk_compare: unknown scheme(s) {', '.join(unknown)}", file=sys.stderr)
+    try:
+        for s in schemes:
+            split_scheme(s)
+    except ValueError as exc:
+        print(f"chunk_compare: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ from vla_edge_ros.engine.geometry import (check_decode_tokens, check_positions, 
 from vla_edge_ros.engine.interface import Engine, EngineError
 
 ENGINE_PARAMS = ("checkpoint", "backend", "instruction", "tokens_per_frame", "decode_tokens", "kv_budget_tokens",
-                 "eviction_policy", "window_frames", "max_vram_gb", "weight_dtype")
+                 "eviction_policy", "window_frames", "max_vram_gb", "weight_dtype", "action_readout")
 
 
 def _cuda_probe() -> tuple[Any, str]:
@@ -109,7 +109,8 @@ def make_engine(params: Mapping[str, Any], log: Callable[[str], None] = print) -
     if cuda_mod is not None:
         log(f"engine: backend=cuda (requested {backend}), checkpoint {ckpt}")
         return _wrap_faults(cuda_mod.CudaEngine(cfg, ckpt, kv, instruction=instruction, decode_tokens=dec,
-                                                max_vram_gb=v["max_vram_gb"], log=log, weight_dtype=weight_dtype),
+                                                max_vram_gb=v["max_vram_gb"], log=log, weight_dtype=weight_dtype,
+                                                action_readout=v["action_readout"]),
                             log)
     if backend == "numpy":
         log(f"engine: backend=numpy, checkpoint {ckpt}")
@@ -121,7 +122,8 @@ def make_engine(params: Mapping[str, Any], log: Callable[[str], None] = print) -
         weights = read_quantized_checkpoint(ckpt, weight_dtype)[1]
     else:
         weights = load_checkpoint(ckpt, cfg)
-    engine = NumpyEngine(cfg, weights, kv, instruction=instruction, decode_tokens=dec, weight_dtype=weight_dtype)
+    engine = NumpyEngine(cfg, weights, kv, instruction=instruction, decode_tokens=dec, weight_dtype=weight_dtype,
+                         action_readout=v["action_readout"])
     del weights
     if weight_dtype != "bf16":
         how = "pre-quantised checkpoint" if prequantized else "quantised at load"

@@ -40,7 +40,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 import numpy as np
 
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.geometry import check_decode_tokens, chunk_decode_steps, chunk_scratch_slots, is_parallel
+from vla_edge_ros.engine.geometry import (check_action_readout, check_decode_tokens, chunk_decode_steps,
+                                          chunk_scratch_slots, is_parallel)
 from vla_edge_ros.engine.interface import ChunkResult, EngineError, check_vision_tokens
 from vla_edge_ros.engine.numpy_backend import CachePart, NumpyEngine, NumpyWeights, _rmsnorm, forward_parts
 from vla_edge_ros.engine.numpy_decode import parallel_pass
@@ -89,8 +90,9 @@ class FleetNumpyEngine:
     name = "numpy"
 
     def __init__(self, cfg: ModelConfig, weights, kv_factory: Callable[..., Any], instruction: str = "",
-                 decode_tokens: int = 8, weight_dtype: str = "bf16"):
+                 decode_tokens: int = 8, weight_dtype: str = "bf16", action_readout: str = "argmax"):
         check_decode_tokens(cfg, int(decode_tokens))
+        self.action_readout = check_action_readout(action_readout)  # each robot's engine reads out the same way
         self.cfg, self.instruction, self.weight_dtype = cfg, instruction, weight_dtype
         self.decode_tokens = int(decode_tokens)
         self.decode_steps = chunk_decode_steps(cfg, self.decode_tokens)  # S: one checkpoint, the same for all
@@ -119,7 +121,8 @@ class FleetNumpyEngine:
             raise ValueError(f"robot {name!r} is already served by this engine")
         kv = self._kv_factory(name) if self._factory_takes_name else self._kv_factory()
         self.robots[name] = NumpyEngine(self.cfg, self.weights, kv, instruction=self.instruction,
-                                        decode_tokens=self.decode_tokens, weight_dtype=self.weight_dtype)
+                                        decode_tokens=self.decode_tokens, weight_dtype=self.weight_dtype,
+                                        action_readout=self.action_readout)
         self._track_peak()
 
     def remove_robot(self, name: str) -> None:

@@ -137,6 +137,44 @@ def chunk_actions(tokenizer, bins: np.ndarray) -> np.ndarray:
     return np.stack([tokenizer.bins_to_action(row) for row in bins]).astype(np.float32)
 
 
+# How a chunk's action slots become actions (the ``action_readout`` parameter; both backends, host-side from the
+# logits every backend already copies back). "argmax": each slot's most likely bin's centre, the tokens the decode
+# chose (OpenVLA). "expectation": the mean of the bin centres under the slot's softmax over the 256 bins. Why: a
+# parallel pass picks every slot's argmax on its own, so neighbouring steps hop between close bins and the
+# commanded jerk of a chunk policy was 3-7x the single-step policy's; the expectation is a continuous readout of
+# the same distribution (as OpenVLA-OFT's regression head is) and halved that jerk at equal success in the
+# synchronous loop (docs/SIM.md). Its cost: where a slot's distribution has two distant modes the mean lies
+# between them. The decoded tokens, ``chunk_bins`` and a forced prefix stay the argmax's: only the actions differ.
+ACTION_READOUTS = ("argmax", "expectation")
+
+
+def check_action_readout(readout: str) -> str:
+    if readout not in ACTION_READOUTS:
+        raise EngineError(f"action_readout must be one of {', '.join(ACTION_READOUTS)}, got {readout!r}")
+    return readout
+
+
+def readout_actions(cfg: ModelConfig, tokenizer, bins: np.ndarray, logits: np.ndarray, readout: str,
+                    forced_steps: int = 0) -> np.ndarray:
+    """A chunk's (H, action_dims) float32 actions by ``readout`` (ACTION_READOUTS). ``logits``: the chunk's
+    (scratch slots + 1, n_action_bins) logits, row i the distribution gen[i] was chosen from (column b = bin b);
+    the first ``forced_steps`` steps are the forced bins' centres (they were given, not decoded)."""
+    if check_action_readout(readout) == "argmax":
+        return chunk_actions(tokenizer, bins)
+    h, dims = int(cfg.action_horizon), int(cfg.action_dims)
+    z = np.asarray(logits, np.float64)[action_token_slice(cfg)]
+    if z.shape != (h * dims, len(tokenizer.bin_centers)):
+        raise EngineError(f"expectation readout: the chunk's action logits have shape {z.shape}, expected "
+                          f"({h * dims}, {len(tokenizer.bin_centers)})")
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    normalized = ((p / p.sum(axis=1, keepdims=True)) @ tokenizer.bin_centers).reshape(h, dims)
+    out = np.stack([tokenizer.unnormalize(row) for row in normalized]).astype(np.float32)
+    d = int(forced_steps)
+    if d:
+        out[:d] = chunk_actions(tokenizer, bins[:d])
+    return out
+
+
 def check_forced_bins(cfg: ModelConfig, forced_bins) -> np.ndarray | None:
     """A forced prefix (``Engine.run_chunk(forced_bins=...)``) as a (d, action_dims) int64 array, None when there
     is none (None or d = 0). ValueError with the reason: not (d, action_dims), not integers, a bin outside

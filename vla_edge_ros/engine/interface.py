@@ -36,9 +36,10 @@ the model's own. ``ChunkResult.chunk_bins[:d]`` is ``forced_bins`` and ``forced_
 are a ValueError with the reason (``geometry.check_forced_bins``). Per call, so not a ``chunk_support_problem``;
 both backends force (the CUDA one writes the forced ids from its device argmax: engine/cuda/engine.py).
 
-Results: ``ChunkResult.chunk`` is the (H, action_dims) float32 array of actions, ``chunk_bins`` its (H,
-action_dims) bins, ``action`` / ``action_bins`` their first row (what a single-step caller reads; a result built
-with ``action`` alone gets ``chunk = action[None]``), ``token_ids`` all of gen. Both backends decode H >= 1
+Results: ``ChunkResult.chunk`` is the (H, action_dims) float32 array of actions (the bins' centres, or with
+``action_readout`` "expectation" each slot's softmax mean: ``geometry.readout_actions``), ``chunk_bins`` its (H,
+action_dims) argmax bins, ``action`` / ``action_bins`` their first row (what a single-step caller reads; a result
+built with ``action`` alone gets ``chunk = action[None]``), ``token_ids`` all of gen. Both backends decode H >= 1
 autoregressively and in parallel; the CUDA backend's parallel pass takes up to 256 slots (in 32-row tiles) and
 refuses a wider chunk at configure by name (``Engine.chunk_support_problem``). The inference loop sets
 ``frame_stamp_ns``: the executor times the chunk's steps from it.

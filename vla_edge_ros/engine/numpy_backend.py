@@ -50,8 +50,9 @@ import numpy as np
 from vla_edge_ros.core.action_tokenizer import ActionTokenizer
 from vla_edge_ros.engine.checkpoint import check_weights, expected_shapes
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.geometry import (check_chunk_geometry, check_forced_bins, chunk_actions, chunk_bins,
-                                          chunk_decode_steps, chunk_scratch_slots, forced_gen, is_parallel)
+from vla_edge_ros.engine.geometry import (check_action_readout, check_chunk_geometry, check_forced_bins, chunk_bins,
+                                          chunk_decode_steps, chunk_scratch_slots, forced_gen, is_parallel,
+                                          readout_actions)
 from vla_edge_ros.engine.geometry import prefix_token_ids  # noqa: F401  (re-exported)
 from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
 from vla_edge_ros.engine.numpy_decode import decode_autoregressive, decode_parallel
@@ -186,9 +187,11 @@ class NumpyEngine(Engine):
     name = "numpy"
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray] | NumpyWeights, kv,
-                 instruction: str = "", decode_tokens: int = 8, weight_dtype: str = "bf16"):
+                 instruction: str = "", decode_tokens: int = 8, weight_dtype: str = "bf16",
+                 action_readout: str = "argmax"):
         self.cfg = cfg
         self.kv = kv
+        self.action_readout = check_action_readout(action_readout)  # how slots become actions (geometry.py)
         self.decode_tokens = int(decode_tokens)
         self.prefix_ids = check_chunk_geometry(cfg, kv, instruction, self.decode_tokens)
         self.decode_steps = chunk_decode_steps(cfg, self.decode_tokens)  # S (module docstring): the cost model's
@@ -345,7 +348,7 @@ class NumpyEngine(Engine):
         self.last_max_position = n_ctx + self.scratch_slots - 1
         self.last_max_rotation_position = self.last_max_position + self.delta
         bins = chunk_bins(self.cfg, gen)  # (H, action_dims)
-        chunk = chunk_actions(self.tokenizer, bins)
+        chunk = readout_actions(self.cfg, self.tokenizer, bins, logits, self.action_readout, forced_steps)
         t4 = time.perf_counter()
         return ChunkResult(frame_id=int(frame_id), token_ids=gen, action_bins=bins[0].copy(), action=chunk[0].copy(),
                            prefill_ms=prefill_ms, decode_ms=decode_ms, total_ms=(t4 - t0) * 1e3,

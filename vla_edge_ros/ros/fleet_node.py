@@ -133,7 +133,7 @@ def build_fleet_engine(values: Mapping[str, Any], log: Callable[[str], None] = p
             f"{dtype}")
         return FleetCudaEngine(cfg, ckpt, kv_factory, instruction=v["instruction"], decode_tokens=dec,
                                max_robots=robots, budget_tokens=budget, max_vram_gb=v["max_vram_gb"], log=log,
-                               weight_dtype=dtype)
+                               weight_dtype=dtype, action_readout=v["action_readout"])
     if prequantized:
         from vla_edge_ros.engine.quant_checkpoint import read_quantized_checkpoint
         weights = read_quantized_checkpoint(ckpt, dtype)[1]
@@ -141,7 +141,7 @@ def build_fleet_engine(values: Mapping[str, Any], log: Callable[[str], None] = p
         weights = load_checkpoint(ckpt, cfg)
     log(f"fleet engine: numpy, checkpoint {ckpt}, kv_budget_tokens {budget} per robot, weight_dtype {dtype}")
     return FleetNumpyEngine(cfg, weights, kv_factory, instruction=v["instruction"], decode_tokens=dec,
-                            weight_dtype=dtype)
+                            weight_dtype=dtype, action_readout=v["action_readout"])
 
 
 @dataclass

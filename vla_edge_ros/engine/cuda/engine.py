@@ -49,8 +49,9 @@ from vla_edge_ros.engine.cuda.plan import (BLOCK, KERNEL_SUFFIX, T_CHUNK, Launch
                                            memory_plan, padded_intermediate, plan)
 from vla_edge_ros.engine.cuda.probe import cuda_status
 from vla_edge_ros.engine.cuda.vram import check_budget, quantized_model_bytes
-from vla_edge_ros.engine.geometry import (check_chunk_geometry, check_forced_bins, chunk_actions, chunk_bins,
-                                          chunk_decode_steps, chunk_scratch_slots, forced_gen, is_parallel)
+from vla_edge_ros.engine.geometry import (check_action_readout, check_chunk_geometry, check_forced_bins, chunk_bins,
+                                          chunk_decode_steps, chunk_scratch_slots, forced_gen, is_parallel,
+                                          readout_actions)
 from vla_edge_ros.engine.interface import ChunkResult, Engine, EngineError, check_vision_tokens
 from vla_edge_ros.engine.quant import WEIGHT_DTYPES
 
@@ -77,7 +78,7 @@ class CudaEngine(DeviceEngine, Engine):
                  instruction: str = "", decode_tokens: int = 8, max_vram_gb: float = 8.0,
                  log: Callable[[str], None] = print, use_graphs: bool = True,
                  tuning: Tuning | Mapping[str, Any] | None = None, defines: Sequence[str] = (),
-                 weight_dtype: str = "bf16"):
+                 weight_dtype: str = "bf16", action_readout: str = "argmax"):
         """tuning: plan.Tuning (or a mapping of its fields); defines: compile-time macros for benchmark builds
         (e.g. VLA_TIMELINE), added to $VLA_CUDA_DEFINES. $VLA_CUDA_ARCH=compute_80 builds the pre-Hopper path.
         weight_dtype: bf16 / int8 / fp8 / int4 (``unsupported_reason``): a bf16 checkpoint is quantised at load,
@@ -91,6 +92,7 @@ class CudaEngine(DeviceEngine, Engine):
             raise EngineError(f"CUDA backend unavailable: {why}")
         import pycuda.driver as cuda
         self._cuda, self.cfg, self.kv, self.log = cuda, cfg, kv, log
+        self.action_readout = check_action_readout(action_readout)  # host-side, from h_logits (geometry.py)
         self.use_graphs = bool(use_graphs)
         self.tuning = tuning if isinstance(tuning, Tuning) else Tuning.from_mapping(tuning)
         self.decode_tokens, self.max_vram_gb = int(decode_tokens), float(max_vram_gb)
@@ -306,7 +308,8 @@ class CudaEngine(DeviceEngine, Engine):
         bins = chunk_bins(self.cfg, gen)  # (H, action_dims)
         if np.any(bins < 0) or np.any(bins >= self.cfg.n_action_bins):
             raise EngineError(f"decode produced token ids outside the action rows: {gen.tolist()}")
-        chunk = chunk_actions(self.tokenizer, bins)
+        chunk = readout_actions(self.cfg, self.tokenizer, bins, self.last_logits, self.action_readout,
+                                0 if forced_rows is None else len(forced_rows))
         return ChunkResult(frame_id=int(frame_id), token_ids=gen, action_bins=bins[0].copy(), action=chunk[0].copy(),
                            prefill_ms=float(prefill_ms), decode_ms=float(decode_ms),
                            total_ms=(time.perf_counter() - t0) * 1e3, evicted_frames=list(adm.evicted),

@@ -44,8 +44,8 @@ from vla_edge_ros.core.action_tokenizer import ActionTokenizer
 from vla_edge_ros.engine.config import ModelConfig
 from vla_edge_ros.engine.cuda import fleet_forward
 from vla_edge_ros.engine.cuda.device import DeviceEngine
-from vla_edge_ros.engine.geometry import (check_chunk_geometry, check_decode_tokens, chunk_actions, chunk_bins,
-                                          chunk_decode_steps, is_parallel)
+from vla_edge_ros.engine.geometry import (check_action_readout, check_chunk_geometry, check_decode_tokens, chunk_bins,
+                                          chunk_decode_steps, is_parallel, readout_actions)
 from vla_edge_ros.engine.cuda.fleet_forward import REC  # ints per member record
 from vla_edge_ros.engine.fleet_numpy import UnknownRobotError
 from vla_edge_ros.engine.interface import ChunkResult, EngineError, check_vision_tokens
@@ -102,7 +102,7 @@ class FleetCudaEngine(DeviceEngine):
     def __init__(self, cfg: ModelConfig, checkpoint, kv_factory: Callable[..., Any], instruction: str = "",
                  decode_tokens: int = 8, max_robots: int = 8, budget_tokens: int = 4096, max_vram_gb: float = 80.0,
                  log: Callable[[str], None] = print, use_graphs: bool = True, tuning=None,
-                 weight_dtype: str = "bf16"):
+                 weight_dtype: str = "bf16", action_readout: str = "argmax"):
         from vla_edge_ros.engine.cuda.plan import Tuning
         from vla_edge_ros.engine.cuda.probe import cuda_status
         from vla_edge_ros.engine.geometry import prefix_token_ids
@@ -118,6 +118,7 @@ class FleetCudaEngine(DeviceEngine):
         import pycuda.driver as cuda
         self._cuda, self.cfg, self.log, self.instruction = cuda, cfg, log, instruction
         self.weight_dtype, self.use_graphs = weight_dtype, bool(use_graphs)
+        self.action_readout = check_action_readout(action_readout)  # host-side, per member (geometry.py)
         self.tuning = tuning if isinstance(tuning, Tuning) else Tuning.from_mapping(tuning)
         self.decode_tokens = int(decode_tokens)
         self.decode_steps = chunk_decode_steps(cfg, self.decode_tokens)  # S
@@ -458,7 +459,7 @@ class FleetCudaEngine(DeviceEngine):
         if np.any(bins < 0) or np.any(bins >= cfg.n_action_bins):
             m.robot.errors += 1
             return EngineError(f"robot {m.name!r}: decode produced token ids outside the action rows: {gen.tolist()}")
-        chunk = chunk_actions(self.tokenizer, bins)
+        chunk = readout_actions(cfg, self.tokenizer, bins, logits, self.action_readout)
         m.robot.chunks += 1
         return ChunkResult(frame_id=int(m.req.frame_id), token_ids=gen.copy(), action_bins=bins[0].copy(),
                            action=chunk[0].copy(), prefill_ms=float(prefill_ms), decode_ms=float(decode_ms),
