@@ -28,7 +28,9 @@ the executing chunk's (a reordered or restarted source: the executor rejects or 
 
 What is forced is the executing chunk's decoded bins (``ChunkResult.chunk_bins``), so its own forced prefix
 included; the executor's blend ramp (``blend_steps`` after the committed ones) mixes old and new values that no
-bins describe, so a prefix reaching into that ramp forces the previous chunk's bins there, not the mix.
+bins describe, so a prefix reaching into that ramp forces the previous chunk's bins there, not the mix. With
+``action_readout: expectation`` the executor played each slot's softmax mean while the bins forced are still the
+argmax ones, not the bins of the played means (they part where a slot's distribution is wide or skewed).
 """
 from __future__ import annotations
 
