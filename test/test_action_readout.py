@@ -8,7 +8,7 @@ import pytest
 from test_chunk_horizon import DIMS, INSTRUCTION, cfg_dict, cfg_for, frames, kv_for
 from test_numpy_engine import random_weights
 from vla_edge_ros import params
-from vla_edge_ros.core.action_tokenizer import ActionTokenizer
+from vla_edge_ros.core.action_tokenizer import from_config as tokenizer_for
 from vla_edge_ros.core.kv.manager import KVManager
 from vla_edge_ros.engine import geometry
 from vla_edge_ros.engine.checkpoint import write_checkpoint
@@ -40,7 +40,7 @@ def test_the_registry_and_the_engines_offer_the_same_readouts():
 
 def test_a_peaked_slot_reads_out_its_bin_and_two_equal_modes_read_out_their_mean():
     cfg = cfg_for(2, "token")
-    tok = ActionTokenizer(cfg.vocab_size, cfg.action_q01, cfg.action_q99, cfg.n_action_bins)
+    tok = tokenizer_for(cfg)
     a = 2 * DIMS
     rng = np.random.default_rng(0)
     bins = rng.integers(0, cfg.n_action_bins, size=(2, DIMS))
@@ -66,7 +66,7 @@ def test_a_peaked_slot_reads_out_its_bin_and_two_equal_modes_read_out_their_mean
 
 def test_a_bad_readout_or_logits_of_the_wrong_shape_are_refused_by_name():
     cfg = cfg_for(1, "token")
-    tok = ActionTokenizer(cfg.vocab_size, cfg.action_q01, cfg.action_q99, cfg.n_action_bins)
+    tok = tokenizer_for(cfg)
     bins = np.zeros((1, DIMS), np.int64)
     with pytest.raises(EngineError, match="action_readout must be one of argmax, expectation, got 'mean'"):
         geometry.readout_actions(cfg, tok, bins, np.zeros((9, cfg.n_action_bins)), "mean")

@@ -85,7 +85,8 @@ PARAMS: tuple[ParamSpec, ...] = (
               "the camera stalled", CAMERA, min=1.0, max=60000.0),
     ParamSpec("max_image_bytes", int, 33554432, "larger images are rejected (counted) before decoding",
               CAMERA, min=1, max=1 << 31),
-    ParamSpec("frozen_frame_limit", int, 30, "identical frames in a row that flag a frozen camera (0 = off)", CAMERA, min=0, max=1000000, live=True, applies="next frame"),
+    ParamSpec("frozen_frame_limit", int, 30, "identical frames in a row that flag a frozen camera (0 = off)",
+              CAMERA, min=0, max=1000000, live=True, applies="next frame"),
     ParamSpec("hold_on_frozen", bool, False, "a frozen camera is stale (the robot holds)",
               CAMERA, live=True, applies="next frame"),
     # ---- inference ----------------------------------------------------------------------------------------
