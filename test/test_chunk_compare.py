@@ -57,12 +57,30 @@ def test_a_readout_suffix_adds_action_readout_and_bad_names_are_refused(checkpoi
     assert mean[mean.index("--checkpoint") + 1] == checkpoints["chunk"]
     outs = [c[c.index("--out") + 1] for c in C.cells(args, ["async_latest", "async_latest+expectation"], tmp_path)]
     assert outs == [str(tmp_path / "async_latest" / "inj0"), str(tmp_path / "async_latest+expectation" / "inj0")]
-    assert C.split_scheme("single_step+argmax") == ("single_step", "argmax")
-    for bad, why in (("async_latest+mean", "unknown readout 'mean'"), ("fast+expectation", "unknown scheme 'fast'")):
+    assert C.split_scheme("single_step+argmax") == ("single_step", {"action_readout": "argmax"})
+    assert C.split_scheme("single_step") == ("single_step", {})
+    for bad, why in (("async_latest+mean", "unknown modifier 'mean'"), ("fast+expectation", "unknown scheme 'fast'"),
+                     ("single_step+int8+int4", "sets weight_dtype twice")):
         with pytest.raises(ValueError, match=why):
             C.split_scheme(bad)
         assert C.main(["--chunk-checkpoint", checkpoints["chunk"], "--schemes", bad, "--out", str(tmp_path)]) == 2
         assert why in capsys.readouterr().err
+
+
+def test_a_weight_type_suffix_adds_weight_dtype_next_to_a_readout(checkpoints, tmp_path):
+    args = C.parse_args(["--single-checkpoint", checkpoints["single"], "--chunk-checkpoint", checkpoints["chunk"],
+                         "--latencies", "0"])
+    plain, quant, both = (C.eval_command(s, args, tmp_path / s, 100)
+                          for s in ("single_step", "single_step+int4", "async_latest+int8+expectation"))
+    params = [[c[i + 1] for i, x in enumerate(c) if x == "--runtime-param"] for c in (plain, quant, both)]
+    assert params[1] == params[0] + ["weight_dtype:=int4"]
+    assert not any(p.startswith("weight_dtype") for p in params[0])
+    assert {"weight_dtype:=int8", "action_readout:=expectation"} <= set(params[2])
+    assert both[both.index("--checkpoint") + 1] == checkpoints["chunk"]
+    # every suffix value is a value the runtime's registry takes for its parameter
+    from vla_edge_ros.params import validate
+    for name in ("single_step+bf16", "single_step+fp8", "async_latest+expectation+int4"):
+        assert all(validate(k, v) is None for k, v in C.split_scheme(name)[1].items()), name
 
 
 def test_the_table_has_a_row_per_scheme_and_latency_and_shows_a_missing_scheme(tmp_path):

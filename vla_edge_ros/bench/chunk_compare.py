@@ -14,9 +14,11 @@ is the runtime's, not a model of it:
 | async_temporal_ensemble | the H-step policy | the same, chunk_merge temporal_ensemble (ACT) |
 | async_blend | the H-step policy | the same, chunk_merge blend + force_committed_steps (RTC-like) |
 
-A scheme name may end in ``+<readout>`` (``async_latest+expectation``): the same scheme with the runtime's
-``action_readout`` set to it (engine/geometry.py: the argmax bin's centre, the default, or the mean of the bin
-centres under each slot's softmax), into a folder of that name, so that both readouts sit in one table.
+A scheme name may carry ``+<modifier>`` suffixes, each a runtime parameter of that scheme's runs, into a folder
+of the whole name, so that the variants sit in one table: a readout (``async_latest+expectation``: the runtime's
+``action_readout``, engine/geometry.py: the argmax bin's centre, the default, or the mean of the bin centres under
+each slot's softmax) and a weight type (``single_step+int4``: ``weight_dtype``, issue 23's closed-loop comparison of
+quantised weights; docs/QUANTIZATION.md), at most one of each (``async_latest+int8+expectation``).
 
 Latency is injected through the runtime's fault hook (`VLA_FAULT_INJECT=hang:<ms>@1+`: every chunk sleeps that
 long, then runs). The deadline is one value for every scheme (``--deadline``, default 400 ms: two 5 Hz steps),
@@ -55,16 +57,27 @@ SCHEMES: dict[str, dict[str, Any]] = {
 }
 
 
-def split_scheme(name: str) -> tuple[str, Optional[str]]:
-    """``scheme[+readout]`` -> (scheme, readout or None); ValueError naming what is unknown."""
-    from vla_edge_ros.params import ACTION_READOUTS
+# suffix values -> the runtime parameter each sets (a value names its parameter: the two sets are disjoint)
+MODIFIERS = {"action_readout": "ACTION_READOUTS", "weight_dtype": "WEIGHT_DTYPES"}
 
-    base, plus, readout = name.partition("+")
+
+def split_scheme(name: str) -> tuple[str, dict[str, str]]:
+    """``scheme[+modifier...]`` -> (scheme, {runtime parameter: value}); ValueError naming what is unknown or
+    given twice."""
+    from vla_edge_ros import params
+
+    base, *mods = name.split("+")
     if base not in SCHEMES:
         raise ValueError(f"unknown scheme {base!r} (one of {', '.join(SCHEMES)})")
-    if plus and readout not in ACTION_READOUTS:
-        raise ValueError(f"unknown readout {readout!r} in {name!r} (one of {', '.join(ACTION_READOUTS)})")
-    return base, (readout if plus else None)
+    choices = {v: param for param, attr in MODIFIERS.items() for v in getattr(params, attr)}
+    chosen: dict[str, str] = {}
+    for m in mods:
+        if m not in choices:
+            raise ValueError(f"unknown modifier {m!r} in {name!r} (a readout or weight type: {', '.join(choices)})")
+        if choices[m] in chosen:
+            raise ValueError(f"{name!r} sets {choices[m]} twice")
+        chosen[choices[m]] = m
+    return base, chosen
 
 
 def horizon_of(checkpoint: str) -> int:
@@ -78,7 +91,7 @@ def eval_command(scheme: str, args: argparse.Namespace, out: Path, domain_id: in
                  latencies: Optional[str] = None, seeds: Optional[tuple[int, int]] = None) -> list[str]:
     """The `vla_eval` command of one scheme, over ``latencies`` (default: all of --latencies) into ``out``;
     ``seeds`` (first seed, episodes) is one split of the cell (default: --seed-start, --episodes)."""
-    base, readout = split_scheme(scheme)
+    base, modifiers = split_scheme(scheme)
     spec = SCHEMES[base]
     ckpt = args.chunk_checkpoint if spec["chunk"] else args.single_checkpoint
     h = horizon_of(ckpt)
@@ -93,7 +106,7 @@ def eval_command(scheme: str, args: argparse.Namespace, out: Path, domain_id: in
            "--control-hz", f"{args.hz:g}", "--image-wh", "128", "64", "--seed-start", str(seed_start),
            "--camera-after-control", "--runtime-param", "window_frames:=2", "--baselines", "none",
            "--domain-id", str(domain_id), "--out", str(out)]
-    for p in spec["params"] + ([f"action_readout:={readout}"] if readout else []):
+    for p in spec["params"] + [f"{name}:={value}" for name, value in modifiers.items()]:
         cmd += ["--runtime-param", p.format(H=h)]
     if not args.progress:
         cmd.append("--no-progress")
@@ -258,7 +271,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--single-checkpoint", default="metaworld_mt3", help="the H = 1 policy (a path or shipped name)")
     ap.add_argument("--chunk-checkpoint", required=True, help="the H-step policy of the same recipe")
     ap.add_argument("--schemes", default=",".join(SCHEMES),
-                    help=f"comma list of {', '.join(SCHEMES)}, each optionally +argmax / +expectation")
+                    help=f"comma list of {', '.join(SCHEMES)}, each optionally +argmax / +expectation "
+                         "and +bf16 / +int8 / +fp8 / +int4")
     ap.add_argument("--task", default="push")
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--latencies", default="0,200", help="injected chunk latency, ms, comma list")
