@@ -1,5 +1,5 @@
 """bench/quant_report.py's frame sources (bench/quant_frames.py: noise, the real Bridge clip, MetaWorld) and its
-streaming action agreement against the bf16 model (issue 23), on tiny random models."""
+streaming action agreement against the bf16 model (issue 23), on tiny random models and the shipped policy."""
 from __future__ import annotations
 
 import io
@@ -18,7 +18,6 @@ from vla_edge_ros.engine.config import ModelConfig, tiny_default_dict
 from test_numpy_engine import random_weights  # non-degenerate weights
 
 SHARED_BRIDGE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "oxe"
-POLICY = Path(__file__).resolve().parents[1] / "results" / "policy_h200_v4"  # git-ignored; absent: skipped
 BRIDGE_INSTRUCTIONS = {"put carrot on plate", "flip pot upright which is in sink",
                        "put cup from counter or drying rack into sink", "turn lever vertical to front"}  # its README
 
@@ -185,16 +184,22 @@ def test_json_holds_the_sequences_and_every_dtype_side_by_side(tmp_path, capsys)
         QR.main(["--checkpoint", str(ckpt), "--frames", "1"])
 
 
-@pytest.mark.skipif(not (POLICY / "model.safetensors").is_file(), reason="results/policy_h200_v4 not present")
-def test_the_trained_policy_streams_with_its_training_window():
+def test_the_shipped_policy_streams_with_its_training_window_by_name(capsys):
+    """metaworld_mt3 (trained with one past frame) by its shipped name, as `--checkpoint metaworld_mt3` takes it."""
+    from vla_edge_ros.engine import shipped
     from vla_edge_ros.engine.checkpoint import load_checkpoint
     from vla_edge_ros.sim.tasks import TASKS
 
-    cfg = ModelConfig.from_json(POLICY)
-    assert QR.default_window_frames(POLICY)[0] == 2  # trained with 1 past frame
+    policy = shipped.resolve("metaworld_mt3")
+    cfg = ModelConfig.from_json(policy)
+    assert QR.default_window_frames(policy)[0] == 2
     rng = np.random.default_rng(0)
     seq = QF.FrameSequence("noise", TASKS["push"].instruction,
                            [rng.integers(0, 256, (64, 128, 3), dtype=np.uint8) for _ in range(2)])
-    rows = QR.report(cfg, load_checkpoint(POLICY, cfg), ("bf16", "int8"), sequences=[seq], window_frames=2)
+    rows = QR.report(cfg, load_checkpoint(policy, cfg), ("bf16", "int8"), sequences=[seq], window_frames=2)
     assert rows["bf16"]["chunk_action_agreement"] == 1.0 and rows["bf16"]["chunks"] == 2
     assert min(rows["int8"]["hidden_cos"][0], rows["int8"]["logits_cos"][0]) >= rows["int8"]["threshold"]
+    QR.main(["--checkpoint", "metaworld_mt3", "--frames", "1", "--dtypes", "bf16"])
+    assert f"checkpoint {policy}:" in capsys.readouterr().out
+    with pytest.raises(Exception, match="nor a shipped policy"):
+        QR.main(["--checkpoint", "no_such_policy", "--frames", "1"])

@@ -39,6 +39,7 @@ from vla_edge_ros.core.kv.manager import KVManager
 from vla_edge_ros.engine import reference as R
 from vla_edge_ros.engine.checkpoint import load_checkpoint
 from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.factory import resolve_checkpoint
 from vla_edge_ros.engine.geometry import chunk_decode_steps
 from vla_edge_ros.engine.quant import WEIGHT_DTYPES, QuantizedModel, quantize_weights
 
@@ -248,7 +249,8 @@ def default_window_frames(ckpt: Path) -> tuple[int, str]:
 def main(argv: list[str] | None = None) -> None:
     """Per weight_dtype bytes, error, cosines and action agreement vs bf16: python -m vla_edge_ros.bench.quant_report"""
     ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--checkpoint", default="", help="HF-layout bf16 checkpoint (default: the tiny default)")
+    ap.add_argument("--checkpoint", default="",
+                    help="HF-layout bf16 checkpoint or a shipped policy's name (default: the tiny default)")
     ap.add_argument("--frames-from", choices=FRAME_SOURCES, default="random")
     ap.add_argument("--frames", type=int, default=None,
                     help="random: how many (default 3); bridge / sim: at most this many per sequence (default all)")
@@ -265,11 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtypes", nargs="+", choices=WEIGHT_DTYPES, default=list(WEIGHT_DTYPES))
     ap.add_argument("--json", default="", help="also write the figures here")
     args = ap.parse_args(argv)
-    if args.checkpoint:
-        ckpt = Path(args.checkpoint)
-    else:
-        from vla_edge_ros.engine.tiny_default import ensure_tiny_default
-        ckpt = ensure_tiny_default()
+    ckpt = resolve_checkpoint(args.checkpoint)  # a path, a shipped policy's name, or empty: the tiny default
     cfg = ModelConfig.from_json(ckpt)
     window, window_from = ((args.window_frames, "--window-frames") if args.window_frames is not None
                            else default_window_frames(ckpt))
