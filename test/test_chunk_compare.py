@@ -47,6 +47,19 @@ def test_a_checkpoint_of_the_wrong_horizon_is_refused_by_name(checkpoints, tmp_p
         C.eval_command("async_latest", args, tmp_path, 100)
 
 
+def test_single_step_schemes_need_no_chunk_checkpoint_and_chunk_schemes_are_refused_without_one(checkpoints, tmp_path,
+                                                                                                 capsys):
+    args = C.parse_args(["--single-checkpoint", checkpoints["single"], "--latencies", "0"])
+    cmd = C.eval_command("single_step+int8", args, tmp_path, 100)
+    assert cmd[cmd.index("--checkpoint") + 1] == checkpoints["single"]
+    with pytest.raises(ValueError, match="async_latest needs --chunk-checkpoint"):
+        C.eval_command("async_latest", args, tmp_path, 100)
+    assert C.main(["--single-checkpoint", checkpoints["single"], "--schemes", "single_step,async_blend",
+                   "--out", str(tmp_path / "out")]) == 2
+    assert "async_blend needs --chunk-checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before any run
+
+
 def test_a_readout_suffix_adds_action_readout_and_bad_names_are_refused(checkpoints, tmp_path, capsys):
     args = C.parse_args(["--single-checkpoint", checkpoints["single"], "--chunk-checkpoint", checkpoints["chunk"],
                          "--jobs", "2", "--latencies", "0"])

@@ -94,6 +94,8 @@ def eval_command(scheme: str, args: argparse.Namespace, out: Path, domain_id: in
     base, modifiers = split_scheme(scheme)
     spec = SCHEMES[base]
     ckpt = args.chunk_checkpoint if spec["chunk"] else args.single_checkpoint
+    if not ckpt:
+        raise ValueError(f"{scheme} needs --chunk-checkpoint (an H-step policy)")
     h = horizon_of(ckpt)
     if spec["chunk"] != (h > 1):
         raise ValueError(f"{scheme} needs a {'chunk (H > 1)' if spec['chunk'] else 'single-step (H = 1)'} "
@@ -269,7 +271,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Optional[Path]:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--single-checkpoint", default="metaworld_mt3", help="the H = 1 policy (a path or shipped name)")
-    ap.add_argument("--chunk-checkpoint", required=True, help="the H-step policy of the same recipe")
+    ap.add_argument("--chunk-checkpoint", default="",
+                    help="the H-step policy of the same recipe (needed by every scheme but single_step)")
     ap.add_argument("--schemes", default=",".join(SCHEMES),
                     help=f"comma list of {', '.join(SCHEMES)}, each optionally +argmax / +expectation "
                          "and +bf16 / +int8 / +fp8 / +int4")
@@ -295,7 +298,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     try:
         for s in schemes:
-            split_scheme(s)
+            if SCHEMES[split_scheme(s)[0]]["chunk"] and not args.chunk_checkpoint and not args.report_only:
+                raise ValueError(f"{s} needs --chunk-checkpoint (an H-step policy)")
     except ValueError as exc:
         print(f"chunk_compare: {exc}", file=sys.stderr)
         return 2
