@@ -27,13 +27,16 @@ def test_each_scheme_runs_vla_eval_with_its_checkpoint_and_parameters(checkpoint
                          "--latencies", "0,100", "--episodes", "3"])
     cmds = {s: C.eval_command(s, args, tmp_path, 100 + i) for i, s in enumerate(C.SCHEMES)}
     assert cmds["single_step"][cmds["single_step"].index("--checkpoint") + 1] == checkpoints["single"]
-    for s in ("sync_chunks", "async_latest", "async_temporal_ensemble", "async_blend"):
+    for s in ("sync_chunks", "async_latest", "async_temporal_ensemble", "async_blend", "async_receding"):
         assert cmds[s][cmds[s].index("--checkpoint") + 1] == checkpoints["chunk"]
     params = {s: [c[i + 1] for i, x in enumerate(c) if x == "--runtime-param"] for s, c in cmds.items()}
     assert "execution_horizon_steps:=4" in params["sync_chunks"]  # H of the chunk checkpoint: play it to its end
     assert {"execution_horizon_steps:=0", "chunk_merge:=blend", "force_committed_steps:=true"} <= set(
         params["async_blend"])
     assert "chunk_merge:=temporal_ensemble" in params["async_temporal_ensemble"]
+    assert {"execution_horizon_steps:=1", "chunk_merge:=latest"} <= set(params["async_receding"])
+    assert set(C.DEFAULT_SCHEMES) == set(C.SCHEMES) - {"async_receding"}  # the five by default
+    assert C.parse_args(["--chunk-checkpoint", "x"]).schemes.split(",") == list(C.DEFAULT_SCHEMES)
     assert all("window_frames:=2" in p for p in params.values())
     assert all(c[c.index("--latencies") + 1] == "0,100" for c in cmds.values())
     assert len({c[c.index("--domain-id") + 1] for c in cmds.values()}) == len(C.SCHEMES)  # one domain each

@@ -13,6 +13,12 @@ is the runtime's, not a model of it:
 | async_latest | the H-step policy | execution_horizon_steps 0 (= ceil(H / 2)), chunk_merge latest |
 | async_temporal_ensemble | the H-step policy | the same, chunk_merge temporal_ensemble (ACT) |
 | async_blend | the H-step policy | the same, chunk_merge blend + force_committed_steps (RTC-like) |
+| async_receding | the H-step policy | execution_horizon_steps 1, chunk_merge latest: a new chunk after every step |
+
+The first five are the issue's comparison and the default. ``async_receding`` (receding-horizon control, as model
+predictive control replans) asks whether chunks help through their latency compensation alone: every tick
+may bring a chunk of a newer frame (one at a time: a chunk longer than a step makes them rarer), whose due
+step replaces what single-step would repeat, so it reacts as often as single-step and predicts where that repeats.
 
 A scheme name may carry ``+<modifier>`` suffixes, each a runtime parameter of that scheme's runs, into a folder
 of the whole name, so that the variants sit in one table: a readout (``async_latest+expectation``: the runtime's
@@ -54,7 +60,9 @@ SCHEMES: dict[str, dict[str, Any]] = {
                                                           "chunk_merge:=temporal_ensemble"]},
     "async_blend": {"chunk": True, "params": ["execution_horizon_steps:=0", "chunk_merge:=blend",
                                               "force_committed_steps:=true"]},
+    "async_receding": {"chunk": True, "params": ["execution_horizon_steps:=1", "chunk_merge:=latest"]},
 }
+DEFAULT_SCHEMES = ("single_step", "sync_chunks", "async_latest", "async_temporal_ensemble", "async_blend")
 
 
 # suffix values -> the runtime parameter each sets (a value names its parameter: the two sets are disjoint)
@@ -273,7 +281,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--single-checkpoint", default="metaworld_mt3", help="the H = 1 policy (a path or shipped name)")
     ap.add_argument("--chunk-checkpoint", default="",
                     help="the H-step policy of the same recipe (needed by every scheme but single_step)")
-    ap.add_argument("--schemes", default=",".join(SCHEMES),
+    ap.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
                     help=f"comma list of {', '.join(SCHEMES)}, each optionally +argmax / +expectation "
                          "and +bf16 / +int8 / +fp8 / +int4")
     ap.add_argument("--task", default="push")
