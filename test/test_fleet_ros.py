@@ -150,11 +150,11 @@ def test_fleet_edge_serves_three_robots_through_a_stall_and_a_robot_restart(tmp_
         # the robots' timer punctuality is a timing figure of this shared host: bounded by a fraction (as in
         # test_split.py), never zero-tolerance; the restarted r3 lives 3-5 s, its start-up on a host busy with
         # the others included (runs: 10 missed of 151; CI, stop 29: 17 of 161; session 24, 1 run in 5 with and
-        # without that session's change: 19 of 96, 27 of 86), hence its own bound of 15 % with a floor of 30
-        # ticks (its first second); the long-lived r1 and r2 keep 5 %, with a floor of 42 ticks: 0.4 s of their own
-        # plus the 30 of r3b's start-up, which they live through on the same 2 cores (CI, stop 38: r2 missed 25 of
-        # 491 against the former floor of 12, i.e. 5.1 %)
-        share, floor = (0.15, 30) if ns == "r3" else (0.05, 42)
+        # without that session's change: 19 of 96, 27 of 86), hence its own bound of 15 % with a floor of 45
+        # ticks (its first 1.5 s: 27 sat near the former 30); the long-lived r1 and r2 keep 5 %, with a floor of 42
+        # ticks: 0.4 s of their own plus the 30 of r3b's start-up, which they live through on the same 2 cores (CI,
+        # stop 38: r2 missed 25 of 491 against the former floor of 12, i.e. 5.1 %)
+        share, floor = (0.15, 45) if ns == "r3" else (0.05, 42)
         assert a["missed_ticks"] <= max(floor, share * n_ticks), (ns, a["missed_ticks"], n_ticks)
         assert a["publish_errors"] == 0 and a["fresh_msgs_rejected"] == 0, (ns, a)
 
