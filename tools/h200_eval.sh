@@ -21,8 +21,9 @@
 # run's results, report and logs).
 # CHUNK_CKPT=DIR (an H > 1 chunk policy, e.g. results/policy_h200_c4, carried): issue 22's comparison of execution
 # schemes runs alongside (bench/chunk_compare.py --backend cuda, every scheme x latency cell at once, its CPU
-# settings by default: push, CHUNK_HZ 5 Hz, deadline CHUNK_DEADLINE_MS 400 ms, CHUNK_EPISODES seeds per cell in
-# CHUNK_SPLITS seed ranges side by side, latencies CHUNK_LATENCIES; CHUNK_BACKEND numpy for a local try):
+# settings by default: push (CHUNK_TASK), the issue's five schemes (CHUNK_SCHEMES: a comma list, e.g. with
+# async_receding or +int4 variants), CHUNK_HZ 5 Hz, deadline CHUNK_DEADLINE_MS 400 ms, CHUNK_EPISODES seeds per cell
+# in CHUNK_SPLITS seed ranges side by side, latencies CHUNK_LATENCIES; CHUNK_BACKEND numpy for a local try):
 # chunk_compare.md, .json, .png. SIM_SITE=DIR uses sim packages already installed there (e.g. by
 # tools/train_policy/run.sh's .cache/dev_site on a warm machine).
 set -uo pipefail
@@ -68,7 +69,8 @@ done
 cc_pid=""
 if [ -n "${CHUNK_CKPT:-}" ]; then
     log "chunk_compare: $CHUNK_CKPT, ${CHUNK_BACKEND:-cuda}, every cell at once"
-    $PY -m vla_edge_ros.bench.chunk_compare --chunk-checkpoint "$CHUNK_CKPT" --backend "${CHUNK_BACKEND:-cuda}" --jobs 60 --task push \
+    $PY -m vla_edge_ros.bench.chunk_compare --chunk-checkpoint "$CHUNK_CKPT" --backend "${CHUNK_BACKEND:-cuda}" --jobs 60 \
+        --task "${CHUNK_TASK:-push}" ${CHUNK_SCHEMES:+--schemes "$CHUNK_SCHEMES"} \
         --episodes "${CHUNK_EPISODES:-10}" --splits "${CHUNK_SPLITS:-1}" --hz "${CHUNK_HZ:-5}" \
         --deadline "${CHUNK_DEADLINE_MS:-400}" --latencies "${CHUNK_LATENCIES:-0,100,200}" --domain-id 20 --no-progress \
         --out "$OUT/runs/chunk_compare" > "$OUT/chunk_compare.log" 2>&1 &
