@@ -250,20 +250,33 @@ def read_json_when(path: Path, pred, timeout_s: float = 10.0, show=None) -> dict
     return box["s"]
 
 
-def load_monitor(path: Path, missing_ok: bool = False) -> tuple[list[dict], list[dict]]:
-    """(action records, status records) from an action_monitor JSON-lines file. ``missing_ok``: a file the monitor
-    has not created yet reads as nothing recorded (for wait_for predicates polled while the monitor process starts;
-    FileNotFoundError there ended the wait at once: CI, 2 loaded cores)."""
+def load_monitor(path: Path) -> tuple[list[dict], list[dict]]:
+    """(action records, status records) from an action_monitor JSON-lines file."""
     actions, statuses = [], []
-    p = Path(path)
-    if missing_ok and not p.exists():
-        return actions, statuses
-    for line in p.read_text().splitlines():
+    for line in Path(path).read_text().splitlines():
         if not line.strip():
             continue
         rec = json.loads(line)
         (actions if rec["topic"] == "action" else statuses).append(rec)
     return actions, statuses
+
+
+def fresh_after(path: Path, t0: float) -> int:
+    """Fresh actions an action_monitor file holds with receive time (monotonic) after ``t0``, read while the
+    monitor writes it: for wait_for predicates, so a file not created yet counts 0 and a line being written is
+    skipped (either raising there ended the wait at once: CI, 2 loaded cores)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return 0
+    count = 0
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        count += rec["topic"] == "action" and rec["kind"] == "fresh" and rec["t"] > t0
+    return count
 
 
 def runs(kinds: list[str]) -> list[tuple[str, int, int]]:

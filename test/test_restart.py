@@ -9,32 +9,15 @@ Times of kills/restarts are taken with time.monotonic(), the clock the monitor s
 """
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 
-from ros_env import Proc, load_monitor, runs, wait_for
+from ros_env import Proc, fresh_after, load_monitor, runs, wait_for
 
 pytest.importorskip("rclpy")
 CAMERA_ARGS = ("-p", "width:=320", "-p", "height:=240")  # vla_test_camera's --ros-args
 RUNTIME_ARGS = ("-p", "kv_budget_tokens:=512")  # vla_runtime's (numpy backend)
-
-
-def _fresh_after(path, t0: float, n: int) -> bool:
-    """At least ``n`` fresh actions received after monotonic time ``t0`` (read while the monitor writes)."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return False
-    count = 0
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:  # a line being written
-            continue
-        count += rec["topic"] == "action" and rec["kind"] == "fresh" and rec["t"] > t0
-    return count >= n
 
 
 def _window(records, t_from: float, t_to: float):
@@ -47,7 +30,7 @@ def test_camera_killed_and_restarted(tmp_path, ros_processes):
     monitor = ros_processes.monitor(monitor_out)
     ros_processes.wait_active(runtime)
     cam1 = ros_processes.camera(*CAMERA_ARGS, name="cam1")
-    assert wait_for(lambda: _fresh_after(monitor_out, 0.0, 30), 60.0), runtime.output()[-2000:]
+    assert wait_for(lambda: fresh_after(monitor_out, 0.0) >= 30, 60.0), runtime.output()[-2000:]
     cam1.p.kill()  # SIGKILL: no clean shutdown, DDS learns of it through the liveliness lease
     cam1.p.wait(5)
     t_kill = time.monotonic()
@@ -55,7 +38,7 @@ def test_camera_killed_and_restarted(tmp_path, ros_processes):
     assert runtime.alive(), runtime.output()[-2000:]
     t_restart = time.monotonic()
     cam2 = ros_processes.camera(*CAMERA_ARGS, name="cam2")
-    assert wait_for(lambda: _fresh_after(monitor_out, t_restart, 30), 60.0), runtime.output()[-2000:]
+    assert wait_for(lambda: fresh_after(monitor_out, t_restart) >= 30, 60.0), runtime.output()[-2000:]
     t_end = time.monotonic()
     assert runtime.alive() and monitor.alive()
     codes = ros_processes.stop(cam2, runtime, monitor)
@@ -86,7 +69,7 @@ def test_runtime_restarted_while_consumer_listens(tmp_path, ros_processes):
     camera = ros_processes.camera(*CAMERA_ARGS)
     runtimes: list[Proc] = [ros_processes.runtime(*RUNTIME_ARGS, name="rt0")]
     marks = []  # (how the previous runtime ended, its exit code, t_down, t_start of the next one)
-    assert wait_for(lambda: _fresh_after(monitor_out, 0.0, 30), 90.0), runtimes[0].output()[-2000:]
+    assert wait_for(lambda: fresh_after(monitor_out, 0.0) >= 30, 90.0), runtimes[0].output()[-2000:]
     for n, how in enumerate(("sigint", "sigkill"), start=1):
         old = runtimes[-1]
         if how == "sigint":
@@ -99,7 +82,7 @@ def test_runtime_restarted_while_consumer_listens(tmp_path, ros_processes):
         t_start = time.monotonic()
         runtimes.append(ros_processes.runtime(*RUNTIME_ARGS, name=f"rt{n}"))
         marks.append((how, rc, t_down, t_start))
-        assert wait_for(lambda: _fresh_after(monitor_out, t_start, 30), 90.0), runtimes[-1].output()[-2000:]
+        assert wait_for(lambda: fresh_after(monitor_out, t_start) >= 30, 90.0), runtimes[-1].output()[-2000:]
     assert monitor.alive() and camera.alive()
     codes = ros_processes.stop(runtimes[-1], camera, monitor)
     assert codes == {"rt2": 0, "camera": 0, "monitor": 0}, codes

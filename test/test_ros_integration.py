@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ros_env import load_monitor, read_json, runs, wait_for
+from ros_env import fresh_after, load_monitor, read_json, runs, wait_for
 
 STALL_AFTER_S, STALL_FOR_S = 9.0, 4.0
 pytest.importorskip("rclpy")
@@ -77,15 +77,13 @@ def test_dead_camera_detected_by_liveliness_and_recovery(tmp_path, ros_processes
     cam_args = ("-p", "width:=160", "-p", "height:=120")
     camera = ros_processes.camera(*cam_args, name="camera1")
     ros_processes.wait_active(runtime)
-    assert wait_for(lambda: sum(a["kind"] == "fresh" for a in load_monitor(monitor_out, missing_ok=True)[0]) > 20,
-                    30.0)
+    assert wait_for(lambda: fresh_after(monitor_out, 0.0) > 20, 30.0)
     camera.kill()
     assert wait_for(lambda: "camera publisher lost liveliness" in runtime.output(), 10.0), runtime.output()
     time.sleep(0.5)
     camera2 = ros_processes.camera(*cam_args, name="camera2")
     t2 = time.monotonic()
-    assert wait_for(lambda: sum(a["kind"] == "fresh" and a["t"] > t2 for a in load_monitor(monitor_out)[0])
-                    > 20, 30.0), runtime.output()[-2000:]
+    assert wait_for(lambda: fresh_after(monitor_out, t2) > 20, 30.0), runtime.output()[-2000:]
     codes = ros_processes.stop(camera2, runtime, monitor)
     assert codes == {"camera2": 0, "runtime": 0, "monitor": 0}, runtime.output()[-2000:]
     _, statuses = load_monitor(monitor_out)

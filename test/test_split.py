@@ -8,18 +8,10 @@ import time
 
 import pytest
 
-from ros_env import load_monitor, read_json, runs, runtime_cmd, single_node_cmd, wait_for
+from ros_env import fresh_after, load_monitor, read_json, runs, runtime_cmd, single_node_cmd, wait_for
 
 pytest.importorskip("rclpy")
 PERIOD_S = 1.0 / 30.0
-
-
-def _fresh_after(path, t0: float) -> int:
-    try:
-        actions, _ = load_monitor(path)
-    except (OSError, ValueError):
-        return 0
-    return sum(1 for a in actions if a["kind"] == "fresh" and a["t"] > t0)
 
 
 def test_edge_killed_robot_holds_every_tick_and_resumes(tmp_path, ros_processes):
@@ -33,14 +25,14 @@ def test_edge_killed_robot_holds_every_tick_and_resumes(tmp_path, ros_processes)
     edge_cmd = ["nice", "-n", "19"] + runtime_cmd("-p", "kv_budget_tokens:=512", "-p", "image_transport:=compressed",
                                                   role="edge")
     edge = ros_processes.start_cmd(edge_cmd, name="edge1")
-    assert wait_for(lambda: _fresh_after(mon_out, 0.0) > 30, 60.0), edge.output()[-2000:]
+    assert wait_for(lambda: fresh_after(mon_out, 0.0) > 30, 60.0), edge.output()[-2000:]
     time.sleep(1.0)
     t_kill = time.monotonic()
     edge.kill()  # the link is cut: no goodbye, no more fresh actions
     time.sleep(3.0)
     t_restart = time.monotonic()
     edge2 = ros_processes.start_cmd(edge_cmd, name="edge2")
-    assert wait_for(lambda: _fresh_after(mon_out, t_restart) > 30, 60.0), edge2.output()[-2000:]
+    assert wait_for(lambda: fresh_after(mon_out, t_restart) > 30, 60.0), edge2.output()[-2000:]
     time.sleep(0.5)
     assert robot.alive() and monitor.alive()
     codes = ros_processes.stop(edge2, camera, robot, monitor)
