@@ -57,6 +57,8 @@ def test_single_step_schemes_need_no_chunk_checkpoint_and_chunk_schemes_are_refu
     assert cmd[cmd.index("--checkpoint") + 1] == checkpoints["single"]
     with pytest.raises(ValueError, match="async_latest needs --chunk-checkpoint"):
         C.eval_command("async_latest", args, tmp_path, 100)
+    with pytest.raises(ValueError, match=r"single_step needs --single-checkpoint \(an H = 1 policy\)"):
+        C.eval_command("single_step", C.parse_args(["--single-checkpoint", ""]), tmp_path, 100)
     assert C.main(["--single-checkpoint", checkpoints["single"], "--schemes", "single_step,async_blend",
                    "--out", str(tmp_path / "out")]) == 2
     assert "async_blend needs --chunk-checkpoint" in capsys.readouterr().err

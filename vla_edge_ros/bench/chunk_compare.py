@@ -65,19 +65,16 @@ SCHEMES: dict[str, dict[str, Any]] = {
 DEFAULT_SCHEMES = ("single_step", "sync_chunks", "async_latest", "async_temporal_ensemble", "async_blend")
 
 
-# suffix values -> the runtime parameter each sets (a value names its parameter: the two sets are disjoint)
-MODIFIERS = {"action_readout": "ACTION_READOUTS", "weight_dtype": "WEIGHT_DTYPES"}
-
-
 def split_scheme(name: str) -> tuple[str, dict[str, str]]:
     """``scheme[+modifier...]`` -> (scheme, {runtime parameter: value}); ValueError naming what is unknown or
     given twice."""
-    from vla_edge_ros import params
+    from vla_edge_ros.params import ACTION_READOUTS, WEIGHT_DTYPES
 
     base, *mods = name.split("+")
     if base not in SCHEMES:
         raise ValueError(f"unknown scheme {base!r} (one of {', '.join(SCHEMES)})")
-    choices = {v: param for param, attr in MODIFIERS.items() for v in getattr(params, attr)}
+    # a suffix value -> the runtime parameter it sets (a value names its parameter: the two sets are disjoint)
+    choices = {**{v: "action_readout" for v in ACTION_READOUTS}, **{v: "weight_dtype" for v in WEIGHT_DTYPES}}
     chosen: dict[str, str] = {}
     for m in mods:
         if m not in choices:
@@ -103,7 +100,8 @@ def eval_command(scheme: str, args: argparse.Namespace, out: Path, domain_id: in
     spec = SCHEMES[base]
     ckpt = args.chunk_checkpoint if spec["chunk"] else args.single_checkpoint
     if not ckpt:
-        raise ValueError(f"{scheme} needs --chunk-checkpoint (an H-step policy)")
+        raise ValueError(f"{scheme} needs " + ("--chunk-checkpoint (an H-step policy)" if spec["chunk"]
+                                               else "--single-checkpoint (an H = 1 policy)"))
     h = horizon_of(ckpt)
     if spec["chunk"] != (h > 1):
         raise ValueError(f"{scheme} needs a {'chunk (H > 1)' if spec['chunk'] else 'single-step (H = 1)'} "
@@ -304,18 +302,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    try:
+    out = Path(args.out)
+    try:  # every command is built (names, checkpoints, horizons) before anything is written or run
         for s in schemes:
-            if SCHEMES[split_scheme(s)[0]]["chunk"] and not args.chunk_checkpoint and not args.report_only:
-                raise ValueError(f"{s} needs --chunk-checkpoint (an H-step policy)")
+            split_scheme(s)
+        cmds = [] if args.report_only else cells(args, schemes, out)
     except ValueError as exc:
         print(f"chunk_compare: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if not args.report_only:
-        cmds = cells(args, schemes, out)
         for cmd in cmds:
             print(f"[chunk_compare] {' '.join(cmd[2:])}", flush=True)
         run_cells(cmds, args.jobs, t0)
