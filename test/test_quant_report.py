@@ -188,6 +188,7 @@ def test_the_shipped_policy_streams_with_its_training_window_by_name(capsys):
     """metaworld_mt3 (trained with one past frame) by its shipped name, as `--checkpoint metaworld_mt3` takes it."""
     from vla_edge_ros.engine import shipped
     from vla_edge_ros.engine.checkpoint import load_checkpoint
+    from vla_edge_ros.engine.interface import EngineError
     from vla_edge_ros.sim.tasks import TASKS
 
     policy = shipped.resolve("metaworld_mt3")
@@ -201,5 +202,5 @@ def test_the_shipped_policy_streams_with_its_training_window_by_name(capsys):
     assert min(rows["int8"]["hidden_cos"][0], rows["int8"]["logits_cos"][0]) >= rows["int8"]["threshold"]
     QR.main(["--checkpoint", "metaworld_mt3", "--frames", "1", "--dtypes", "bf16"])
     assert f"checkpoint {policy}:" in capsys.readouterr().out
-    with pytest.raises(Exception, match="nor a shipped policy"):
+    with pytest.raises(EngineError, match="nor a shipped policy"):
         QR.main(["--checkpoint", "no_such_policy", "--frames", "1"])
