@@ -67,6 +67,7 @@ setup(
             "vla_eval = vla_edge_ros.bench.eval:main",
             "vla_sim_demos = vla_edge_ros.sim.demos:main",
             "vla_train = vla_edge_ros.train.cli:main",
+            "vla_quantize = vla_edge_ros.train.quantize:main",
             "vla_camera = vla_edge_ros.ros.runtime:camera_main",
             "vla_inference = vla_edge_ros.ros.runtime:inference_main",
             "vla_action = vla_edge_ros.ros.runtime:action_main",

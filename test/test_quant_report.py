@@ -204,3 +204,22 @@ def test_the_shipped_policy_streams_with_its_training_window_by_name(capsys):
     assert f"checkpoint {policy}:" in capsys.readouterr().out
     with pytest.raises(EngineError, match="nor a shipped policy"):
         QR.main(["--checkpoint", "no_such_policy", "--frames", "1"])
+
+
+def test_calibrated_columns_sit_beside_each_type_and_calibration_never_uses_the_judged_seeds(tmp_path, capsys):
+    """--calibrate-tasks: a <type>-gptq column per quantised type, same layout and bytes, its own figures; a
+    calibration seed range that overlaps the evaluated one is refused before anything runs."""
+    from vla_edge_ros.engine.quant_gptq import CalibrationStreams
+
+    cfg = ModelConfig.from_json(cfg_dict(hidden=128, inter=256))
+    w = random_weights(cfg, seed=1)
+    cal = CalibrationStreams(cfg, [(QR.INSTRUCTION, QF.sample_frames(3, 11))], window_frames=2)
+    rows = QR.report(cfg, w, ("bf16", "int4"), sequences=QF.random_sequences(2, 7), window_frames=2,
+                     calibration=cal)
+    assert list(rows) == ["bf16", "int4", "int4-gptq"]
+    assert rows["int4-gptq"]["linear_bytes"] == rows["int4"]["linear_bytes"] and rows["int4-gptq"]["threshold"] == 0.99
+    assert rows["int4-gptq"]["hidden_cos"] != rows["int4"]["hidden_cos"]  # other codes, other outputs
+    with pytest.raises(SystemExit):
+        QR.main(["--frames-from", "sim", "--task", "push", "--seeds", "3", "--calibrate-tasks", "push,drawer-close",
+                 "--calibrate-seed-start", "2"])
+    assert "overlap the evaluated seeds 0..2" in capsys.readouterr().err

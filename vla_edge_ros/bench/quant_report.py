@@ -2,6 +2,7 @@
 
     python -m vla_edge_ros.bench.quant_report [--checkpoint DIR] [--frames-from random|bridge|sim] [--task push]
         [--seeds 3] [--every 1] [--episodes 4] [--frames N] [--window-frames W] [--decode-tokens 8] [--json OUT]
+        [--calibrate-tasks push,button-press-topdown,drawer-close [--calibrate-seeds 2] [--calibrate-every 2]]
 
 Why: issue 23's quality bar (cosine of the final hidden state and of the action logits vs bf16 >= 0.999 for
 int8 / fp8, >= 0.99 for int4, per decode step; action-token agreement with the bf16 engine on the frames of the
@@ -23,6 +24,10 @@ Two measurements, every dtype against the bf16 model:
   dimension and the largest action difference in the action's own units (the tokenizer's un-normalisation).
 The window defaults to the checkpoint's training_record.json deploy.window_frames (the context it was trained
 with: 1 past frame -> 2), else 3.
+
+``--calibrate-tasks`` adds a column ``<type>-gptq`` per quantised type: the same layout with its codes chosen by
+GPTQ (engine/quant_gptq.py), calibrated on sim expert frames of those tasks from seeds 1 000 000 on (where the
+demonstrations come from), never the evaluated seeds: round-to-nearest and calibrated side by side, same frames.
 """
 from __future__ import annotations
 
@@ -35,20 +40,21 @@ import numpy as np
 
 from vla_edge_ros.bench.quant_frames import (DEFAULT_INSTRUCTION, FRAME_SOURCES, SHARED_OXE, FrameSequence,
                                              bridge_sequences, random_sequences, sample_frames, sim_sequences)
-from vla_edge_ros.core.kv.manager import KVManager
 from vla_edge_ros.engine import reference as R
 from vla_edge_ros.engine.checkpoint import load_checkpoint
 from vla_edge_ros.engine.config import ModelConfig
 from vla_edge_ros.engine.factory import resolve_checkpoint
 from vla_edge_ros.engine.geometry import chunk_decode_steps
 from vla_edge_ros.engine.quant import WEIGHT_DTYPES, QuantizedModel, quantize_weights
+from vla_edge_ros.engine.quant_gptq import DEFAULT_WINDOW_FRAMES, CalibrationStreams, calibrate, kv_manager
+from vla_edge_ros.engine.quant_gptq import trained_window_frames as default_window_frames
 
 __all__ = ["INSTRUCTION", "THRESHOLDS", "cosine", "sample_frames", "kv_manager", "stream_chunks",
            "streaming_agreement", "measure", "report", "print_report", "main"]
 
 INSTRUCTION = DEFAULT_INSTRUCTION
 THRESHOLDS = {"bf16": 0.999, "int8": 0.999, "fp8": 0.999, "int4": 0.99}  # issue 23's cosine bars
-DEFAULT_WINDOW_FRAMES = 3
+CALIBRATED = "-gptq"  # the column of a weight type whose codes GPTQ chose (engine/quant_gptq.py)
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -88,16 +94,6 @@ def _teacher_forced(cfg: ModelConfig, ws: Sequence[Mapping[str, np.ndarray]], in
 
 
 # ---- streaming --------------------------------------------------------------------------------------------------
-
-def kv_manager(cfg: ModelConfig, instruction: str, window_frames: int) -> KVManager:
-    """FIFO under a budget of exactly the pinned instruction plus ``window_frames`` frames (new one included)."""
-    tpf, P = cfg.n_patches, len(instruction.encode("utf-8"))
-    budget = -(-(P + window_frames * tpf) // tpf) * tpf  # a multiple of tpf; the round-up holds < 1 more frame
-    kv = KVManager(budget, tpf, P, policy="fifo", embed_dim=cfg.hidden_size)
-    if kv.capacity_frames != window_frames:
-        raise ValueError(f"KV window: budget {budget} holds {kv.capacity_frames} frames, not {window_frames}")
-    return kv
-
 
 def stream_chunks(cfg: ModelConfig, weights: Mapping[str, np.ndarray], instruction: str,
                   frame_tokens: Sequence[np.ndarray], decode_tokens: int, window_frames: int,
@@ -174,11 +170,16 @@ def measure(cfg: ModelConfig, base: Mapping[str, np.ndarray], models: Mapping[st
 def report(cfg: ModelConfig, weights: Mapping[str, np.ndarray], dtypes: Sequence[str] = WEIGHT_DTYPES,
            frames: int = 3, decode_tokens: int = 8, seed: int = 0,
            sequences: Optional[Sequence[FrameSequence]] = None,
-           window_frames: int = DEFAULT_WINDOW_FRAMES) -> dict[str, dict]:
+           window_frames: int = DEFAULT_WINDOW_FRAMES,
+           calibration: Optional[CalibrationStreams] = None) -> dict[str, dict]:
     """Per weight_dtype: bytes, weight error and the measure() figures vs the bf16 model, in one run on the same
-    frames: ``sequences`` (default: ``frames`` random frames of ``seed``)."""
+    frames: ``sequences`` (default: ``frames`` random frames of ``seed``). With ``calibration``, every quantised
+    type also gets a column ``<type>-gptq``: its codes chosen by GPTQ on those calibration streams."""
     sequences = random_sequences(frames, seed) if sequences is None else sequences
     models: dict[str, QuantizedModel] = {wd: quantize_weights(weights, wd) for wd in dtypes}
+    if calibration is not None:
+        for wd in [wd for wd in dtypes if wd != "bf16"]:
+            models[wd + CALIBRATED] = calibrate(cfg, weights, wd, calibration)
     base = models["bf16"] if "bf16" in models else quantize_weights(weights, "bf16")
     quality = measure(cfg, base.dequantized(), {wd: m.dequantized() for wd, m in models.items()}, sequences,
                       decode_tokens, window_frames)
@@ -190,7 +191,7 @@ def report(cfg: ModelConfig, weights: Mapping[str, np.ndarray], dtypes: Sequence
                    "max_rel_frobenius_error": max(s.rel_frobenius_error for s in stats),
                    "mean_rel_frobenius_error": float(np.mean([s.rel_frobenius_error for s in stats])),
                    "max_abs_error": max(s.max_abs_error for s in stats),
-                   "threshold": THRESHOLDS[wd], **quality[wd]}
+                   "threshold": THRESHOLDS[m.weight_dtype], **quality[wd]}
     return out
 
 
@@ -234,18 +235,6 @@ def print_report(rows: Mapping[str, dict], action_names: Optional[Sequence[str]]
         print(f"{wd}: worst hidden/logits cosine {worst:.6f} {verdict} the {r['threshold']} bar")
 
 
-def default_window_frames(ckpt: Path) -> tuple[int, str]:
-    """The KV window the checkpoint was trained for (training_record.json deploy.window_frames), else 3."""
-    record = ckpt / "training_record.json"
-    try:
-        window = json.loads(record.read_text(encoding="utf-8"))["deploy"]["window_frames"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return DEFAULT_WINDOW_FRAMES, "default"
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"{record}: deploy.window_frames must be an integer >= 1, got {window!r}")
-    return window, f"{record.name} deploy.window_frames"
-
-
 def main(argv: list[str] | None = None) -> None:
     """Per weight_dtype bytes, error, cosines and action agreement vs bf16: python -m vla_edge_ros.bench.quant_report"""
     ap = argparse.ArgumentParser(description=main.__doc__)
@@ -266,7 +255,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-tokens", type=int, default=8)
     ap.add_argument("--dtypes", nargs="+", choices=WEIGHT_DTYPES, default=list(WEIGHT_DTYPES))
     ap.add_argument("--json", default="", help="also write the figures here")
+    ap.add_argument("--calibrate-tasks", default="",
+                    help="also GPTQ-calibrated columns (<type>-gptq), calibrated on sim expert frames of these "
+                         "comma-separated tasks (e.g. the policy's training tasks)")
+    ap.add_argument("--calibrate-seeds", type=int, default=2, help="calibration: seeds per task")
+    ap.add_argument("--calibrate-seed-start", type=int, default=1_000_000,
+                    help="calibration: the first seed (default: where sim/demos.py's demonstrations start, apart "
+                         "from the evaluation's 0, 1, ...)")
+    ap.add_argument("--calibrate-every", type=int, default=2, help="calibration: a frame every k-th step")
     args = ap.parse_args(argv)
+    cal_tasks = [t for t in args.calibrate_tasks.split(",") if t]
+    cal_seeds = range(args.calibrate_seed_start, args.calibrate_seed_start + args.calibrate_seeds)
+    if args.frames_from == "sim" and args.task in cal_tasks and set(cal_seeds) & set(range(args.seed,
+                                                                                             args.seed + args.seeds)):
+        ap.error(f"calibration seeds {cal_seeds.start}..{cal_seeds.stop - 1} of {args.task} overlap the evaluated "
+                 f"seeds {args.seed}..{args.seed + args.seeds - 1}: a model must not be judged on the frames it was "
+                 "calibrated on")
     ckpt = resolve_checkpoint(args.checkpoint)  # a path, a shipped policy's name, or empty: the tiny default
     cfg = ModelConfig.from_json(ckpt)
     window, window_from = ((args.window_frames, "--window-frames") if args.window_frames is not None
@@ -278,8 +282,16 @@ def main(argv: list[str] | None = None) -> None:
     else:
         image_hw = (cfg.patch_grid[0] * cfg.patch_size, cfg.patch_grid[1] * cfg.patch_size)
         sequences = sim_sequences(args.task, args.seeds, args.seed, args.every, args.frames, image_hw, args.camera)
+    calibration = None
+    if cal_tasks:
+        image_hw = (cfg.patch_grid[0] * cfg.patch_size, cfg.patch_grid[1] * cfg.patch_size)
+        cal = [s for t in cal_tasks for s in sim_sequences(t, args.calibrate_seeds, args.calibrate_seed_start,
+                                                           args.calibrate_every, None, image_hw, args.camera)]
+        calibration = CalibrationStreams(cfg, [(s.instruction, s.frames) for s in cal], window, args.decode_tokens)
+        print(f"calibration (GPTQ columns): {calibration.frames} frames of {', '.join(cal_tasks)}, seeds "
+              f"{cal_seeds.start}..{cal_seeds.stop - 1}, every {args.calibrate_every} steps", flush=True)
     rows = report(cfg, load_checkpoint(ckpt, cfg), args.dtypes, decode_tokens=args.decode_tokens,
-                  sequences=sequences, window_frames=window)
+                  sequences=sequences, window_frames=window, calibration=calibration)
     steps = chunk_decode_steps(cfg, args.decode_tokens)
     print(f"checkpoint {ckpt}: frames from {args.frames_from}, {sum(len(s.frames) for s in sequences)} frames in "
           f"{len(sequences)} sequence(s), KV window {window} frames ({window_from}), {steps} decode steps, "
@@ -292,7 +304,10 @@ def main(argv: list[str] | None = None) -> None:
         doc = {"checkpoint": str(ckpt), "frames_from": args.frames_from, "window_frames": window,
                "window_from": window_from, "decode_tokens": args.decode_tokens, "decode_steps": steps,
                "action_horizon": int(cfg.action_horizon), "action_names": list(cfg.action_names),
-               "sequences": [s.describe() for s in sequences], "dtypes": rows}
+               "sequences": [s.describe() for s in sequences], "dtypes": rows,
+               "calibration": None if calibration is None else {
+                   "tasks": args.calibrate_tasks, "seed_start": args.calibrate_seed_start,
+                   "seeds": args.calibrate_seeds, "every": args.calibrate_every, "frames": calibration.frames}}
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
 
 
