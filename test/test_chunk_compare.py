@@ -116,6 +116,7 @@ def test_the_table_has_a_row_per_scheme_and_latency_and_shows_a_missing_scheme(t
     md = C.table(rows)
     assert "| single_step | 0 | 8/10 = 80 % | 10-90 % |" in md and "| single_step | 200 | 6/10 = 60 %" in md
     assert "| async_blend | None | MISSING:" in md and "| 100 / 2 / 1 |" in md
+    assert "| 50 / 50 / 0 |" in md  # no new-frame share in the results: no "(new ...)"
 
 
 def test_jobs_split_every_scheme_and_latency_into_its_own_run_and_domain(checkpoints, tmp_path):
@@ -179,19 +180,19 @@ def test_splits_give_each_cell_seed_ranges_run_side_by_side_in_their_own_domains
 
 
 def test_a_cells_seed_ranges_add_up_into_one_row(tmp_path):
-    def write(name, inj, episodes, successes, jerk, fresh, p99, admitted, status="ok", steps=100.0):
+    def write(name, inj, episodes, successes, jerk, fresh, p99, admitted, status="ok", steps=100.0, new=None):
         d = tmp_path / "async_latest" / name
         d.mkdir(parents=True)
         (d / "results.json").write_text(json.dumps({"rows": [{
             "setting": {"inject_ms": inj}, "status": status, "error": None if status == "ok" else "sim died",
             "episodes": episodes, "successes": successes, "success_rate": successes / episodes,
             "success_ci95": [0, 1], "jerk_sq_mean": jerk, "success_steps_mean": 60.0 if successes else None,
-            "steps_mean": steps,
+            "steps_mean": steps, "new_plan_share": new,
             "shares": {"fresh": fresh, "repeat": 1 - fresh, "hold": 0.0},
             "runtime": {"latency_ms": {"p50": 5.0, "p99": p99},
                         "chunks": {"admitted": admitted, "refused": 1, "deadline_misses": 0}}}]}))
-    write("inj0.s0", 0, 6, 3, 1.0, 0.5, 9.0, 100)
-    write("inj0.s6", 0, 4, 4, 2.0, 0.0, 12.0, 50, steps=50.0)
+    write("inj0.s0", 0, 6, 3, 1.0, 0.5, 9.0, 100, new=1.0)
+    write("inj0.s6", 0, 4, 4, 2.0, 0.0, 12.0, 50, steps=50.0, new=0.25)
     write("inj100.s0", 100, 6, 0, 1.0, 0.5, 9.0, 100)
     write("inj100.s6", 100, 4, 1, 1.0, 0.5, 9.0, 100, status="failed")
     rows = C.collect(tmp_path, ["async_latest"])
@@ -202,6 +203,7 @@ def test_a_cells_seed_ranges_add_up_into_one_row(tmp_path):
     assert ok["jerk_sq_mean"] == pytest.approx((6 * 1.0 + 4 * 2.0) / 10)
     # shares weigh each range's control steps: 6 x 100 steps at 0.5, 4 x 50 at 0
     assert ok["shares"]["fresh"] == pytest.approx(300 / 800) and ok["chunk_ms"]["p99"] == 12.0
+    assert ok["new_plan_share"] == pytest.approx((600 * 1.0 + 200 * 0.25) / 800)  # steps from a newer frame, alike
     assert ok["chunks"] == {"admitted": 150, "refused": 2, "deadline_misses": 0}
     assert "1 of 2 seed ranges failed: sim died" in rows[1]["error"]
-    assert "| async_latest | 0 | 7/10 = 70 % |" in C.table(rows)
+    assert "| async_latest | 0 | 7/10 = 70 % |" in C.table(rows) and "| 38 / 62 / 0 (new 81) |" in C.table(rows)

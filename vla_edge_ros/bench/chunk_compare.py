@@ -196,7 +196,7 @@ def _record(scheme: str, r: dict[str, Any]) -> dict[str, Any]:
             "error": r.get("error"), "episodes": r.get("episodes", 0), "successes": r.get("successes", 0),
             "success_rate": r.get("success_rate"), "ci95": r.get("success_ci95"),
             "jerk_sq_mean": r.get("jerk_sq_mean"), "shares": r.get("shares"),
-            "success_steps_mean": r.get("success_steps_mean"),
+            "new_plan_share": r.get("new_plan_share"), "success_steps_mean": r.get("success_steps_mean"),
             "chunk_ms": rt.get("latency_ms"), "chunks": rt.get("chunks")}
 
 
@@ -222,7 +222,7 @@ def merge_cell(scheme: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "ci95": m["success_ci95"],
             "jerk_sq_mean": weighted_mean([(p["jerk_sq_mean"], p["episodes"]) for p in parts]),
             "success_steps_mean": weighted_mean([(p["success_steps_mean"], p["successes"]) for p in parts]),
-            "shares": shares,
+            "shares": shares, "new_plan_share": weighted_mean([(p["new_plan_share"], w) for p, w in zip(parts, steps)]),
             "chunk_ms": {"p50": m["latency_p50_ms_max"] or 0.0, "p99": m["latency_p99_ms_max"] or 0.0},
             "chunks": {"admitted": int(m["chunks_admitted"] or 0), "refused": int(m["chunks_refused"] or 0),
                        "deadline_misses": int(m["deadline_misses"] or 0)},
@@ -232,6 +232,9 @@ def merge_cell(scheme: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| scheme | injected ms | success | 95 % CI | jerk² (m/s³)² | steps to success | fresh / repeat / hold % "
              "| chunk p50 / p99 ms | admitted / refused / late |", "|" + "---|" * 9]
+    # "(new N)": the share of control steps whose action came from a newer camera frame than the step before
+    # (vla_eval's new_plan_share): single-step at a control rate below the publisher's shows "fresh 0 %" because
+    # the sim counts an action the 30 Hz publisher already sent as a repeat, yet every step may be a new plan
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['scheme']} | {r['inject_ms']} | {r['status'].upper()}: {r['error']} |" + " |" * 6)
@@ -241,8 +244,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['scheme']} | {r['inject_ms']:g} | {r['successes']}/{r['episodes']} = {100 * r['success_rate']:.0f} % "
             f"| {100 * lo:.0f}-{100 * hi:.0f} % | {r['jerk_sq_mean']:.3g} | {r['success_steps_mean'] or 0:.0f} "
-            f"| {100 * sh.get('fresh', 0):.0f} / {100 * sh.get('repeat', 0):.0f} / {100 * sh.get('hold', 0):.0f} "
-            f"| {ch.get('p50', 0):.0f} / {ch.get('p99', 0):.0f} "
+            f"| {100 * sh.get('fresh', 0):.0f} / {100 * sh.get('repeat', 0):.0f} / {100 * sh.get('hold', 0):.0f}"
+            + ("" if r.get("new_plan_share") is None else f" (new {100 * r['new_plan_share']:.0f})")
+            + f" | {ch.get('p50', 0):.0f} / {ch.get('p99', 0):.0f} "
             f"| {ck.get('admitted', 0)} / {ck.get('refused', 0)} / {ck.get('deadline_misses', 0)} |")
     return "\n".join(lines)
 
