@@ -181,11 +181,18 @@ def test_calibrate_is_sequential_and_gives_the_layouts_the_checkpoint_and_engine
     assert set(m.linear) == set(r.linear) and set(m.dense) == set(r.dense) and m.group_size == r.group_size
     assert len(lines) == cfg.num_hidden_layers and "layer 2/2" in lines[-1]
     assert "WARNING" in lines[0] and "mlp.down_proj" in lines[0]  # 4 frames x 40 rows < 4 x 192 inputs
-    # layer 1 was recorded on layer 0 already quantised, and layer 1 itself still original
-    layer0 = G.layer_names(cfg, w, 0)
-    assert all(n.startswith("model.layers.1.") for n in seen[1][1])
-    assert all(np.array_equal(seen[1][0][n], m.linear[n].dequantize()) for n in layer0)
-    assert all(np.array_equal(seen[1][0][n], w[n]) for n in seen[1][1])
+    with pytest.raises(ValueError, match="no tensor model.layers.1.mlp.down_proj.weight"):
+        G.calibrate(cfg, {n: a for n, a in w.items() if n != "model.layers.1.mlp.down_proj.weight"}, "int8",
+                    streams, progress=None)
+    # four stages per layer, in order; each recorded with every earlier weight quantised and itself still original
+    order = [[n.split(".", 3)[3].rsplit(".", 1)[0] for n in names] for _, names in seen]
+    assert order == [list(stage) for stage in G.STAGES] * cfg.num_hidden_layers
+    done: list[str] = []
+    for weights, names in seen:
+        assert all(np.array_equal(weights[n], m.linear[n].dequantize()) for n in done)
+        assert all(np.array_equal(weights[n], w[n]) for n in weights if n not in done)
+        done += names
+    assert sorted(done) == sorted(m.linear)
     QC.write_quantized_checkpoint(tmp_path, d, m)
     _, back = QC.read_quantized_checkpoint(tmp_path, "int4")
     assert all(np.array_equal(back.linear[n].codes, q.codes) for n, q in m.linear.items())

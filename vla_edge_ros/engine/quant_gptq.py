@@ -29,9 +29,11 @@ with the least diag(H)-weighted error (as AWQ / llama.cpp do, measured here to h
 Calibration (``CalibrationStreams``, ``calibrate``): the reference forward (engine/reference.py) streams each
 calibration sequence the way an engine does (the KV window of the training run, the instruction prefix, every
 decode step; the instruction prefix, computed once per episode, is not recorded), and a recording weights mapping
-(``HessianRecorder``) adds x.T x for the inputs of the linear layers being quantised. Layers are quantised in order, and layer L's inputs are recorded with layers 0 .. L-1 already
-quantised (the paper's sequential mode), so each layer corrects for the error of those before it: one calibration
-pass per decoder layer. The vision front end is not quantised, so its tokens are computed once. Too few rows for a
+(``HessianRecorder``) adds x.T x for the inputs of the linear layers being quantised. Weights are quantised in order, in four stages per decoder layer (q/k/v,
+o, gate/up, down: ``STAGES``), and each stage's inputs are recorded with everything before it already quantised
+("true sequential"), so each weight corrects for the error of those before it: four calibration passes per decoder
+layer. Measured on the shipped policy, against one pass per layer (all seven weights recorded with the earlier
+LAYERS quantised): worst cosine int4 0.9893 -> 0.9914, fp8 0.99869 -> 0.99924, for 4x the calibration time. The vision front end is not quantised, so its tokens are computed once. Too few rows for a
 weight's inputs and GPTQ fits them rather than the distribution: measured on a 2-layer model, 240 rows of noise
 frames for 192 inputs made int4 worse than rounding on other frames, 800 rows of camera-like frames 4x better.
 ``calibrate`` says so in its progress lines (``FEW_ROWS_PER_INPUT``).
@@ -311,35 +313,47 @@ class CalibrationStreams:
         return hessians, rows
 
 
-def layer_names(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], layer: int) -> list[str]:
-    """The quantised linear weights of decoder layer ``layer`` among ``tensors``."""
-    prefix = f"model.layers.{layer}."
-    return [n for n in tensors if n.startswith(prefix) and is_quantized_name(n)]
+# the order a decoder layer's weights are calibrated in: each stage's inputs depend on the stages before it
+STAGES = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+          ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+def stage_names(tensors: Mapping[str, np.ndarray], layer: int, stage: Sequence[str]) -> list[str]:
+    """The weights of ``stage`` (STAGES) in decoder layer ``layer`` among ``tensors``."""
+    names = [f"model.layers.{layer}.{m}.weight" for m in stage]
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"calibrate: no tensor {missing[0]}")
+    return names
 
 
 def calibrate(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], weight_dtype: str, streams: CalibrationStreams,
               group_size: int = GROUP_SIZE, damp: float = DAMP, int4_clip_grid: Sequence[float] = INT4_CLIP_GRID,
               progress: Optional[Callable[[str], None]] = print) -> QuantizedModel:
-    """Every linear weight of ``tensors`` quantised by GPTQ, layer by layer, each on the inputs it receives with the
-    layers before it already quantised (module docstring). -> the QuantizedModel quantize_weights would return
-    (same layouts, same ``dense`` tensors), with per-tensor weight-error stats."""
+    """Every linear weight of ``tensors`` quantised by GPTQ, stage by stage (STAGES, layer by layer), each on the
+    inputs it receives with everything before it already quantised (module docstring). -> the QuantizedModel
+    quantize_weights would return (same layouts, same ``dense`` tensors), with per-tensor weight-error stats."""
     if weight_dtype not in WEIGHT_DTYPES or weight_dtype == "bf16":
         raise ValueError(f"calibrate: weight_dtype must be one of int8, fp8, int4, got {weight_dtype!r}")
+    for layer in range(cfg.num_hidden_layers):  # every weight present before the first (long) pass
+        for stage in STAGES:
+            stage_names(tensors, layer, stage)
     current = {n: np.asarray(w, np.float32) for n, w in tensors.items()}
     linear, stats = {}, {}
     t0 = time.perf_counter()
     for layer in range(cfg.num_hidden_layers):
-        names = layer_names(cfg, current, layer)
-        if not names:
-            raise ValueError(f"calibrate: decoder layer {layer} has no q/k/v/o or gate/up/down weight")
-        hessians, rows = streams.hessians(current, names)
-        for n in names:
-            linear[n] = gptq_linear(tensors[n], hessians[n], weight_dtype, group_size, damp,
-                                    int4_clip_grid=int4_clip_grid)
-            stats[n] = quant_stats(tensors[n], linear[n])
-            current[n] = linear[n].dequantize()  # the next layers calibrate on this layer's quantised output
+        rows: dict[str, int] = {}
+        for stage in STAGES:
+            names = stage_names(current, layer, stage)
+            hessians, stage_rows = streams.hessians(current, names)
+            rows.update(stage_rows)
+            for n in names:
+                linear[n] = gptq_linear(tensors[n], hessians[n], weight_dtype, group_size, damp,
+                                        int4_clip_grid=int4_clip_grid)
+                stats[n] = quant_stats(tensors[n], linear[n])
+                current[n] = linear[n].dequantize()  # what follows calibrates on this weight's quantised output
         if progress is not None:
-            few = sorted((n for n in names if rows[n] < FEW_ROWS_PER_INPUT * tensors[n].shape[1]),
+            few = sorted((n for n in rows if rows[n] < FEW_ROWS_PER_INPUT * tensors[n].shape[1]),
                          key=lambda n: rows[n] / tensors[n].shape[1])  # the worst first
             progress(f"calibrate {weight_dtype}: layer {layer + 1}/{cfg.num_hidden_layers}, "
                      f"{max(rows.values())} input rows per weight, {time.perf_counter() - t0:.1f} s"
