@@ -6,7 +6,7 @@
 Why a step of its own: round-to-nearest (what the engines do when handed a bf16 checkpoint with weight_dtype int4)
 needs no data, but it chooses each weight's code for that weight alone. GPTQ (engine/quant_gptq.py) chooses them
 for the layer's output on the inputs the policy really gets, which on the shipped policy lifts fp8's worst cosine
-against bf16 from 0.9957 to ~0.999 and int4's from 0.9655 to ~0.98 (docs/QUANTIZATION.md). Those inputs are
+against bf16 from 0.9957 to 0.9991 and int4's from 0.9655 to 0.9912 (docs/QUANTIZATION.md). Those inputs are
 frames of the robot's own task: the demonstration bags the policy was trained from (vla_sim_demos' or the robot's
 own recordings, read by data/bag_reader.py) are the natural source. Without ``--calibrate`` the codes are
 round-to-nearest, exactly what the engines compute at load (engine/quant_checkpoint.py's command).
