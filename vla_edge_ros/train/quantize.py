@@ -114,7 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             seqs, used = calibration_sequences(args.calibrate, args.episodes, args.every)
             streams = G.CalibrationStreams(cfg, seqs, window, args.decode_tokens)
             print(f"vla_quantize: GPTQ {args.weight_dtype} on {streams.frames} frames of {len(seqs)} episodes, KV "
-                  f"window {window} frames ({window_from}); one pass per decoder layer", flush=True)
+                  f"window {window} frames ({window_from}); four passes per decoder layer", flush=True)
             model = G.calibrate(cfg, tensors, args.weight_dtype, streams, damp=args.damp,
                                 progress=lambda line: print(line, flush=True))
             record.update(method="gptq", calibration={
