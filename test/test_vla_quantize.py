@@ -83,7 +83,7 @@ def test_refusals_name_the_cause_and_overwrite_nothing(setup, tmp_path, capsys):
     assert VQ.main([str(src), str(tmp_path / "q"), "--weight-dtype", "fp8"]) == 0
     before = (tmp_path / "q" / QC.QUANT_FILE).stat().st_mtime_ns
     capsys.readouterr()
-    cases = [([str(src), str(tmp_path / "q"), "--weight-dtype", "int8"], "exists and is not an empty directory"),
+    cases = [([str(src), str(tmp_path / "q"), "--weight-dtype", "int8"], "exists and is not empty (or not a directory)"),
              ([str(tmp_path / "q"), str(tmp_path / "a"), "--weight-dtype", "int8"], "already a pre-quantised"),
              ([str(src), str(tmp_path / "b"), "--weight-dtype", "int4", "--calibrate", str(tmp_path / "nobag")],
               "no such file"),

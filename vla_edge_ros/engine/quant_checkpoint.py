@@ -235,6 +235,16 @@ def _check_header(path: Path, header: Mapping[str, tuple], want: Mapping[str, tu
                                        f"{header[name][0]} {list(header[name][1])}")
 
 
+def refuse_requantizing(src: Path, dst: Path) -> None:
+    """What every writer of this layout refuses before reading anything: a source that is already pre-quantised
+    (requantising codes compounds their error) and a ``dst`` that exists and is not an empty directory (nothing is
+    overwritten)."""
+    if is_quantized_checkpoint(src):
+        raise QuantCheckpointError(f"{src} is already a pre-quantised checkpoint; quantise its bf16 source")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise QuantCheckpointError(f"{dst} exists and is not empty (or not a directory); choose a new directory")
+
+
 def quantize_checkpoint(src: str | Path, dst: str | Path, weight_dtype: str) -> QuantizedModel:
     """Read the plain checkpoint ``src`` (config.json + safetensors), quantise it as the engines do at load and
     write it to ``dst`` in the documented layout. Refused: a source that is already pre-quantised (requantising
@@ -242,10 +252,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, weight_dtype: str) -> 
     from vla_edge_ros.engine.checkpoint import load_checkpoint
     from vla_edge_ros.engine.quant import quantize_weights
     src, dst = Path(src), Path(dst)
-    if is_quantized_checkpoint(src):
-        raise QuantCheckpointError(f"{src} is already a pre-quantised checkpoint; quantise its bf16 source")
-    if dst.exists() and any(dst.iterdir()):
-        raise QuantCheckpointError(f"{dst} exists and is not empty; choose a new directory")
+    refuse_requantizing(src, dst)
     cfg_dict = json.loads((src / "config.json").read_text(encoding="utf-8"))
     cfg = ModelConfig.from_json(cfg_dict)
     model = quantize_weights(load_checkpoint(src, cfg), weight_dtype)

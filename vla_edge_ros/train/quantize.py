@@ -90,8 +90,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from vla_edge_ros.engine.factory import resolve_checkpoint
     from vla_edge_ros.engine.interface import EngineError
     from vla_edge_ros.engine.quant import quantize_weights
-    from vla_edge_ros.engine.quant_checkpoint import (QUANT_FILE, QuantCheckpointError, is_quantized_checkpoint,
-                                                      write_quantized_checkpoint)
+    from vla_edge_ros.engine.quant_checkpoint import QUANT_FILE, refuse_requantizing, write_quantized_checkpoint
 
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
@@ -100,10 +99,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ValueError(f"--episodes and --every must be >= 1 and --damp > 0, got {args.episodes}, "
                              f"{args.every}, {args.damp}")
         src, dst = resolve_checkpoint(args.src), Path(args.dst)
-        if is_quantized_checkpoint(src):
-            raise QuantCheckpointError(f"{src} is already a pre-quantised checkpoint; quantise its bf16 source")
-        if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-            raise QuantCheckpointError(f"{dst} exists and is not an empty directory; choose a new one")
+        refuse_requantizing(src, dst)
         cfg_dict = json.loads((src / "config.json").read_text(encoding="utf-8"))
         cfg = ModelConfig.from_json(cfg_dict)
         tensors = load_checkpoint(src, cfg)
