@@ -275,16 +275,15 @@ def main(argv: list[str] | None = None) -> None:
     cfg = ModelConfig.from_json(ckpt)
     window, window_from = ((args.window_frames, "--window-frames") if args.window_frames is not None
                            else default_window_frames(ckpt))
+    image_hw = (cfg.patch_grid[0] * cfg.patch_size, cfg.patch_grid[1] * cfg.patch_size)  # sim renders at it
     if args.frames_from == "random":
         sequences = random_sequences(3 if args.frames is None else args.frames, args.seed)
     elif args.frames_from == "bridge":
         sequences = bridge_sequences(args.bridge_dir, args.episodes, args.frames)
     else:
-        image_hw = (cfg.patch_grid[0] * cfg.patch_size, cfg.patch_grid[1] * cfg.patch_size)
         sequences = sim_sequences(args.task, args.seeds, args.seed, args.every, args.frames, image_hw, args.camera)
     calibration = None
     if cal_tasks:
-        image_hw = (cfg.patch_grid[0] * cfg.patch_size, cfg.patch_grid[1] * cfg.patch_size)
         cal = [s for t in cal_tasks for s in sim_sequences(t, args.calibrate_seeds, args.calibrate_seed_start,
                                                            args.calibrate_every, None, image_hw, args.camera)]
         calibration = CalibrationStreams(cfg, [(s.instruction, s.frames) for s in cal], window, args.decode_tokens)

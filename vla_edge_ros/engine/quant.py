@@ -293,6 +293,29 @@ def _safe(scale: np.ndarray) -> np.ndarray:
     return np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)  # an all-zero row codes to 0
 
 
+def row_scales(w: np.ndarray, weight_dtype: str) -> np.ndarray:
+    """int8 / fp8: one float32 scale per output row, the row's largest |w| over the code's largest magnitude."""
+    top = {"int8": np.float32(INT8_MAX), "fp8": np.float32(E4M3_MAX)}[weight_dtype]
+    return (np.abs(w).max(axis=1) / top).astype(np.float32)
+
+
+def int8_codes(x: np.ndarray, safe_scale: np.ndarray) -> np.ndarray:
+    """q = clip(rint(x / s), -127, 127) in float32 (``safe_scale``: zero scales replaced by 1, see _safe)."""
+    return np.clip(np.rint(x / safe_scale), -INT8_MAX, INT8_MAX)
+
+
+def int4_scale_zero(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A group's range [lo, hi] (lo <= 0 <= hi, float32) -> (s, z): s = (hi - lo) / 15, z = rint(-lo / s) in
+    [0, 15], both float32 (z integral)."""
+    s = ((hi - lo) / np.float32(INT4_LEVELS)).astype(np.float32)
+    return s, np.clip(np.rint(-lo / _safe(s)), 0, INT4_LEVELS).astype(np.float32)
+
+
+def int4_codes(x: np.ndarray, s: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """q = clip(rint(x / s) + z, 0, 15) in float32, s and z broadcast against x."""
+    return np.clip(np.rint(x / _safe(s)) + z, 0, INT4_LEVELS)
+
+
 def quantize_bf16(w) -> QuantizedLinear:
     w = _finite_matrix(w, "bf16")
     return QuantizedLinear("bf16", f32_to_bf16_bits(w), None, w.shape)
@@ -301,15 +324,15 @@ def quantize_bf16(w) -> QuantizedLinear:
 def quantize_int8(w) -> QuantizedLinear:
     """Symmetric per output row: s = max|w_row| / 127, q = rint(w / s) (float32), in [-127, 127]."""
     w = _finite_matrix(w, "int8")
-    s = (np.abs(w).max(axis=1) / np.float32(INT8_MAX)).astype(np.float32)
-    q = np.clip(np.rint(w / _safe(s)[:, None]), -INT8_MAX, INT8_MAX).astype(np.int8)
+    s = row_scales(w, "int8")
+    q = int8_codes(w, _safe(s)[:, None]).astype(np.int8)
     return QuantizedLinear("int8", q, s, w.shape)
 
 
 def quantize_fp8(w) -> QuantizedLinear:
     """e4m3fn per output row: s = max|w_row| / 448, q = e4m3_encode(w / s) (float32 division, RNE, saturating)."""
     w = _finite_matrix(w, "fp8")
-    s = (np.abs(w).max(axis=1) / np.float32(E4M3_MAX)).astype(np.float32)
+    s = row_scales(w, "fp8")
     return QuantizedLinear("fp8", e4m3_encode(w / _safe(s)[:, None]), s, w.shape)
 
 
@@ -325,10 +348,8 @@ def quantize_int4(w, group_size: int = GROUP_SIZE) -> QuantizedLinear:
     padded[:, :k] = w
     g = padded.reshape(out, groups, group_size)
     lo, hi = np.minimum(g.min(axis=2), 0).astype(np.float32), np.maximum(g.max(axis=2), 0).astype(np.float32)
-    s = ((hi - lo) / np.float32(INT4_LEVELS)).astype(np.float32)
-    safe = _safe(s)
-    z = np.clip(np.rint(-lo / safe), 0, INT4_LEVELS).astype(np.float32)
-    q = np.clip(np.rint(g / safe[:, :, None]) + z[:, :, None], 0, INT4_LEVELS).astype(np.uint8)
+    s, z = int4_scale_zero(lo, hi)
+    q = int4_codes(g, s[:, :, None], z[:, :, None]).astype(np.uint8)
     return QuantizedLinear("int4", pack_int4(q.reshape(out, -1)[:, :k]), s, (out, k), z.astype(np.uint8),
                            group_size)
 

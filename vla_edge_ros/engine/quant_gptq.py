@@ -56,9 +56,9 @@ import numpy as np
 from vla_edge_ros.core.kv.manager import KVManager
 from vla_edge_ros.engine import reference as R
 from vla_edge_ros.engine.config import ModelConfig
-from vla_edge_ros.engine.quant import (E4M3_MAX, GROUP_SIZE, INT4_LEVELS, INT8_MAX, WEIGHT_DTYPES, QuantizedLinear,
-                                       QuantizedModel, _finite_matrix, _safe, e4m3_decode, e4m3_encode,
-                                       is_quantized_name, pack_int4, quant_stats, quantize_bf16)
+from vla_edge_ros.engine.quant import (GROUP_SIZE, WEIGHT_DTYPES, QuantizedLinear, QuantizedModel, _finite_matrix,
+                                       _safe, e4m3_decode, e4m3_encode, int4_codes, int4_scale_zero, int8_codes,
+                                       is_quantized_name, pack_int4, quant_stats, quantize_bf16, row_scales)
 
 DAMP = 0.01  # the paper's default: 1 % of the mean diagonal
 BLOCK = 128  # columns updated at once before the GEMM that carries their errors to the rest; a multiple of 128
@@ -95,11 +95,8 @@ def _int4_group_params(g: np.ndarray, weight: np.ndarray, clip_grid: Sequence[fl
     hi0 = np.maximum(g.max(axis=1), 0).astype(np.float32)
     best_err = best_s = best_z = None
     for a in clip_grid:
-        lo, hi = (lo0 * np.float32(a)).astype(np.float32), (hi0 * np.float32(a)).astype(np.float32)
-        s = ((hi - lo) / np.float32(INT4_LEVELS)).astype(np.float32)
-        safe = _safe(s)
-        z = np.clip(np.rint(-lo / safe), 0, INT4_LEVELS).astype(np.float32)
-        q = np.clip(np.rint(g / safe[:, None]) + z[:, None], 0, INT4_LEVELS)
+        s, z = int4_scale_zero((lo0 * np.float32(a)).astype(np.float32), (hi0 * np.float32(a)).astype(np.float32))
+        q = int4_codes(g, s[:, None], z[:, None])
         err = (((q - z[:, None]) * s[:, None] - g).astype(np.float64) ** 2 * weight).sum(axis=1)
         if best_err is None:
             best_err, best_s, best_z = err, s, z
@@ -139,8 +136,7 @@ def gptq_linear(w, hessian, weight_dtype: str, group_size: int = GROUP_SIZE, dam
     codes = np.zeros((out, k), np.int16)
     scales = zeros = None
     if weight_dtype in ("int8", "fp8"):  # per row, from the ORIGINAL row, as engine/quant.py
-        scales = (np.abs(w32).max(axis=1) / np.float32(INT8_MAX if weight_dtype == "int8" else E4M3_MAX)
-                  ).astype(np.float32)
+        scales = row_scales(w32, weight_dtype)
         safe_row = _safe(scales)
     else:
         groups = math.ceil(k / group_size)
@@ -150,7 +146,7 @@ def gptq_linear(w, hessian, weight_dtype: str, group_size: int = GROUP_SIZE, dam
         """Column i (out,) float64 -> its dequantised values; records its codes."""
         x = col.astype(np.float32)
         if weight_dtype == "int8":
-            q = np.clip(np.rint(x / safe_row), -INT8_MAX, INT8_MAX)
+            q = int8_codes(x, safe_row)
             codes[:, i] = q
             return (q.astype(np.float32) * scales).astype(np.float64)
         if weight_dtype == "fp8":
@@ -159,7 +155,7 @@ def gptq_linear(w, hessian, weight_dtype: str, group_size: int = GROUP_SIZE, dam
             return (e4m3_decode(q) * scales).astype(np.float64)
         gi = i // group_size
         s, z = scales[:, gi], zeros[:, gi]
-        q = np.clip(np.rint(x / _safe(s)) + z, 0, INT4_LEVELS)
+        q = int4_codes(x, s, z)
         codes[:, i] = q
         return ((q - z).astype(np.float32) * s).astype(np.float64)
 
