@@ -24,11 +24,13 @@ def test_defaults_and_bad_options():
     a = fr.parse_args([])
     assert (a.robots, a.duration, a.camera_hz, a.backend, a.bag) == (8, 120.0, 60.0, "auto", None)
     assert (a.stats_every_s, a.edge_stats_every_s) == (0.5, 2.0)  # the edge's stats cost its passes the GIL
+    assert a.settle_s == 0.0  # the window opens as soon as every robot's frames reach the edge
     assert fr.namespaces(3) == ["r1", "r2", "r3"]
     for bad in (["--robots", "0"], ["--duration", "0"], ["--camera-hz", "-1"], ["--param", "fleet_max_batch"],
                 ["--backend", "tpu"], ["--domain-id", "300"], ["--param", "cost_quantil:=0.95"],
                 ["--synthetic-size", "640"], ["--synthetic-size", "4x4"], ["--synthetic-size", "480x640", "--bag", "b"],
-                ["--image-transport", "theora"], ["--edge-stats-every-s", "0"], ["--stats-every-s", "-1"]):
+                ["--image-transport", "theora"], ["--edge-stats-every-s", "0"], ["--stats-every-s", "-1"],
+                ["--settle-s", "-1"], ["--settle-s", "nan"]):
         with pytest.raises(SystemExit) as e:
             fr.parse_args(bad)
         assert e.value.code == 2, bad
@@ -139,6 +141,24 @@ def test_window_figures_table_and_a_met_verdict():
     json.dumps(r)  # written as fleet_replay.json
 
 
+def test_the_settle_periods_late_chunks_get_their_own_line_and_stay_out_of_the_verdict():
+    ns = ["r1", "r2"]
+    before = edge_stats({"r1": (2, 0, 0, 10), "r2": (2, 0, 0, 10)})
+    at_window = edge_stats({"r1": (40, 3, 0, 300), "r2": (41, 0, 0, 300)})  # r1 missed 3 while settling
+    end = edge_stats({"r1": (1040, 3, 0, 2300), "r2": (1041, 1, 0, 2300)})
+    st = fr.settle_figures(ns, before, at_window, 10.0)
+    assert st == {"s": 10.0, "robots": {"r1": {"admitted": 38, "deadline_misses": 3},
+                                        "r2": {"admitted": 39, "deadline_misses": 0}},
+                  "admitted": 77, "deadline_misses": 3}
+    r = fr.summarise(ns, at_window, end, {n: robot_stats(0) for n in ns}, {n: robot_stats(900) for n in ns})
+    assert (r["robots"]["r1"]["deadline_misses"], r["robots"]["r2"]["deadline_misses"]) == (0, 1)
+    assert r["verdict"]["met"]
+    text = fr.table({**r, "settle": st})
+    assert ("- before the window, 10 s of settling (frames flowing, the replays' processes starting up; not in "
+            "the table or the verdict): 3 of 77 chunks late; per robot r1 3 / 38, r2 0 / 39") in text
+    assert "settling" not in fr.table({**r, "settle": None}) and "settling" not in fr.table(r)
+
+
 def test_latency_pass_time_and_counters_cover_the_window_only():
     """The edge's chunks before the window (a slow start) must not reach the window's percentiles; counters
     come from the edge's stats as the window closed, not from its final stats after the stop; the edge's CPU
@@ -239,7 +259,7 @@ def test_real_fleet_replay_two_robots(tmp_path, ros_processes):
     out = tmp_path / "out"
     p = ros_processes.run("vla_edge_ros.bench.fleet_replay", "--robots", 2, "--duration", 8, "--backend", "numpy",
                           "--kv-budget-tokens", 128, "--deadline-ms", 100, "--domain-id", ros_processes.domain_id,
-                          "--startup-timeout", 120, "--out", out, timeout_s=300)
+                          "--startup-timeout", 120, "--settle-s", 1, "--out", out, timeout_s=300)
     print(p.stdout[-4000:])
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     r = json.loads((out / "fleet_replay.json").read_text())
@@ -251,6 +271,8 @@ def test_real_fleet_replay_two_robots(tmp_path, ros_processes):
         assert s["miss_rate"] is not None and s["kv_bytes"] > 0, (ns, s)
     assert r["edge"]["backend"] == "numpy" and r["edge"]["weight_bytes"] > 0 and r["edge"]["batch_sizes"]
     assert "VERDICT:" in (out / "fleet_replay.md").read_text() and "| r2 |" in p.stdout
+    assert r["settle"]["s"] == 1.0 and set(r["settle"]["robots"]) == {"r1", "r2"}, r["settle"]
+    assert "s of settling" in p.stdout
 
 
 def test_synthetic_clip_has_frames_of_the_size_asked(tmp_path):

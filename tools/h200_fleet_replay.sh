@@ -19,7 +19,8 @@
 # parameters, space-separated NAME:=VALUE, each passed as -p; e.g. EDGE_PARAMS="cost_quantile:=0.95"),
 # SYNTHETIC_SIZE (HxW: a synthetic clip of that frame size instead of BAG, e.g. 480x640), IMAGE_TRANSPORT
 # (raw: the replays publish decoded rgb8 Images, the default; compressed: the JPEGs, decoded by the edge),
-# EDGE_STATS_EVERY_S (the edge's stats file period; fleet_replay's default 2 s),
+# EDGE_STATS_EVERY_S (the edge's stats file period; fleet_replay's default 2 s), SETTLE_S (s of frames flowing
+# before the window opens, --settle-s: the replays' start-up; its late chunks are reported on their own line),
 # PYSPY_S (s: sample every thread of the edge with py-spy for that long, PYSPY_AFTER_S (default 60) s after the edge
 # process appears; PYSPY_FLAGS: default --idle, "--gil" samples only the GIL's holder; raw stacks in
 # $OUT/edge_pyspy.txt, per-thread leaves in $OUT/edge_pyspy_summary.txt by vla_edge_ros.bench.stack_summary; py-spy
@@ -67,6 +68,7 @@ for p in ${EDGE_PARAMS:-}; do ARGS+=(--param "$p"); done
 [ -n "$KV_BUDGET" ] && ARGS+=(--kv-budget-tokens "$KV_BUDGET")
 [ -n "${WEIGHT_DTYPE:-}" ] && ARGS+=(--weight-dtype "$WEIGHT_DTYPE")
 [ -n "${EDGE_STATS_EVERY_S:-}" ] && ARGS+=(--edge-stats-every-s "$EDGE_STATS_EVERY_S")
+[ -n "${SETTLE_S:-}" ] && ARGS+=(--settle-s "$SETTLE_S")
 
 # ---- the replay ---------------------------------------------------------------------------------------------
 SMI_PID=""

@@ -136,6 +136,19 @@ def summarise(ns: list[str], edge_start: dict, edge_end: dict, robots_start: dic
     return {"robots": robots, "edge": edge, "verdict": verdict(robots)}
 
 
+def settle_figures(ns: list[str], before: dict, after: dict, seconds: float) -> dict[str, Any]:
+    """What the edge counted in the settle period before the window (``--settle-s``: frames already flowing while
+    the replays' own processes start up), per robot and in all: admitted chunks and deadline misses. Reported
+    beside the window's table, never dropped."""
+    robots = {}
+    for name in ns:
+        c = counter_delta(edge_robot(after, name), edge_robot(before, name))
+        robots[name] = {"admitted": c["admitted"], "deadline_misses": c["deadline_misses"]}
+    return {"s": float(seconds), "robots": robots,
+            "admitted": sum(r["admitted"] for r in robots.values()),
+            "deadline_misses": sum(r["deadline_misses"] for r in robots.values())}
+
+
 def _pass_profile(loop: dict, loop0: dict) -> Optional[dict]:
     """The edge's per-pass stages (core/pass_profile.py) over the window: the difference of its snapshots at the
     window's start and end, the slowest passes those that began inside."""
@@ -223,6 +236,12 @@ def table(result: dict[str, Any]) -> str:
         lines += describe_passes(e["pass_profile"])
     if e["missing"]:
         lines.append(f"- not in the edge's engine memory figures: {', '.join(e['missing'])}")
+    st = result.get("settle")
+    if st and st.get("s"):
+        lines.append(f"- before the window, {st['s']:g} s of settling (frames flowing, the replays' processes "
+                     f"starting up; not in the table or the verdict): {st['deadline_misses']} of {st['admitted']} "
+                     f"chunks late; per robot " + ", ".join(f"{ns} {r['deadline_misses']} / {r['admitted']}"
+                                                            for ns, r in st["robots"].items()))
     v = result["verdict"]
     lines += ["", f"VERDICT: {'MET' if v['met'] else 'NOT MET'} (every robot's miss rate <= {100 * MISS_LIMIT:g} % "
               f"and fresh actions for every robot)" + ("" if v["met"] else ": " + "; ".join(v["reasons"]))]
