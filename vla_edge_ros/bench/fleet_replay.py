@@ -359,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
         if args.settle_s > 0:
             settle = settle_figures(ns, settle_from, edge_start, args.settle_s)
         robots_start = {n: _read_json(robot_stats[n]) or {} for n in ns}
-        _say(f"frames flowing; measuring {args.duration:g} s")
+        _say(f"{'settled' if args.settle_s > 0 else 'frames flowing'}; measuring {args.duration:g} s")
         t_start = time.monotonic()
         load_start = host_load.sample(edge.p.pid)  # the machine's CPU, and the edge's own and its children's
         t_end, next_note, last_mtime = t_start + args.duration, t_start + min(10.0, args.duration / 4), 0.0
