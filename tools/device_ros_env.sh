@@ -28,8 +28,10 @@ fi
 if [ ! -f "$PREFIX/.installed" ]; then
     ls .whl/ros/*.whl >/dev/null 2>&1 || { log "no .whl/ros/*.whl and nothing installed under $PREFIX"; return 1; }
     log "pip install --prefix $PREFIX (ROS 2 + PyCUDA wheels)"
+    # --ignore-installed: a PyCUDA already importable (a --target site on PYTHONPATH, as the GPU tests install it)
+    # would otherwise be skipped here, and the replays' fresh environment would not find it
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-warn-script-location \
-        --prefix "$PREFIX" .whl/*.whl .whl/ros/*.whl || { log "pip install failed"; return 1; }
+        --ignore-installed --prefix "$PREFIX" .whl/*.whl .whl/ros/*.whl || { log "pip install failed"; return 1; }
     if ! $PY -c "import PIL" 2>/dev/null; then
         log "PIL missing: installing .whl/extra/pillow"
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --prefix "$PREFIX" \
