@@ -188,10 +188,41 @@ __device__ __forceinline__ void gemv_gateup_body(const float* __restrict__ x, co
         if (lane == j && o0 + j < I) act[o0 + j] = silu(acc[j]) * acc[M + j];
 }
 
+// Resident blocks per SM each weight type's GEMVs are compiled for (__launch_bounds__'s second argument: ptxas caps
+// the registers at 65536 / (256 x MINB), spilling what does not fit). 0, the default, gives only the block size, and
+// ptxas takes what it likes: int4's kernels 173-181 registers, one block of 8 warps per SM, where bf16's take 80
+// (three blocks) and int8 / fp8 103-124 (two). An explicit 1 is not the same: 240 / 153 registers for int4 / int8.
+// -D overrides for measuring the alternatives (2 for int4: 128 registers, 48-60 bytes spilled; 3 for int8 / fp8:
+// 80 registers, 60-92 bytes spilled; sm_90 ptxas of CUDA 13.0).
+#ifndef GEMV_MINB_I8
+#define GEMV_MINB_I8 0
+#endif
+#ifndef GEMV_MINB_F8
+#define GEMV_MINB_F8 0
+#endif
+#ifndef GEMV_MINB_I4
+#define GEMV_MINB_I4 0
+#endif
+#if GEMV_MINB_I8 > 0
+#define GEMV_LB_I8 __launch_bounds__(256, GEMV_MINB_I8)
+#else
+#define GEMV_LB_I8 __launch_bounds__(256)
+#endif
+#if GEMV_MINB_F8 > 0
+#define GEMV_LB_F8 __launch_bounds__(256, GEMV_MINB_F8)
+#else
+#define GEMV_LB_F8 __launch_bounds__(256)
+#endif
+#if GEMV_MINB_I4 > 0
+#define GEMV_LB_I4 __launch_bounds__(256, GEMV_MINB_I4)
+#else
+#define GEMV_LB_I4 __launch_bounds__(256)
+#endif
+
 // The quantised twins (engine/cuda/plan.py KERNEL_SUFFIX): the same arguments with the weights as codes, then the
 // scales (float32: per row for int8 / fp8, per row and group for int4) and the int4 zero points (uint8; null else).
-#define GEMV_QUANTISED(SUF, WT)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) gemv_qkv##SUF(const float* __restrict__ x,                   \
+#define GEMV_QUANTISED(SUF, WT, LB)                                                                                    \
+    extern "C" __global__ void LB gemv_qkv##SUF(const float* __restrict__ x,                   \
             const bf16_t* __restrict__ normw, float eps, const void* __restrict__ W,                                \
             const float* __restrict__ bias, int K, int nq, int nkv, float* __restrict__ q_out,                       \
             bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, const int* __restrict__ key_slots,                     \
@@ -199,19 +230,19 @@ __device__ __forceinline__ void gemv_gateup_body(const float* __restrict__ x, co
             const uint8_t* __restrict__ zeros) {                                                                     \
         gemv_qkv_body<WT>(x, normw, eps, W, bias, K, nq, nkv, q_out, kc, vc, key_slots, meta, step, scales, zeros); \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256) gemv_resid##SUF(const float* __restrict__ v,                 \
+    extern "C" __global__ void LB gemv_resid##SUF(const float* __restrict__ v,                 \
             const void* __restrict__ W, int N, int K, int ks_len, float* __restrict__ x,                             \
             const float* __restrict__ scales, const uint8_t* __restrict__ zeros) {                                   \
         gemv_resid_body<WT>(v, W, N, K, ks_len, x, scales, zeros);                                                  \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256) gemv_gateup##SUF(const float* __restrict__ x,                \
+    extern "C" __global__ void LB gemv_gateup##SUF(const float* __restrict__ x,                \
             const bf16_t* __restrict__ normw, float eps, const void* __restrict__ W, int I, int K,                   \
             float* __restrict__ act, const float* __restrict__ scales, const uint8_t* __restrict__ zeros) {          \
         gemv_gateup_body<WT>(x, normw, eps, W, I, K, act, scales, zeros);                                           \
     }
-GEMV_QUANTISED(_i8, WInt8)
-GEMV_QUANTISED(_f8, WFp8)
-GEMV_QUANTISED(_i4, WInt4)
+GEMV_QUANTISED(_i8, WInt8, GEMV_LB_I8)
+GEMV_QUANTISED(_f8, WFp8, GEMV_LB_F8)
+GEMV_QUANTISED(_i4, WInt4, GEMV_LB_I4)
 
 
 // What the host reads from the compiled module (engine/cuda/kernels.py LAUNCH_CONSTANTS), in this order.
