@@ -176,6 +176,26 @@ def test_the_quantised_engine_at_the_1_5b_widths(torch_cuda, tmp_path, weight_dt
 
 
 @gpu
+@pytest.mark.parametrize("weight_dtype, defines", [
+    ("int4", "GEMV_U_I4=2"), ("int4", "GEMV_MINB_I4=2"), ("int8", "GEMV_MINB_I8=3"), ("fp8", "GEMV_MINB_F8=3")])
+def test_the_gemv_occupancy_builds_match_the_oracle_at_the_1_5b_widths(torch_cuda, tmp_path, monkeypatch,
+                                                                      weight_dtype, defines):
+    """The measuring knobs of cuda/gemv_quant.cu (docs/KERNEL_NOTES.md, session 29: fewer registers, more resident
+    blocks) compute what the default build computes: the engine built with them against the numpy oracle."""
+    from vla_edge_ros.engine.config import qwen2_5_1_5b_dict
+    monkeypatch.setenv("VLA_CUDA_DEFINES", defines)  # read by CudaEngine at construction
+    d = qwen2_5_1_5b_dict()
+    d["num_hidden_layers"] = 2
+    cfg, eng, ref = _engines(torch_cuda, tmp_path, d, weight_dtype, 21 + 11 + 32 * 3, seed=5)
+    try:
+        assert defines in eng.defines
+        worst = _compare(cfg, eng, ref, 4, scale=0.02)
+        print(f"\n[1.5b widths, 2 layers, {weight_dtype}, {defines}] worst logits cosine vs the oracle {worst:.6f}")
+    finally:
+        eng.close()
+
+
+@gpu
 @pytest.mark.parametrize("weight_dtype", QUANTISED)
 def test_a_prequantised_checkpoint_runs_as_the_one_quantised_at_load(torch_cuda, tmp_path, weight_dtype):
     from test_cuda_model import make_engine, random_checkpoint
