@@ -35,7 +35,7 @@
 #endif
 #define GEMV_U_FOR(RPW) ((12 + (RPW) - 1) / (RPW))  // loads per row in flight: 12 per lane over its RPW rows
 #ifndef GEMV_U_I4
-#define GEMV_U_I4 GEMV_U_FOR(GEMV_RPW_I4)  // int4: a 1536-column row is 1.5 loads per lane, so U = 2 holds it whole
+#define GEMV_U_I4 0  // 0: GEMV_U_FOR(GEMV_RPW_I4). A 1536-column int4 row is 1.5 loads a lane: U = 2 holds it
 #endif
 
 // byte i of a word as the float 2^23 + byte (biased: the caller subtracts 2^23, or 2^23 + 128 for int8)
@@ -182,7 +182,8 @@ struct RowGroups {
 };
 
 struct WInt4 {
-    static constexpr int BITS = 4, EPL = 32, GEMV_RPW = GEMV_RPW_I4, GEMV_U = GEMV_U_I4;
+    static constexpr int BITS = 4, EPL = 32, GEMV_RPW = GEMV_RPW_I4,
+                         GEMV_U = GEMV_U_I4 > 0 ? GEMV_U_I4 : GEMV_U_FOR(GEMV_RPW_I4);
     typedef RowGroups RowQ;
     struct Q { float s, zf; };  // zf = 2^23 + z: (2^23 + q) - zf = q - z exactly
     __device__ static __forceinline__ Q at(const RowQ& rq, int k) {
