@@ -190,10 +190,9 @@ __device__ __forceinline__ void gemv_gateup_body(const float* __restrict__ x, co
 
 // Resident blocks per SM each weight type's GEMVs are compiled for (__launch_bounds__'s second argument: ptxas caps
 // the registers at 65536 / (256 x MINB), spilling what does not fit). 0, the default, gives only the block size, and
-// ptxas takes what it likes: int4's kernels 173-181 registers, one block of 8 warps per SM, where bf16's take 80
-// (three blocks) and int8 / fp8 103-124 (two). An explicit 1 is not the same: 240 / 153 registers for int4 / int8.
-// -D overrides for measuring the alternatives (2 for int4: 128 registers, 48-60 bytes spilled; 3 for int8 / fp8:
-// 80 registers, 60-92 bytes spilled; sm_90 ptxas of CUDA 13.0).
+// ptxas takes what it needs: 80 registers for bf16 (three blocks per SM), 103-124 for int8 / fp8 (two), 127-128 for
+// int4 (two, with wtype.cuh's GEMV_U_I4 = 2). An explicit 1 is not the same: ptxas then takes up to 240. -D overrides
+// for measuring the alternatives (3 for int8 / fp8: 80 registers, 60-92 bytes spilled; sm_90 ptxas of CUDA 13.0).
 #ifndef GEMV_MINB_I8
 #define GEMV_MINB_I8 0
 #endif

@@ -34,8 +34,11 @@
 #define GEMV_RPW_I4 4
 #endif
 #define GEMV_U_FOR(RPW) ((12 + (RPW) - 1) / (RPW))  // loads per row in flight: 12 per lane over its RPW rows
+// int4 takes 2 loads per row, not GEMV_U_FOR's 3: a 1536-column row is 1.5 loads of a warp, and the third slot's
+// registers (16 bytes, a group's scale and zero point, per row) took the kernels to 173-181 registers, one block per
+// SM; with 2 they fit 128, two blocks (H100, session 29: 7-pass int4 chunk 11.92 -> 10.57 ms; docs/KERNEL_NOTES.md)
 #ifndef GEMV_U_I4
-#define GEMV_U_I4 0  // 0: GEMV_U_FOR(GEMV_RPW_I4). A 1536-column int4 row is 1.5 loads a lane: U = 2 holds it
+#define GEMV_U_I4 2
 #endif
 
 // byte i of a word as the float 2^23 + byte (biased: the caller subtracts 2^23, or 2^23 + 128 for int8)
@@ -182,8 +185,7 @@ struct RowGroups {
 };
 
 struct WInt4 {
-    static constexpr int BITS = 4, EPL = 32, GEMV_RPW = GEMV_RPW_I4,
-                         GEMV_U = GEMV_U_I4 > 0 ? GEMV_U_I4 : GEMV_U_FOR(GEMV_RPW_I4);
+    static constexpr int BITS = 4, EPL = 32, GEMV_RPW = GEMV_RPW_I4, GEMV_U = GEMV_U_I4;
     typedef RowGroups RowQ;
     struct Q { float s, zf; };  // zf = 2^23 + z: (2^23 + q) - zf = q - z exactly
     __device__ static __forceinline__ Q at(const RowQ& rq, int k) {

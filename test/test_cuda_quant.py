@@ -177,11 +177,12 @@ def test_the_quantised_engine_at_the_1_5b_widths(torch_cuda, tmp_path, weight_dt
 
 @gpu
 @pytest.mark.parametrize("weight_dtype, defines", [
-    ("int4", "GEMV_U_I4=2"), ("int4", "GEMV_MINB_I4=2"), ("int8", "GEMV_MINB_I8=3"), ("fp8", "GEMV_MINB_F8=3")])
+    ("int4", "GEMV_U_I4=3"), ("int4", "GEMV_MINB_I4=2"), ("int8", "GEMV_MINB_I8=3"), ("fp8", "GEMV_MINB_F8=3")])
 def test_the_gemv_occupancy_builds_match_the_oracle_at_the_1_5b_widths(torch_cuda, tmp_path, monkeypatch,
                                                                       weight_dtype, defines):
-    """The measuring knobs of cuda/gemv_quant.cu (docs/KERNEL_NOTES.md, session 29: fewer registers, more resident
-    blocks) compute what the default build computes: the engine built with them against the numpy oracle."""
+    """The measuring knobs of cuda/gemv_quant.cu and wtype.cuh (docs/KERNEL_NOTES.md, session 29: registers and
+    resident blocks; GEMV_U_I4=3 is the int4 form before that session) compute what the default build computes: the
+    engine built with them against the numpy oracle."""
     from vla_edge_ros.engine.config import qwen2_5_1_5b_dict
     monkeypatch.setenv("VLA_CUDA_DEFINES", defines)  # read by CudaEngine at construction
     d = qwen2_5_1_5b_dict()
