@@ -220,8 +220,8 @@ __device__ __forceinline__ void gemv_gateup_body(const float* __restrict__ x, co
 
 // The quantised twins (engine/cuda/plan.py KERNEL_SUFFIX): the same arguments with the weights as codes, then the
 // scales (float32: per row for int8 / fp8, per row and group for int4) and the int4 zero points (uint8; null else).
-#define GEMV_QUANTISED(SUF, WT, LB)                                                                                    \
-    extern "C" __global__ void LB gemv_qkv##SUF(const float* __restrict__ x,                   \
+#define GEMV_QUANTISED(SUF, WT, LB)                                                                                  \
+    extern "C" __global__ void LB gemv_qkv##SUF(const float* __restrict__ x,                                         \
             const bf16_t* __restrict__ normw, float eps, const void* __restrict__ W,                                \
             const float* __restrict__ bias, int K, int nq, int nkv, float* __restrict__ q_out,                       \
             bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, const int* __restrict__ key_slots,                     \
@@ -229,12 +229,12 @@ __device__ __forceinline__ void gemv_gateup_body(const float* __restrict__ x, co
             const uint8_t* __restrict__ zeros) {                                                                     \
         gemv_qkv_body<WT>(x, normw, eps, W, bias, K, nq, nkv, q_out, kc, vc, key_slots, meta, step, scales, zeros); \
     }                                                                                                                \
-    extern "C" __global__ void LB gemv_resid##SUF(const float* __restrict__ v,                 \
+    extern "C" __global__ void LB gemv_resid##SUF(const float* __restrict__ v,                                       \
             const void* __restrict__ W, int N, int K, int ks_len, float* __restrict__ x,                             \
             const float* __restrict__ scales, const uint8_t* __restrict__ zeros) {                                   \
         gemv_resid_body<WT>(v, W, N, K, ks_len, x, scales, zeros);                                                  \
     }                                                                                                                \
-    extern "C" __global__ void LB gemv_gateup##SUF(const float* __restrict__ x,                \
+    extern "C" __global__ void LB gemv_gateup##SUF(const float* __restrict__ x,                                      \
             const bf16_t* __restrict__ normw, float eps, const void* __restrict__ W, int I, int K,                   \
             float* __restrict__ act, const float* __restrict__ scales, const uint8_t* __restrict__ zeros) {          \
         gemv_gateup_body<WT>(x, normw, eps, W, I, K, act, scales, zeros);                                           \
