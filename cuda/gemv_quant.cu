@@ -188,7 +188,7 @@ __device__ __forceinline__ void gemv_gateup_body(const float* __restrict__ x, co
         if (lane == j && o0 + j < I) act[o0 + j] = silu(acc[j]) * acc[M + j];
 }
 
-// Resident blocks per SM each weight type's GEMVs are compiled for (__launch_bounds__'s second argument: ptxas caps
+// Resident blocks per SM the int8 / fp8 GEMVs are compiled for (__launch_bounds__'s second argument: ptxas caps
 // the registers at 65536 / (256 x MINB), spilling what does not fit). 0, the default, gives only the block size, and
 // ptxas takes what it needs: 80 registers for bf16 (three blocks per SM), 103-124 for int8 / fp8 (two), 127-128 for
 // int4 (two, with wtype.cuh's GEMV_U_I4 = 2). An explicit 1 is not the same: ptxas then takes up to 240. -D overrides
@@ -199,9 +199,6 @@ __device__ __forceinline__ void gemv_gateup_body(const float* __restrict__ x, co
 #ifndef GEMV_MINB_F8
 #define GEMV_MINB_F8 0
 #endif
-#ifndef GEMV_MINB_I4
-#define GEMV_MINB_I4 0
-#endif
 #if GEMV_MINB_I8 > 0
 #define GEMV_LB_I8 __launch_bounds__(256, GEMV_MINB_I8)
 #else
@@ -211,11 +208,6 @@ __device__ __forceinline__ void gemv_gateup_body(const float* __restrict__ x, co
 #define GEMV_LB_F8 __launch_bounds__(256, GEMV_MINB_F8)
 #else
 #define GEMV_LB_F8 __launch_bounds__(256)
-#endif
-#if GEMV_MINB_I4 > 0
-#define GEMV_LB_I4 __launch_bounds__(256, GEMV_MINB_I4)
-#else
-#define GEMV_LB_I4 __launch_bounds__(256)
 #endif
 
 // The quantised twins (engine/cuda/plan.py KERNEL_SUFFIX): the same arguments with the weights as codes, then the
@@ -241,7 +233,7 @@ __device__ __forceinline__ void gemv_gateup_body(const float* __restrict__ x, co
     }
 GEMV_QUANTISED(_i8, WInt8, GEMV_LB_I8)
 GEMV_QUANTISED(_f8, WFp8, GEMV_LB_F8)
-GEMV_QUANTISED(_i4, WInt4, GEMV_LB_I4)
+GEMV_QUANTISED(_i4, WInt4, __launch_bounds__(256))  // 127-128 registers already: two blocks
 
 
 // What the host reads from the compiled module (engine/cuda/kernels.py LAUNCH_CONSTANTS), in this order.
