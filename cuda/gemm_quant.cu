@@ -89,17 +89,44 @@ __device__ __forceinline__ void gemm32_body(const bf16_t* __restrict__ A, int ld
     }
 }
 
+// gemm32v4's unit of K for a weight type: its k32 steps (SPU = 1), or for int4 with GEMM_I4_PAIR pairs of them
+// (SPU = 2): a lane then loads 16 consecutive k values (8 bytes) where one step's load is 8 (4 bytes), so a row's
+// 64 columns are one 32-byte sector of one request instead of two half-sector requests from two warps, and a unit
+// needs one group's scale / zero point (they are 64-aligned inside a group of 128) instead of two. The lane's sub-step
+// v of a unit takes k values 16 t + 8 v of it; the staged activation words follow (slot 4 v + t of the unit's 8, so
+// that mma_k32's reads stay conflict-free). A measuring knob (docs/KERNEL_NOTES.md, session 30); K % 64 == 0.
+#ifndef GEMM_I4_PAIR
+#define GEMM_I4_PAIR 0
+#endif
+template <bool PAIR, typename RAW> struct G4Raw { typedef RAW type; };  // (no <type_traits>: nvrtc, cpp)
+template <typename RAW> struct G4Raw<true, RAW> { typedef uint2 type; };
 template <typename WT>
-struct G4Buf {
-    typename WT::raw_t w[G4_U][2];
-    typename WT::RowQ rq[2];   // the two rows' quantisation parameters (none for bf16)
-    typename WT::Q q[G4_U][2];  // ... and those of each step's columns (int4: its group; empty for the others)
+struct G4Unit {
+    static constexpr int SPU = (WT::BITS == 4 && GEMM_I4_PAIR) ? 2 : 1;  // k32 steps per unit
+    typedef typename G4Raw<SPU == 2, typename WT::raw_t>::type raw_t;
+    __device__ static __forceinline__ raw_t load(const char* p) {
+        if constexpr (SPU == 2) return ldg_stream8(p);
+        else return WT::load_raw(p);
+    }
+    // the 8 k values of sub-step v (v < SPU) of a lane's unit load
+    __device__ static __forceinline__ typename WT::raw_t sub(const raw_t& r, int v) {
+        if constexpr (SPU == 2) return v ? r.y : r.x;
+        else return r;
+    }
 };
 
-// item rg: weight rows rg*16 + g and rg*16 + g + 8, this warp's steps (k0 = first column of its first step)
+template <typename WT>
+struct G4Buf {
+    typename G4Unit<WT>::raw_t w[G4_U][2];  // (only the first G4_U / SPU used)
+    typename WT::RowQ rq[2];   // the two rows' quantisation parameters (none for bf16)
+    typename WT::Q q[G4_U][2];  // ... and those of each unit's columns (int4: its group; empty for the others)
+};
+
+// item rg: weight rows rg*16 + g and rg*16 + g + 8, this warp's units (k0 = this lane's first column of its first unit)
 template <typename WT>
 __device__ __forceinline__ void g4_load(G4Buf<WT>& B, const void* __restrict__ W, int K, int rg, int k0, int nsw,
                                         bool ok, const float* __restrict__ scales, const uint8_t* __restrict__ zeros) {
+    constexpr int UW = 32 * G4Unit<WT>::SPU;  // columns per unit
     const int g = (threadIdx.x & 31) >> 2;
     const char* p0 = wrow<WT>(W, rg * 16 + g, K, k0);
     const char* p1 = wrow<WT>(W, rg * 16 + g + 8, K, k0);
@@ -108,17 +135,18 @@ __device__ __forceinline__ void g4_load(G4Buf<WT>& B, const void* __restrict__ W
         B.rq[1].init(scales, zeros, rg * 16 + g + 8, K, 0);
     }
 #pragma unroll
-    for (int u = 0; u < G4_U; ++u)
+    for (int u = 0; u < G4_U / G4Unit<WT>::SPU; ++u)
         if (ok && u < nsw) {
-            B.w[u][0] = WT::load_raw(p0 + (size_t)(32 * G4_NW * u) * WT::BITS / 8);
-            B.w[u][1] = WT::load_raw(p1 + (size_t)(32 * G4_NW * u) * WT::BITS / 8);
-            B.q[u][0] = WT::at(B.rq[0], k0 + 32 * G4_NW * u);
-            B.q[u][1] = WT::at(B.rq[1], k0 + 32 * G4_NW * u);
+            B.w[u][0] = G4Unit<WT>::load(p0 + (size_t)(UW * G4_NW * u) * WT::BITS / 8);
+            B.w[u][1] = G4Unit<WT>::load(p1 + (size_t)(UW * G4_NW * u) * WT::BITS / 8);
+            B.q[u][0] = WT::at(B.rq[0], k0 + UW * G4_NW * u);
+            B.q[u][1] = WT::at(B.rq[1], k0 + UW * G4_NW * u);
         }
 }
 
 template <typename WT>
 __device__ __forceinline__ void g4_mma(float (&acc)[2][2][4], const G4Buf<WT>& B, const uint4* sA, int nsw) {
+    constexpr int SPU = G4Unit<WT>::SPU;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
@@ -127,11 +155,14 @@ __device__ __forceinline__ void g4_mma(float (&acc)[2][2][4], const G4Buf<WT>& B
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.f;
 #pragma unroll
-    for (int u = 0; u < G4_U; ++u) {
+    for (int u = 0; u < G4_U / SPU; ++u) {
         if (u < nsw) {
-            const uint4 bb[2] = {WT::to_bf16x8(B.w[u][0], B.rq[0], B.q[u][0]),
-                                 WT::to_bf16x8(B.w[u][1], B.rq[1], B.q[u][1])};
-            mma_k32(acc, bb, sA, G4_SA, 4 * u + t, g);
+#pragma unroll
+            for (int v = 0; v < SPU; ++v) {
+                const uint4 bb[2] = {WT::to_bf16x8(G4Unit<WT>::sub(B.w[u][0], v), B.rq[0], B.q[u][0]),
+                                     WT::to_bf16x8(G4Unit<WT>::sub(B.w[u][1], v), B.rq[1], B.q[u][1])};
+                mma_k32(acc, bb, sA, G4_SA, 4 * (SPU * u + v) + t, g);
+            }
         }
     }
 }
@@ -141,29 +172,33 @@ __device__ __forceinline__ void gemm32v4_body(const bf16_t* __restrict__ A, int 
                                               int N, int K, float* __restrict__ C, int ldc,
                                               bf16_t* __restrict__ act, const float* __restrict__ scales = nullptr,
                                               const uint8_t* __restrict__ zeros = nullptr) {
+    constexpr int SPU = G4Unit<WT>::SPU, UW = 32 * SPU;  // k32 steps and columns per unit
     extern __shared__ uint4 g4_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
-    const int nrg = N >> 4, nsteps = K >> 5;
+    const int nrg = N >> 4, nunits = K >> (4 + SPU);
     const int rper = nrg / gridDim.x, rrem = nrg - rper * gridDim.x;
     const int rg_beg = blockIdx.x * rper + min((int)blockIdx.x, rrem);
     const int rg_end = rg_beg + rper + ((int)blockIdx.x < rrem ? 1 : 0);
-    const int sper = nsteps / gridDim.y, srem = nsteps - sper * gridDim.y;
+    const int sper = nunits / gridDim.y, srem = nunits - sper * gridDim.y;
     const int st_beg = blockIdx.y * sper + min((int)blockIdx.y, srem);
     const int st_n = sper + ((int)blockIdx.y < srem ? 1 : 0);
     if (rg_beg >= rg_end || st_n == 0) return;  // uniform over the block
-    const int nsw = warp < st_n ? (st_n - warp + G4_NW - 1) / G4_NW : 0;  // this warp's steps (<= G4_U)
-    const int k0 = 32 * (st_beg + warp) + 8 * t;
+    const int nsw = warp < st_n ? (st_n - warp + G4_NW - 1) / G4_NW : 0;  // this warp's units (<= G4_U / SPU)
+    const int k0 = UW * (st_beg + warp) + 8 * SPU * t;
     G4Buf<WT> bA, bB;
     // the first two items' weights do not depend on the previous kernel: requested before the PDL wait
     g4_load(bA, W, K, rg_beg, k0, nsw, true, scales, zeros);
     g4_load(bB, W, K, rg_beg + 1, k0, nsw, rg_beg + 1 < rg_end, scales, zeros);
     pdl_trigger(FAM_GEMM);
     pdl_wait(FAM_GEMM);
-    // this warp's activation columns: rows 0..31 x words 4u + c (c = 0..3) of its steps u
+    // this warp's activation columns: rows 0..31 x the 4 SPU words of each of its units u; the unit's word c (k
+    // values 8c..8c+7 of it) goes to slot 4 (c % SPU) + c / SPU, where lane t's sub-step c % SPU reads it
     uint4* sA = g4_smem + warp * (32 * G4_SA);
-    for (int i = lane; i < 32 * 4 * nsw; i += 32) {
-        const int r = i / (4 * nsw), rest = i - r * 4 * nsw, u = rest >> 2, c = rest & 3;
-        cp_async16(sA + r * G4_SA + 4 * u + c, A + (size_t)r * lda + 32 * (st_beg + warp + G4_NW * u) + 8 * c);
+    for (int i = lane; i < 32 * 4 * SPU * nsw; i += 32) {
+        const int r = i / (4 * SPU * nsw), rest = i - r * 4 * SPU * nsw;
+        const int u = rest >> (1 + SPU), c = rest & (4 * SPU - 1);
+        cp_async16(sA + r * G4_SA + 4 * SPU * u + 4 * (c & (SPU - 1)) + (c >> (SPU - 1)),
+                   A + (size_t)r * lda + UW * (st_beg + warp + G4_NW * u) + 8 * c);
     }
     cp_async_commit();
     cp_async_wait<0>();

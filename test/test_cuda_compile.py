@@ -93,3 +93,19 @@ def test_the_int4_gemvs_fit_two_blocks_per_sm_and_the_occupancy_knobs_compile(tm
     rows2 = _ptxas(src, tmp_path / "rows2.fatbin", archs=("sm_90",),
                    defines=("GEMV_RPW_I8=2", "GEMV_U_I8=3", "GEMV_RPW_F8=2", "GEMV_U_F8=3"))["sm_90"]
     assert all(regs <= 64 and spill == 0 for k, (regs, spill) in rows2.items() if k.endswith(("_i8", "_f8"))), rows2
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+def test_the_int4_prefill_pair_knob_builds_without_spills_on_every_architecture(tmp_path):
+    """GEMM_I4_PAIR=1 (cuda/gemm_quant.cu: int4 gemm32v4 lanes load 8 bytes, two k32 steps, where the default loads 4)
+    builds every int4 skinny GEMM without spilling, and holds fewer registers than the default (one group's scale
+    and zero point per pair of steps instead of per step): the knob compiles what it claims to change."""
+    src = CUDA_DIR / "gemm_quant.cu"
+    v4 = {"gemm32v4_atomic_i4", "gemm32v4_silu_i4"}
+    default = _ptxas(src, tmp_path / "default.fatbin", archs=("sm_90",))["sm_90"]
+    pair = _ptxas(src, tmp_path / "pair.fatbin", defines=("GEMM_I4_PAIR=1",))
+    for arch in ARCHS:
+        assert all(pair[arch][k][1] == 0 for k in pair[arch]), (arch, pair[arch])
+    assert all(pair["sm_90"][k][0] < default[k][0] for k in v4), (pair["sm_90"], default)
+    assert {k: pair["sm_90"][k] for k in default if not k.endswith("_i4")} == \
+        {k: v for k, v in default.items() if not k.endswith("_i4")}  # the other types' kernels untouched

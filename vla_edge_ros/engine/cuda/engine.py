@@ -100,6 +100,10 @@ class CudaEngine(DeviceEngine, Engine):
         self.scratch_slots = chunk_scratch_slots(cfg, self.decode_tokens)  # S, or the A parallel slots: sizes buffers
         self.parallel = is_parallel(cfg)
         self.defines = tuple(defines) + tuple(os.environ.get("VLA_CUDA_DEFINES", "").split())
+        if weight_dtype == "int4" and "GEMM_I4_PAIR=1" in self.defines and (
+                cfg.hidden_size % 64 or padded_intermediate(cfg) % 64):  # the knob's units are 64 columns
+            raise EngineError(f"GEMM_I4_PAIR=1 needs hidden ({cfg.hidden_size}) and intermediate "
+                              f"({padded_intermediate(cfg)}) sizes that are multiples of 64")
         self.prefix_ids = check_chunk_geometry(cfg, kv, instruction, self.decode_tokens)
         if kv.tokens_per_frame > T_CHUNK:
             raise EngineError(f"tokens_per_frame={kv.tokens_per_frame}: the CUDA prefill handles at most "
