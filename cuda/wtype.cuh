@@ -34,15 +34,6 @@
 #define GEMV_RPW_I4 4
 #endif
 #define GEMV_U_FOR(RPW) ((12 + (RPW) - 1) / (RPW))  // loads per row in flight: 12 per lane over its RPW rows
-// int8 / fp8 loads per row in flight (0: GEMV_U_FOR(rows per warp)). A measuring knob: a 1536-column int8 row is 3
-// loads of a warp, so with GEMV_RPW_I8=2 the default's 6 hold 3 slots that are never filled; -DGEMV_RPW_I8=2
-// -DGEMV_U_I8=3 takes the int8 GEMVs from 103-122 registers (two blocks per SM) to 63-64 (four), not yet measured
-#ifndef GEMV_U_I8
-#define GEMV_U_I8 0
-#endif
-#ifndef GEMV_U_F8
-#define GEMV_U_F8 0
-#endif
 // int4 takes 2 loads per row, not GEMV_U_FOR's 3: a 1536-column row is 1.5 loads of a warp, and the third slot's
 // registers (16 bytes, a group's scale and zero point, per row) took the kernels to 173-181 registers, one block per
 // SM; with 2 they fit 128, two blocks (H100, session 29: 7-pass int4 chunk 11.92 -> 10.57 ms; docs/KERNEL_NOTES.md)
@@ -112,7 +103,7 @@ struct RowScale {
 
 struct WInt8 {
     static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_I8,
-                         GEMV_U = GEMV_U_I8 > 0 ? GEMV_U_I8 : GEMV_U_FOR(GEMV_RPW_I8);
+                         GEMV_U = GEMV_U_FOR(GEMV_RPW_I8);
     typedef RowScale RowQ;
     struct Q {};  // the row's scale is all there is (RowQ)
     __device__ static __forceinline__ Q at(const RowQ&, int) { return Q(); }
@@ -145,7 +136,7 @@ struct WInt8 {
 
 struct WFp8 {
     static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_F8,
-                         GEMV_U = GEMV_U_F8 > 0 ? GEMV_U_F8 : GEMV_U_FOR(GEMV_RPW_F8);
+                         GEMV_U = GEMV_U_FOR(GEMV_RPW_F8);
     typedef RowScale RowQ;
     struct Q {};
     __device__ static __forceinline__ Q at(const RowQ&, int) { return Q(); }

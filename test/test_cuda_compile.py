@@ -78,8 +78,8 @@ def test_the_int4_gemvs_fit_two_blocks_per_sm_and_the_occupancy_knobs_compile(tm
     """Every int4 decode GEMV stays at <= 128 registers without spilling on every architecture: two 256-thread blocks
     per SM (GEMV_U_I4 = 2, wtype.cuh; with the 3 loads per row of before, ptxas took 173-181 registers, one block,
     and the 7-pass int4 chunk was 11.92 ms against 10.57 on an H100, docs/KERNEL_NOTES.md session 29). The measuring
-    knobs still build: the old form (GEMV_U_I4=3), __launch_bounds__ caps for int8 / fp8 (GEMV_MINB_*=3), and
-    int8 / fp8 warps of 2 rows with 3 loads each (GEMV_RPW_*=2 GEMV_U_*=3: <= 64 registers, four blocks per SM)."""
+    knobs still build: the old form (GEMV_U_I4=3) and __launch_bounds__ caps for int8 / fp8 (GEMV_MINB_*=3). (int8 /
+    fp8 warps of 2 rows x 3 loads, 64 registers and four blocks per SM, measured slower: KERNEL_NOTES session 30.)"""
     src = CUDA_DIR / "gemv_quant.cu"
     int4 = {"gemv_qkv_i4", "gemv_resid_i4", "gemv_gateup_i4"}
     default = _ptxas(src, tmp_path / "default.fatbin")
@@ -90,9 +90,6 @@ def test_the_int4_gemvs_fit_two_blocks_per_sm_and_the_occupancy_knobs_compile(tm
     minb = _ptxas(src, tmp_path / "minb.fatbin", archs=("sm_90",),
                   defines=("GEMV_MINB_I8=3", "GEMV_MINB_F8=3"))["sm_90"]
     assert all(regs <= 80 for k, (regs, _) in minb.items() if k.endswith(("_i8", "_f8"))), minb
-    rows2 = _ptxas(src, tmp_path / "rows2.fatbin", archs=("sm_90",),
-                   defines=("GEMV_RPW_I8=2", "GEMV_U_I8=3", "GEMV_RPW_F8=2", "GEMV_U_F8=3"))["sm_90"]
-    assert all(regs <= 64 and spill == 0 for k, (regs, spill) in rows2.items() if k.endswith(("_i8", "_f8"))), rows2
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")

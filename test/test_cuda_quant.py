@@ -177,8 +177,7 @@ def test_the_quantised_engine_at_the_1_5b_widths(torch_cuda, tmp_path, weight_dt
 
 @gpu
 @pytest.mark.parametrize("weight_dtype, defines", [
-    ("int4", "GEMV_U_I4=3"), ("int4", "GEMM_I4_PAIR=1"), ("int8", "GEMV_MINB_I8=3"), ("fp8", "GEMV_MINB_F8=3"),
-    ("int8", "GEMV_RPW_I8=2 GEMV_U_I8=3"), ("fp8", "GEMV_RPW_F8=2 GEMV_U_F8=3")])
+    ("int4", "GEMV_U_I4=3"), ("int4", "GEMM_I4_PAIR=1"), ("int8", "GEMV_MINB_I8=3"), ("fp8", "GEMV_MINB_F8=3")])
 def test_the_measuring_knob_builds_match_the_oracle_at_the_1_5b_widths(torch_cuda, tmp_path, monkeypatch,
                                                                       weight_dtype, defines):
     """The measuring knobs of cuda/gemv_quant.cu, wtype.cuh and gemm_quant.cu (docs/KERNEL_NOTES.md, sessions 29-30:
