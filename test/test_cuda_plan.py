@@ -1,20 +1,20 @@
-"""engine/cuda/plan.py, kernels.py and forward.py without a GPU: the launch plan for each geometry and device class
-(every Qwen2.5 size, 0.5B to 72B, on the H200, Jetson Orin and a 99 KB part), the refusals and their reasons, the
-kernel table against the .cu sources, the forward sequence through a recording launcher (a chunk's, and the
-parallel pass's), the layout of the host-written meta buffer and the refusal of a parallel chunk wider than a pass."""
+"""engine/cuda/plan.py and kernels.py without a GPU: the launch plan for each geometry and device class (every
+Qwen2.5 size, 0.5B to 72B, on the H200, Jetson Orin and a 99 KB part), the refusals and their reasons, the kernel
+table against the .cu sources, the layout of the host-written meta buffer and the refusal of a parallel chunk wider
+than a pass. The forward sequence through a recording launcher: test_cuda_forward.py."""
 from __future__ import annotations
 
 import math
 import re
 import shutil
 import subprocess
-import types
 
 import numpy as np
 import pytest
 
-from vla_edge_ros.engine.config import ModelConfig, qwen2_5_0_5b_dict, qwen2_5_1_5b_dict, tiny_default_dict
-from vla_edge_ros.engine.cuda import forward
+from cuda_plan_fixtures import (GEOMETRIES, H200, ORIN, PREFILL_REGS, QWEN2_5, RTX40, record_chunk, cfg_of, covers,
+                                limits)
+from vla_edge_ros.engine.config import ModelConfig, tiny_default_dict
 from vla_edge_ros.engine.cuda.kernels import (BENCH_KERNELS, BY_NAME, KERNEL_FILES, KERNELS, LAUNCH_CONSTANTS)
 from vla_edge_ros.engine.cuda.pass_meta import (FORCED_AT, META_INTS, PARALLEL_MAX_TILES, PARALLEL_RECORD,
                                                 chunk_meta, forced_at, meta_ints, meta_record, parallel_record,
@@ -24,41 +24,6 @@ from vla_edge_ros.engine.cuda.plan import (LATE_TRIGGER_FAMILIES, T_CHUNK, Devic
                                            padded_intermediate, plan, split_len)
 from vla_edge_ros.engine.cuda.probe import CUDA_DIR
 from vla_edge_ros.engine.interface import EngineError
-
-GEOMETRIES = {"1.5b": qwen2_5_1_5b_dict, "0.5b": qwen2_5_0_5b_dict, "tiny": tiny_default_dict}
-
-
-def _qwen(hidden, layers, heads, kv, inter, vocab=152064, tie=False):
-    """A Qwen2.5 config.json's geometry (the published model cards' values)."""
-    return lambda: {**qwen2_5_1_5b_dict(), "hidden_size": hidden, "num_hidden_layers": layers,
-                    "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
-                    "vocab_size": vocab, "tie_word_embeddings": tie}
-
-
-# name -> (config, query heads per KV head)
-QWEN2_5 = {"0.5b": (qwen2_5_0_5b_dict, 7), "1.5b": (qwen2_5_1_5b_dict, 6),
-           "3b": (_qwen(2048, 36, 16, 2, 11008, 151936, True), 8), "7b": (_qwen(3584, 28, 28, 4, 18944), 7),
-           "14b": (_qwen(5120, 48, 40, 8, 13824), 5), "32b": (_qwen(5120, 64, 40, 8, 27648), 5),
-           "72b": (_qwen(8192, 80, 64, 8, 29568), 8)}
-H200 = dict(sm_count=132, smem_optin=232448, pdl=True)
-ORIN = dict(sm_count=16, smem_optin=166912, pdl=False)   # Jetson AGX Orin (sm_87)
-RTX40 = dict(sm_count=58, smem_optin=101376, pdl=False)  # RTX 4070 / L4 class (sm_89)
-PREFILL_REGS = {128: 168, 64: 126}  # registers of attn_prefill_hd{128,64} as compiled for sm_90 (ptxas -v)
-
-
-def cfg_of(name: str, **over) -> ModelConfig:
-    return ModelConfig.from_json({**GEOMETRIES[name](), **over})
-
-
-def limits(device: dict, cfg: ModelConfig) -> DeviceLimits:
-    return DeviceLimits(**device, prefill_attn_regs=PREFILL_REGS.get(cfg.head_dim, 0))
-
-
-def covers(launch, N: int, K: int, rows_per_block: int) -> None:
-    """Blocks x rows cover N, splits x split length cover K (split-K) with no split empty."""
-    assert launch.grid[0] * rows_per_block >= N > (launch.grid[0] - 1) * rows_per_block
-    if launch.ks:
-        assert launch.grid[1] * launch.ks >= K > (launch.grid[1] - 1) * launch.ks
 
 
 # ------------------------------------------------------------------------------------------------- plan
@@ -239,7 +204,7 @@ def test_every_qwen2_5_size_plans(name, device):
     else:
         R, S = p.gemm_down.grid
         assert R * S <= device["sm_count"] and -(-(I // 32) // S) <= 48
-    rec = _record_chunk(cfg, p, 4104)
+    rec = record_chunk(cfg, p, 4104)
     attn = [r for r in rec if r[0].startswith(("attn_prefill", "attn_decode"))]
     assert len(attn) == cfg.num_hidden_layers * 9 and all(r[1][0] == 65 and r[1][1:] in ((n_kvh,), (n_kvh, 2))
                                                           for r in attn)
@@ -438,153 +403,3 @@ def test_kernel_table_matches_the_sources(fname):
         found[m.group(1)] = "".join("P" if "*" in p else ("f" if p.split()[-2] == "float" else "i") for p in params)
     want = {k.name: k.sig for k in KERNELS + BENCH_KERNELS if k.file == fname}
     assert found == want
-
-
-# ------------------------------------------------------------------------------------------------- forward
-def _fake_buffers(cfg: ModelConfig, slots: int, quantized: bool = False):
-    from vla_edge_ros.engine.cuda.buffers import LayerWeights
-    ptr = iter(range(1 << 20, 1 << 44, 1 << 20))
-    NS = types.SimpleNamespace
-    w = NS(layers=[LayerWeights(**{k: next(ptr) for k in LayerWeights._fields
-                                   if quantized or k[0] not in "sz"})
-                   for _ in range(cfg.num_hidden_layers)], embed=next(ptr), final_norm=next(ptr), head_rows=next(ptr),
-           quantized=quantized)
-    a = NS(**{n: next(ptr) for n in ("x_pre h_bf qkv attn_bf act_bf final_h x_dec q_dec attn_dec act_dec "
-                                     "final_h_dec logits tok_buf meta meta_parallel forced").split()})
-    a.meta_tile = lambda t: a.meta_parallel + 4 * META_INTS * t  # buffers.Activations.meta_tile
-    kc, vc = next(ptr), next(ptr)
-    kv = NS(nsplit=math.ceil(slots / 64), key_slots=next(ptr), rope=next(ptr), part_o_pf=next(ptr),
-            part_ml_pf=next(ptr), part_o_dec=next(ptr), part_ml_dec=next(ptr),
-            layer=lambda i: (kc + i * slots * 512, vc + i * slots * 512))
-    return w, a, kv
-
-
-def check_launch(launch, args) -> None:
-    """One recorded launch against the kernel table: as many arguments as its signature, each of its type (P / i:
-    int, f: float), every grid dimension >= 1."""
-    sig = BY_NAME[launch.kernel].sig
-    assert len(args) == len(sig), launch.kernel
-    for c, v in zip(sig, args):
-        assert isinstance(v, float) if c == "f" else isinstance(v, int), (launch.kernel, c, v)
-    assert all(g >= 1 for g in launch.grid), launch
-
-
-def _record_chunk(cfg: ModelConfig, p, slots: int, quantized: bool = False, parallel_slots: int = 0,
-                  with_args: bool = False) -> list[tuple]:
-    """(kernel, grid, serial[, args]) of every launch of a chunk (parallel_slots > 0: the prefill and the parallel
-    pass over that many slots), each checked against the table's signature."""
-    w, a, kv = _fake_buffers(cfg, slots, quantized)
-    rec = []
-
-    def k(launch, *args, serial=False):
-        check_launch(launch, args)
-        rec.append((launch.kernel, tuple(launch.grid), serial) + ((args, a) if with_args else ()))
-    if parallel_slots:
-        forward.prefill(k, p, cfg, w, a, kv)
-        forward.parallel(k, p, cfg, w, a, kv, parallel_slots)
-    else:
-        forward.chunk(k, p, cfg, w, a, kv, 8)
-    return rec
-
-
-@pytest.mark.parametrize("geometry", list(GEOMETRIES))
-def test_forward_launches_match_the_table_and_the_layered_sequence(geometry):
-    cfg = cfg_of(geometry)
-    p = plan(cfg, Tuning(), limits(H200, cfg))
-    rec = [(name, serial) for name, _, serial in _record_chunk(cfg, p, 4104)]
-    L, HD = cfg.num_hidden_layers, cfg.head_dim
-    prefill = [n for n, _ in rec[:8 * L + 3]]
-    assert prefill[:8] == ["rmsnorm_rows_bf16", "gemm32_atomic", f"attn_prefill_hd{HD}", p.merge_prefill.kernel,
-                           "gemm32_atomic", "rmsnorm_rows_bf16", "gemm32v4_silu", "gemm32v4_atomic"]
-    assert prefill[-3:] == ["rmsnorm_rows_f32", "gemv_logits", "argmax_tokens"]
-    step = [n for n, _ in rec[8 * L + 3:8 * L + 3 + 6 * L + 3]]
-    assert step[:7] == ["embed_gather", "gemv_qkv", f"attn_decode_hd{HD}", "attn_combine", "gemv_resid",
-                        "gemv_gateup", "gemv_resid"] and step[-2:] == ["gemv_logits", "argmax_tokens"]
-    assert len(rec) == 8 * L + 3 + 8 * (6 * L + 3)
-    # only the first launch of the prefill and of the decode start without a programmatic edge
-    assert [i for i, (_, s) in enumerate(rec) if s] == [0, 8 * L + 3]
-
-
-@pytest.mark.parametrize("geometry", ["1.5b", "tiny"])
-def test_the_parallel_pass_is_the_prefill_layers_on_its_own_record_with_one_head_over_its_slots(geometry):
-    """prefill + parallel(28 slots): the parallel pass's layers are the prefill's launches (same kernels, grids)
-    reading the parallel record (a.meta_parallel: attention and merge), its first launch serial; then ONE logits
-    launch with grid.y = 28 from row 0 into logits[1 ..] and ONE argmax with grid.x = 28 into tok_buf[1 ..], both
-    with the forced ids; every argmax of the chunk gets a.forced."""
-    cfg = cfg_of(geometry)
-    p = plan(cfg, Tuning(), limits(H200, cfg))
-    rec = _record_chunk(cfg, p, 4104, parallel_slots=28, with_args=True)
-    L, n_bins = cfg.num_hidden_layers, cfg.n_action_bins
-    n = 8 * L + 3
-    assert len(rec) == 2 * n
-    pre, par = rec[:n], rec[n:]
-    a = rec[0][4]
-    assert [r[:3] for r in par[:-2]] == [r[:3] for r in pre[:-2]]  # same layers, first launch serial
-    attn = [r for r in par if r[0].startswith("attn_prefill")]
-    merges = [r for r in par if r[0] == p.merge_prefill.kernel]
-    assert len(attn) == len(merges) == L
-    assert all(r[3][5] == a.meta_parallel for r in attn) and all(r[3][6] == a.meta_parallel for r in merges)
-    assert all(r[3][5] == a.meta for r in pre if r[0].startswith("attn_prefill"))
-    (lg, lg_grid, _, lg_args, _), (am, am_grid, _, am_args, _) = par[-2:]
-    assert (lg, am) == ("gemv_logits", "argmax_tokens")
-    assert lg_grid == (p.logits.grid[0], 28) and am_grid == (28, 1)
-    assert lg_args[0] == a.final_h and lg_args[2] == -1 and lg_args[3] == 0 and lg_args[8] == a.logits + 4 * n_bins
-    assert am_args[0] == a.logits + 4 * n_bins and am_args[3:] == (a.tok_buf, 1, a.forced)
-    assert pre[-1][3][3:] == (a.tok_buf, 0, a.forced) and pre[-2][3][2] == 2  # the frame's head: its last row
-    assert [i for i, r in enumerate(rec) if r[2]] == [0, n]
-
-
-@pytest.mark.parametrize("geometry, quantized", [("1.5b", False), ("tiny", False), ("1.5b", True)])
-def test_a_parallel_pass_of_two_tiles_runs_each_gemm_attention_and_merge_per_tile(geometry, quantized):
-    """56 slots (H = 8): the norms take all 64 rows at once; every GEMM runs twice, on tile t's rows (A and C offset
-    by 32 t rows); the attention and its merge run per tile on that tile's record, tile 0's attention then merge
-    before tile 1's attention, which is serial (it stages the keys tile 0 stored); the head covers the 56 slots."""
-    cfg = cfg_of(geometry)
-    p = plan(cfg, Tuning(), limits(H200, cfg))
-    if quantized:
-        from vla_edge_ros.engine.cuda.plan import for_weight_dtype
-        p = for_weight_dtype(p, "int8", cfg)
-    rec = _record_chunk(cfg, p, 4104, quantized=quantized, parallel_slots=56, with_args=True)
-    L, H, HD = cfg.num_hidden_layers, cfg.hidden_size, cfg.head_dim
-    nq = cfg.num_attention_heads * HD
-    nqkv = nq + 2 * cfg.num_key_value_heads * HD
-    par = rec[8 * L + 3:]  # after the frame's prefill
-    a = rec[0][4]
-    per_layer = 1 + 2 + 4 + 2 + 1 + 2 + 2  # norm, 2 qkv, (attn, merge) x 2, 2 o, norm, 2 gate/up, 2 down
-    assert len(par) == per_layer * L + 3
-    layer = par[:per_layer]
-    names = [r[0] for r in layer]
-    attn_name = f"attn_prefill_hd{HD}"
-    assert names[0] == names[9] == "rmsnorm_rows_bf16" and all(r[1][0] == 64 for r in (layer[0], layer[9]))
-    assert names[3:7] == [attn_name, p.merge_prefill.kernel, attn_name, p.merge_prefill.kernel]
-    (at0, at1), (mg0, mg1) = (layer[3], layer[5]), (layer[4], layer[6])
-    assert at0[3][0] == a.qkv and at1[3][0] == a.qkv + 4 * 32 * nqkv
-    assert at0[3][5] == a.meta_parallel and at1[3][5] == a.meta_parallel + 4 * META_INTS
-    assert (at0[2], at1[2]) == (False, True)  # tile 1 launched after tile 0's attention and merge completed
-    assert mg0[3][6] == a.meta_parallel and mg1[3][6] == a.meta_tile(1)
-    assert mg0[3][-1] == a.attn_bf and mg1[3][-1] == a.attn_bf + 2 * 32 * nq
-    gemms = [r for r in layer if r[0].startswith("gemm")]
-    assert len(gemms) == 8 and [r[0] for r in gemms[::2]] == [r[0] for r in gemms[1::2]]
-    qkv0, qkv1 = gemms[0][3], gemms[1][3]
-    assert (qkv0[0], qkv1[0]) == (a.h_bf, a.h_bf + 2 * 32 * H)
-    gu0, gu1 = gemms[4][3], gemms[5][3]
-    assert gu1[0] == a.h_bf + 2 * 32 * H and gu1[5] == gu0[5] + 2 * 32 * padded_intermediate(cfg)
-    down1 = gemms[7][3]
-    assert down1[0] == a.act_bf + 2 * 32 * padded_intermediate(cfg)
-    assert par[-3][0] == "rmsnorm_rows_f32" and par[-3][1][0] == 64
-    (lg, lg_grid, _, _, _), (am, am_grid, _, am_args, _) = par[-2:]
-    assert lg_grid[1] == 56 and am_grid == (56, 1) and am_args[3:] == (a.tok_buf, 1, a.forced)
-    serial = [i for i, r in enumerate(par) if r[2]]
-    assert serial == [0] + [i * per_layer + 5 for i in range(L)]
-
-
-@pytest.mark.parametrize("weight_dtype", ["int8", "fp8", "int4"])
-def test_a_quantised_chunk_launches_the_quantised_kernels_with_their_scales_and_zero_points(weight_dtype):
-    from vla_edge_ros.engine.cuda.plan import KERNEL_SUFFIX, for_weight_dtype
-    cfg = cfg_of("1.5b")
-    p = for_weight_dtype(plan(cfg, Tuning(), limits(H200, cfg)), weight_dtype, cfg)
-    names = [name for name, _, _ in _record_chunk(cfg, p, 4104, quantized=True)]  # signatures checked inside
-    suffix = KERNEL_SUFFIX[weight_dtype]
-    L = cfg.num_hidden_layers
-    assert sum(n.endswith(suffix) for n in names) == 4 * L + 8 * 4 * L  # 4 GEMMs + 8 x 4 GEMVs per layer
-    assert names.count("gemv_logits") == 9 and "gemv_qkv" not in names
