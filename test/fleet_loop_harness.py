@@ -6,25 +6,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from fake_clock import MS, FakeClock
 from vla_edge_ros.core.double_buffer import DoubleBuffer
 from vla_edge_ros.core.fleet_loop import FleetLoop
 from vla_edge_ros.core.fleet_scheduler import FleetScheduler
 from vla_edge_ros.engine.interface import ChunkResult
 
-MS = 1_000_000
 STEPS = 8
 DECODE_MS = 4.0
-
-
-class FakeClock:
-    def __init__(self, t_ns: int = 1_000 * MS):
-        self.t = t_ns
-
-    def __call__(self) -> int:
-        return self.t
-
-    def advance_ms(self, ms: float) -> None:
-        self.t += int(round(ms * MS))
 
 
 @dataclass

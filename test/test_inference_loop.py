@@ -7,22 +7,11 @@ import numpy as np
 import pytest
 
 from vla_edge_ros.core.admission import AdmissionController, Decision
+from fake_clock import MS, FakeClock
 from vla_edge_ros.core.double_buffer import DoubleBuffer
 from vla_edge_ros.core.inference_loop import ADMITTED, ERROR, LATE, REFUSED, InferenceLoop, cosine_distance
 from vla_edge_ros.engine.interface import ChunkResult, Engine
 
-MS = 1_000_000
-
-
-class FakeClock:
-    def __init__(self, t_ns: int = 1_000 * MS):
-        self.t = t_ns
-
-    def __call__(self) -> int:
-        return self.t
-
-    def advance_ms(self, ms: float) -> None:
-        self.t += int(ms * MS)
 
 
 @dataclass
