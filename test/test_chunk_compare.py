@@ -52,15 +52,17 @@ def test_a_checkpoint_of_the_wrong_horizon_is_refused_by_name(checkpoints, tmp_p
 
 def test_single_step_schemes_need_no_chunk_checkpoint_and_chunk_schemes_are_refused_without_one(checkpoints, tmp_path,
                                                                                                  capsys):
-    args = C.parse_args(["--single-checkpoint", checkpoints["single"], "--latencies", "0"])
+    default = C.parse_args([])  # the shipped pair: a single-step policy and its chunk twin
+    assert (C.horizon_of(default.single_checkpoint), C.horizon_of(default.chunk_checkpoint)) == (1, 4)
+    args = C.parse_args(["--single-checkpoint", checkpoints["single"], "--chunk-checkpoint", "", "--latencies", "0"])
     cmd = C.eval_command("single_step+int8", args, tmp_path, 100)
     assert cmd[cmd.index("--checkpoint") + 1] == checkpoints["single"]
     with pytest.raises(ValueError, match="async_latest needs --chunk-checkpoint"):
         C.eval_command("async_latest", args, tmp_path, 100)
     with pytest.raises(ValueError, match=r"single_step needs --single-checkpoint \(an H = 1 policy\)"):
         C.eval_command("single_step", C.parse_args(["--single-checkpoint", ""]), tmp_path, 100)
-    assert C.main(["--single-checkpoint", checkpoints["single"], "--schemes", "single_step,async_blend",
-                   "--out", str(tmp_path / "out")]) == 2
+    assert C.main(["--single-checkpoint", checkpoints["single"], "--chunk-checkpoint", "", "--schemes",
+                   "single_step,async_blend", "--out", str(tmp_path / "out")]) == 2
     assert "async_blend needs --chunk-checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # refused before any run
 

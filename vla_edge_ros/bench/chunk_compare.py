@@ -281,8 +281,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Optional[Path]:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--single-checkpoint", default="metaworld_mt3", help="the H = 1 policy (a path or shipped name)")
-    ap.add_argument("--chunk-checkpoint", default="",
-                    help="the H-step policy of the same recipe (needed by every scheme but single_step)")
+    ap.add_argument("--chunk-checkpoint", default="metaworld_mt3_p4",
+                    help="the H-step policy of the same recipe (a path or shipped name; every scheme but single_step)")
     ap.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
                     help=f"comma list of {', '.join(SCHEMES)}, each optionally +argmax / +expectation "
                          "and +bf16 / +int8 / +fp8 / +int4")
