@@ -26,7 +26,7 @@ from vla_edge_ros.engine import quant_checkpoint as QC
 from vla_edge_ros.engine import reference as R
 from vla_edge_ros.engine.checkpoint import expected_shapes, load_checkpoint
 from vla_edge_ros.engine.config import ModelConfig, tiny_default_dict
-from vla_edge_ros.engine.cuda.engine import CudaEngine, unsupported_reason
+from vla_edge_ros.engine.cuda.engine import CudaEngine, defines_problem, unsupported_reason
 from vla_edge_ros.engine.cuda.plan import memory_plan, padded_intermediate
 from vla_edge_ros.engine.cuda.vram import GIB, check_budget, quantized_model_bytes
 from vla_edge_ros.engine.factory import make_engine
@@ -203,6 +203,19 @@ def test_the_cuda_backend_takes_every_weight_type_and_make_engine_hands_it_over(
         with pytest.raises(EngineError, match="recorded"):
             make_engine({**engine_params(ckpt, weight_dtype=wd), "backend": "cuda"}, log=quiet)
     assert seen == ["fp8", "int4"]
+
+
+def test_the_int4_pair_knob_is_refused_by_name_where_k_is_not_a_multiple_of_64():
+    """GEMM_I4_PAIR=1 (cuda/gemm_quant.cu) walks K in units of 64 columns: a model whose hidden or padded intermediate
+    size is not a multiple of 64 would silently drop the tail, so the engine refuses the build, naming the size."""
+    from vla_edge_ros.engine.config import qwen2_5_1_5b_dict
+    qwen = ModelConfig.from_json(qwen2_5_1_5b_dict())
+    odd = ModelConfig.from_json({**qwen2_5_1_5b_dict(), "intermediate_size": 8960 + 32})
+    assert defines_problem(qwen, "int4", ["GEMM_I4_PAIR=1"]) is None
+    assert defines_problem(odd, "int4", []) is None and defines_problem(odd, "int8", ["GEMM_I4_PAIR=1"]) is None
+    assert defines_problem(odd, "int4", ["GEMM_I4_PAIR=0"]) is None
+    why = defines_problem(odd, "int4", ["VLA_TIMELINE", "GEMM_I4_PAIR=1"])
+    assert why and "multiple of 64" in why and f"intermediate {padded_intermediate(odd)}" in why
 
 
 @pytest.mark.parametrize("weight_dtype", ["int8", "fp8", "int4"])

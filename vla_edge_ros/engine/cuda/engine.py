@@ -70,6 +70,16 @@ def unsupported_reason(cfg: ModelConfig, weight_dtype: str = "bf16") -> str | No
     return parallel_slots_problem(cfg)
 
 
+def defines_problem(cfg: ModelConfig, weight_dtype: str, defines: Sequence[str]) -> str | None:
+    """Why a measuring build (-D knobs, $VLA_CUDA_DEFINES) cannot run this model, None when it can. Pure."""
+    if weight_dtype == "int4" and "GEMM_I4_PAIR=1" in defines:  # units of 64 columns (cuda/gemm_quant.cu)
+        bad = [f"{name} {k}" for name, k in (("hidden", cfg.hidden_size), ("intermediate", padded_intermediate(cfg)))
+               if k % 64]
+        if bad:
+            return f"GEMM_I4_PAIR=1 needs the prefill GEMMs' K to be a multiple of 64, not {', '.join(bad)}"
+    return None
+
+
 class CudaEngine(DeviceEngine, Engine):
     name = "cuda"
     host_profile_ms: dict[str, float] = {}  # the last chunk's host-time split: admit, inputs, launch, wait
@@ -100,10 +110,9 @@ class CudaEngine(DeviceEngine, Engine):
         self.scratch_slots = chunk_scratch_slots(cfg, self.decode_tokens)  # S, or the A parallel slots: sizes buffers
         self.parallel = is_parallel(cfg)
         self.defines = tuple(defines) + tuple(os.environ.get("VLA_CUDA_DEFINES", "").split())
-        if weight_dtype == "int4" and "GEMM_I4_PAIR=1" in self.defines and (
-                cfg.hidden_size % 64 or padded_intermediate(cfg) % 64):  # the knob's units are 64 columns
-            raise EngineError(f"GEMM_I4_PAIR=1 needs hidden ({cfg.hidden_size}) and intermediate "
-                              f"({padded_intermediate(cfg)}) sizes that are multiples of 64")
+        problem = defines_problem(cfg, weight_dtype, self.defines)
+        if problem:
+            raise EngineError(f"CUDA backend refuses the build: {problem}")
         self.prefix_ids = check_chunk_geometry(cfg, kv, instruction, self.decode_tokens)
         if kv.tokens_per_frame > T_CHUNK:
             raise EngineError(f"tokens_per_frame={kv.tokens_per_frame}: the CUDA prefill handles at most "
