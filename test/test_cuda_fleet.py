@@ -52,7 +52,7 @@ class _FakeWeights:
 
 def _fake_engine(cfg, max_robots=8, budget=4096, tuning=None):
     """A FleetCudaEngine with the plan of an H200 and made-up device pointers: its pass recorded without a GPU."""
-    from test_cuda_plan import H200, limits
+    from cuda_plan_fixtures import H200, limits
     from vla_edge_ros.engine.cuda.fleet import FleetCudaEngine
     from vla_edge_ros.engine.cuda.plan import Tuning, plan
     e = FleetCudaEngine.__new__(FleetCudaEngine)
@@ -77,7 +77,7 @@ def test_the_batched_pass_launches_match_the_table(geometry, n, fleet_gemv):
     signature, grids are positive, per-member launches span the n members, the GEMMs pick the few-row GEMM that
     tuning.fleet_gemv names for a decode step of <= 16 robots and the 32-row tiles for the prefill, each decode
     step's first launch is serial, and the gate/up buffer is zeroed before every gate/up GEMM."""
-    from test_cuda_plan import cfg_of, check_launch
+    from cuda_plan_fixtures import cfg_of, check_launch
     from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.plan import Tuning
     cfg = cfg_of(geometry)
@@ -123,7 +123,7 @@ def test_the_batched_pass_launches_match_the_table(geometry, n, fleet_gemv):
 
 
 def test_the_fleet_gemv_knob_is_checked_by_name():
-    from test_cuda_plan import cfg_of
+    from cuda_plan_fixtures import cfg_of
     from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.plan import Tuning
     from vla_edge_ros.engine.interface import EngineError
@@ -143,7 +143,7 @@ def test_gemv_rows_mma_launches(geometry, rows):
     splits (multiples of 64, at least one 256-column chunk, at most GR_MAX_KS) cover K with none empty, at most
     gemv_target_blocks blocks where the row blocks alone do not exceed it, and the staged rows (8 or 16 of them,
     bf16) fit the default 48 KiB of shared memory."""
-    from test_cuda_plan import cfg_of
+    from cuda_plan_fixtures import cfg_of
     from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.plan import SMEM_DEFAULT, Tuning, padded_intermediate
     cfg = cfg_of(geometry)
@@ -360,7 +360,7 @@ def test_gemv_rows_mma_against_numpy(fleet_kernels, N, K, ks):
     import types
 
     from test_cuda_kernels import rand_bf16, rel_err
-    from test_cuda_plan import H200, cfg_of, limits
+    from cuda_plan_fixtures import H200, cfg_of, limits
     from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.plan import Tuning
     d, rng = fleet_kernels, np.random.default_rng(N + K + ks)
