@@ -1,5 +1,5 @@
-"""What test_cuda_plan.py, test_cuda_forward.py and test_cuda_fleet.py share (no GPU needed): the geometries and device classes they
-plan for, and a chunk's launches recorded through a fake launcher over fake device pointers."""
+"""What test_cuda_plan.py, test_cuda_forward.py and test_cuda_fleet.py share (no GPU needed): the geometries and
+device classes they plan for, and a chunk's launches recorded through a fake launcher over fake device pointers."""
 from __future__ import annotations
 
 import math
