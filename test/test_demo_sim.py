@@ -69,6 +69,28 @@ def test_merge_keeps_the_other_sections_and_an_unreadable_file(tmp_path):
     assert (tmp_path / "demo.json.unreadable").read_text() == "[1, 2"
 
 
+def test_the_summary_says_why_the_runtime_repeated_and_that_chunk_steps_are_planned():
+    """The publisher's repeat reasons (core/executor.py, from the runtime's stats via eval_grid.runtime_figures): with
+    a chunk policy the later steps of each chunk are 'repeat' with reason next_step, which the summary must not
+    let pass for re-sent actions; a single-step policy's summary has no such note."""
+    from vla_edge_ros.bench.eval_grid import runtime_figures
+    stats = {"ticks": {"fresh": 5, "repeat": 9, "hold": 0},
+             "action": {"arbiter": {"repeat_reasons": {"next_step": 6, "same_step": 3}}}}
+    figures = runtime_figures(stats, 1)
+    assert figures["repeat_reasons"] == {"next_step": 6, "same_step": 3}
+    assert runtime_figures({"ticks": {}}, 1)["repeat_reasons"] == {}
+    sec = {"applied_shares": {"fresh": 0.5, "repeat": 0.5, "hold": 0.0, "sim_hold": 0.0}, "chunks": {},
+           "chunk_latency_ms": {}, "success_ci95": None, "video": None, "task": "push", "instruction": "push it",
+           "checkpoint": "metaworld_mt3_p4", "successes": 1, "episodes": 1, "success_rate": 1.0,
+           "episode_s": {"mean": 5.0}, "steps_mean": 50, "runtime_fresh_share": 0.36, "deadline_miss_rate": 0.0,
+           "status": "ok", "runtime_repeat_reasons": figures["repeat_reasons"]}
+    text = demo_sim.summary_text(sec)
+    assert re.search(r"^runtime repeats by reason\s+next_step 6, same_step 3$", text, re.M), text
+    assert "reason next_step): the arm plays the plan" in text
+    single = demo_sim.summary_text({**sec, "runtime_repeat_reasons": {"no_new_action": 9}})
+    assert "no_new_action 9" in single and "the arm plays the plan" not in single
+
+
 EPISODE_LINE = re.compile(r"^episode 0 seed 0: (SUCCESS|failed \(horizon\)) after (\d+) steps, [\d.]+ s \| "
                           r"applied fresh (\d+)% repeat (\d+)% hold (\d+)%", re.M)
 HORIZON = 12

@@ -152,6 +152,7 @@ def closed_loop_section(row: dict, episodes: Sequence[dict], values: dict, sourc
         "sim_hold_by_reason": row["sim_hold_by_reason"], "actions_rejected": row["actions_rejected"],
         "chunks": rt.get("chunks"), "chunk_latency_ms": rt.get("latency_ms"),
         "deadline_miss_rate": rt.get("deadline_miss_rate"), "runtime_ticks": ticks,
+        "runtime_repeat_reasons": rt.get("repeat_reasons") or {},
         "runtime_fresh_share": (ticks.get("fresh") or 0) / n_ticks if n_ticks else None,
         "per_episode": [{k: e.get(k) for k in ("episode", "seed", "success", "end", "steps", "duration_s",
                                                 "fresh", "repeat", "hold", "sim_hold")} for e in episodes],
@@ -168,6 +169,7 @@ def summary_text(sec: dict) -> str:
         return "n/a" if x is None else f"{float(x):.1f}"
 
     sh, ch, lat = sec["applied_shares"] or {}, sec["chunks"] or {}, sec["chunk_latency_ms"] or {}
+    reasons = sec.get("runtime_repeat_reasons") or {}
     ci = sec["success_ci95"]
     video = sec["video"] or {}
     rows = [
@@ -179,6 +181,7 @@ def summary_text(sec: dict) -> str:
         ("applied fresh / repeat / hold / sim-hold",
          " / ".join(pct(sh.get(k)) for k in ("fresh", "repeat", "hold", "sim_hold"))),
         ("runtime ticks fresh share", pct(sec["runtime_fresh_share"])),
+        ("runtime repeats by reason", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "none"),
         ("chunks admitted / refused / deadline misses",
          f"{ch.get('admitted', 'n/a')} / {ch.get('refused', 'n/a')} / {ch.get('deadline_misses', 'n/a')}"
          f" ({pct(sec['deadline_miss_rate'])} of admitted)"),
@@ -193,6 +196,9 @@ def summary_text(sec: dict) -> str:
         out.append(f"FAILED: {sec['error']} (logs in {sec['logs']})")
     if not sec["checkpoint"]:
         out.append("NOTE: no --checkpoint: random weights are not expected to solve the task")
+    if reasons.get("next_step"):
+        out.append("NOTE: action chunks: a chunk's later steps count as 'repeat' (reason next_step): the arm plays "
+                   "the plan, it does not re-send an old action")
     return "\n".join(out)
 
 

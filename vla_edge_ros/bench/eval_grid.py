@@ -324,6 +324,8 @@ def runtime_figures(stats: Mapping, episodes: int) -> dict[str, Any]:
         "evictions_per_episode": _ratio(evictions, episodes),
         "frames": {k: _get(stats, "frames", k) for k in ("received", "dropped", "rejected")},
         "ticks": {k: _get(stats, "ticks", k) for k in ("fresh", "repeat", "hold")},
+        # why the publisher repeated (core/executor.py): with chunks, next_step is a planned step, not a re-send
+        "repeat_reasons": dict(_get(stats, "action", "arbiter", "repeat_reasons") or {}),
         # a refused frame is retried with the next frame slot (core/inference_loop.py): refused != lost
         "retried": _get(stats, "inference", "loop", "retried"),
     }
