@@ -102,8 +102,7 @@ struct RowScale {
 };
 
 struct WInt8 {
-    static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_I8,
-                         GEMV_U = GEMV_U_FOR(GEMV_RPW_I8);
+    static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_I8, GEMV_U = GEMV_U_FOR(GEMV_RPW_I8);
     typedef RowScale RowQ;
     struct Q {};  // the row's scale is all there is (RowQ)
     __device__ static __forceinline__ Q at(const RowQ&, int) { return Q(); }
@@ -135,8 +134,7 @@ struct WInt8 {
 };
 
 struct WFp8 {
-    static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_F8,
-                         GEMV_U = GEMV_U_FOR(GEMV_RPW_F8);
+    static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_F8, GEMV_U = GEMV_U_FOR(GEMV_RPW_F8);
     typedef RowScale RowQ;
     struct Q {};
     __device__ static __forceinline__ Q at(const RowQ&, int) { return Q(); }

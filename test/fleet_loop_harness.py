@@ -1,4 +1,4 @@
-"""The fake world of test_fleet_loop*.py: a fake clock, frames, a batched fake engine that records its batches and
+"""The fake world of test_fleet_loop.py: a fake clock, frames, a batched fake engine that records its batches and
 can be told to fail, and ``harness`` (a FleetLoop over them, with each robot's double buffer and delivered results)."""
 import time
 from dataclasses import dataclass

@@ -6,12 +6,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from vla_edge_ros.core.admission import AdmissionController, Decision
 from fake_clock import MS, FakeClock
+from vla_edge_ros.core.admission import AdmissionController, Decision
 from vla_edge_ros.core.double_buffer import DoubleBuffer
 from vla_edge_ros.core.inference_loop import ADMITTED, ERROR, LATE, REFUSED, InferenceLoop, cosine_distance
 from vla_edge_ros.engine.interface import ChunkResult, Engine
-
 
 
 @dataclass
