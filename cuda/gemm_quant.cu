@@ -25,14 +25,19 @@ __device__ __forceinline__ void gemm32_body(const bf16_t* __restrict__ A, int ld
         q0.init(scales, zeros, nrow, K, 0);
         q1.init(scales, zeros, nrow + 8, K, 0);
     }
-    // a chunk's weight loads (streaming loads, all in flight before any is used)
+    // a chunk's weight loads and their columns' quantisation parameters (int4: the group's scale and zero point;
+    // nothing for the others), all in flight before any is used (read in the mma loop, each step's pair was a round
+    // trip of its own)
     typename WT::raw_t b[GEMM_KC / 32][2];
+    typename WT::Q bq[GEMM_KC / 32][2];
     auto load_w = [&](int kc, int clen) {
 #pragma unroll
         for (int u = 0; u < GEMM_KC / 32; ++u) {
             if (active && 32 * u < clen) {
                 b[u][0] = WT::load_raw(W0 + (size_t)(kc + 32 * u) * WT::BITS / 8);
                 b[u][1] = WT::load_raw(W1 + (size_t)(kc + 32 * u) * WT::BITS / 8);
+                bq[u][0] = WT::at(q0, kc + 32 * u + 8 * t);
+                bq[u][1] = WT::at(q1, kc + 32 * u + 8 * t);
             }
         }
     };
@@ -63,9 +68,7 @@ __device__ __forceinline__ void gemm32_body(const bf16_t* __restrict__ A, int ld
 #pragma unroll
             for (int u = 0; u < GEMM_KC / 32; ++u) {
                 if (32 * u < clen) {
-                    const int k = kc + 32 * u + 8 * t;
-                    const uint4 bb[2] = {WT::to_bf16x8(b[u][0], q0, WT::at(q0, k)),
-                                         WT::to_bf16x8(b[u][1], q1, WT::at(q1, k))};
+                    const uint4 bb[2] = {WT::to_bf16x8(b[u][0], q0, bq[u][0]), WT::to_bf16x8(b[u][1], q1, bq[u][1])};
                     mma_k32(acc, bb, sA, GEMM_SA, 4 * u + t, g);
                 }
             }

@@ -58,6 +58,15 @@ __device__ __forceinline__ uint32_t ldg_stream4(const void* p) {
     return r;
 }
 
+// two floats -> one bf16x2 word (lo = first) by the conversion instruction (sm_80 on), rounded to nearest even as
+// common.cuh's pack_bf16x2, whose integer rounding (about 7 instructions a value) was most of the instructions of
+// the quantised GEMMs' dequantisation (docs/KERNEL_NOTES.md, session 31). Only NaN payloads can differ.
+__device__ __forceinline__ uint32_t cvt_bf16x2(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 // four e4m3fn codes -> two bf16x2 words of their exact values: b02 = (code 0, code 2), b13 = (code 1, code 3)
 __device__ __forceinline__ void e4m3x4_to_bf16(uint32_t q, uint32_t& b02, uint32_t& b13) {
     const uint32_t t13 = (q & 0x80008000u) | ((q >> 4) & 0x07F007F0u);         // codes 1, 3: value * 2^-120
@@ -125,10 +134,10 @@ struct WInt8 {
         const uint32_t lo = r.x ^ 0x80808080u, hi = r.y ^ 0x80808080u;
         const float s = rq.s, c = 8388736.f;
         uint4 o;
-        o.x = pack_bf16x2((byte_plus_2p23(lo, 0) - c) * s, (byte_plus_2p23(lo, 1) - c) * s);
-        o.y = pack_bf16x2((byte_plus_2p23(lo, 2) - c) * s, (byte_plus_2p23(lo, 3) - c) * s);
-        o.z = pack_bf16x2((byte_plus_2p23(hi, 0) - c) * s, (byte_plus_2p23(hi, 1) - c) * s);
-        o.w = pack_bf16x2((byte_plus_2p23(hi, 2) - c) * s, (byte_plus_2p23(hi, 3) - c) * s);
+        o.x = cvt_bf16x2((byte_plus_2p23(lo, 0) - c) * s, (byte_plus_2p23(lo, 1) - c) * s);
+        o.y = cvt_bf16x2((byte_plus_2p23(lo, 2) - c) * s, (byte_plus_2p23(lo, 3) - c) * s);
+        o.z = cvt_bf16x2((byte_plus_2p23(hi, 0) - c) * s, (byte_plus_2p23(hi, 1) - c) * s);
+        o.w = cvt_bf16x2((byte_plus_2p23(hi, 2) - c) * s, (byte_plus_2p23(hi, 3) - c) * s);
         return o;
     }
 };
@@ -156,7 +165,7 @@ struct WFp8 {
     typedef uint2 raw_t;
     __device__ static __forceinline__ raw_t load_raw(const void* p) { return ldg_stream8(p); }
     __device__ static __forceinline__ uint32_t scaled_pair(uint32_t pair, float s) {  // bf16x2 exact -> * s
-        return pack_bf16x2(bf16_lo(pair) * s, bf16_hi(pair) * s);
+        return cvt_bf16x2(bf16_lo(pair) * s, bf16_hi(pair) * s);
     }
     __device__ static __forceinline__ uint4 to_bf16x8(const raw_t& r, const RowQ& rq, Q) {
         uint32_t a02, a13, b02, b13;
@@ -187,27 +196,35 @@ struct RowGroups {
 struct WInt4 {
     static constexpr int BITS = 4, EPL = 32, GEMV_RPW = GEMV_RPW_I4, GEMV_U = GEMV_U_I4;
     typedef RowGroups RowQ;
-    struct Q { float s, zf; };  // zf = 2^23 + z: (2^23 + q) - zf = q - z exactly
+    // The zero point stays the loaded byte until a dot product or GEMM step uses it: a conversion here, next to its
+    // load, made every group's load a round trip of its own (the warp waited for it before issuing the next row's
+    // loads; ptxas keeps the wait inside each guarded load). zf(): 2^23 + z by one OR, (2^23 + q) - zf = q - z exactly.
+    struct Q {
+        float s;
+        uint32_t z;
+        __device__ __forceinline__ float zf() const { return __uint_as_float(0x4B000000u | z); }
+    };
     __device__ static __forceinline__ Q at(const RowQ& rq, int k) {
         const int g = k / WT_GROUP;
-        return Q{__ldg(rq.s + g), 8388608.f + (float)__ldg(rq.z + g)};
+        return Q{__ldg(rq.s + g), (uint32_t)__ldg(rq.z + g)};
     }
     __device__ static __forceinline__ float dot(const uint4& w, const float* x, Q q) {
         float d = 0.f;
+        const float zf = q.zf();
         const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {  // word j: columns 8j .. 8j + 7; byte b = columns 8j + 2b (low), + 1 (high)
             const uint32_t lo = words[j] & 0x0F0F0F0Fu, hi = (words[j] >> 4) & 0x0F0F0F0Fu;
             const float4 a = *reinterpret_cast<const float4*>(x + 8 * j);
             const float4 b = *reinterpret_cast<const float4*>(x + 8 * j + 4);
-            d = fmaf(byte_plus_2p23(lo, 0) - q.zf, a.x, d);
-            d = fmaf(byte_plus_2p23(hi, 0) - q.zf, a.y, d);
-            d = fmaf(byte_plus_2p23(lo, 1) - q.zf, a.z, d);
-            d = fmaf(byte_plus_2p23(hi, 1) - q.zf, a.w, d);
-            d = fmaf(byte_plus_2p23(lo, 2) - q.zf, b.x, d);
-            d = fmaf(byte_plus_2p23(hi, 2) - q.zf, b.y, d);
-            d = fmaf(byte_plus_2p23(lo, 3) - q.zf, b.z, d);
-            d = fmaf(byte_plus_2p23(hi, 3) - q.zf, b.w, d);
+            d = fmaf(byte_plus_2p23(lo, 0) - zf, a.x, d);
+            d = fmaf(byte_plus_2p23(hi, 0) - zf, a.y, d);
+            d = fmaf(byte_plus_2p23(lo, 1) - zf, a.z, d);
+            d = fmaf(byte_plus_2p23(hi, 1) - zf, a.w, d);
+            d = fmaf(byte_plus_2p23(lo, 2) - zf, b.x, d);
+            d = fmaf(byte_plus_2p23(hi, 2) - zf, b.y, d);
+            d = fmaf(byte_plus_2p23(lo, 3) - zf, b.z, d);
+            d = fmaf(byte_plus_2p23(hi, 3) - zf, b.w, d);
         }
         return d * q.s;
     }
@@ -215,11 +232,12 @@ struct WInt4 {
     __device__ static __forceinline__ raw_t load_raw(const void* p) { return ldg_stream4(p); }
     __device__ static __forceinline__ uint4 to_bf16x8(const raw_t& r, const RowQ&, Q q) {
         const uint32_t lo = r & 0x0F0F0F0Fu, hi = (r >> 4) & 0x0F0F0F0Fu;
+        const float zf = q.zf();
         uint4 o;
-        o.x = pack_bf16x2((byte_plus_2p23(lo, 0) - q.zf) * q.s, (byte_plus_2p23(hi, 0) - q.zf) * q.s);
-        o.y = pack_bf16x2((byte_plus_2p23(lo, 1) - q.zf) * q.s, (byte_plus_2p23(hi, 1) - q.zf) * q.s);
-        o.z = pack_bf16x2((byte_plus_2p23(lo, 2) - q.zf) * q.s, (byte_plus_2p23(hi, 2) - q.zf) * q.s);
-        o.w = pack_bf16x2((byte_plus_2p23(lo, 3) - q.zf) * q.s, (byte_plus_2p23(hi, 3) - q.zf) * q.s);
+        o.x = cvt_bf16x2((byte_plus_2p23(lo, 0) - zf) * q.s, (byte_plus_2p23(hi, 0) - zf) * q.s);
+        o.y = cvt_bf16x2((byte_plus_2p23(lo, 1) - zf) * q.s, (byte_plus_2p23(hi, 1) - zf) * q.s);
+        o.z = cvt_bf16x2((byte_plus_2p23(lo, 2) - zf) * q.s, (byte_plus_2p23(hi, 2) - zf) * q.s);
+        o.w = cvt_bf16x2((byte_plus_2p23(lo, 3) - zf) * q.s, (byte_plus_2p23(hi, 3) - zf) * q.s);
         return o;
     }
 };

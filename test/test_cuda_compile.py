@@ -106,3 +106,22 @@ def test_the_int4_prefill_pair_knob_builds_without_spills_on_every_architecture(
     assert all(pair["sm_90"][k][0] < default[k][0] for k in v4), (pair["sm_90"], default)
     assert {k: pair["sm_90"][k] for k in default if not k.endswith("_i4")} == \
         {k: v for k, v in default.items() if not k.endswith("_i4")}  # the other types' kernels untouched
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+def test_the_quantised_prefill_gemms_round_their_weights_with_the_conversion_instruction(tmp_path):
+    """Every quantised skinny GEMM (int8 / fp8 / int4) turns its dequantised weights into bf16 pairs with
+    cvt.rn.bf16x2.f32, not with common.cuh's integer rounding (its `+ 0x7fff` carry add), which was most of their
+    instructions: the int8 / fp8 prefill 22 % slower (docs/KERNEL_NOTES.md, session 31). The atomic forms have no
+    bf16 epilogue, so any 32767 in them is the integer rounding come back; the bf16 GEMMs convert nothing."""
+    ptx = tmp_path / "gemm_quant.ptx"
+    proc = subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-O3", "-std=c++17", "-I", str(CUDA_DIR), "-o", str(ptx),
+                           str(CUDA_DIR / "gemm_quant.cu")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    bodies = dict(re.findall(r"\.entry (\w+)\((.*?)\n\}\n", ptx.read_text(), re.S))
+    quantised = {k for k in KERNELS if k.file == "gemm_quant.cu"}
+    assert {k.name for k in quantised} <= set(bodies)
+    for k in quantised:
+        assert "cvt.rn.bf16x2.f32" in bodies[k.name], k.name
+        if "atomic" in k.name:
+            assert "32767" not in bodies[k.name], k.name
