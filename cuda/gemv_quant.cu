@@ -159,57 +159,12 @@ __device__ __forceinline__ void gemv_resid_body(const float* __restrict__ v, con
     }
 }
 
-// gemv_gateup_body with WT::GEMV_NB > 1 (wtype.cuh's GEMV_NB_I4, a measuring knob): a warp's M NB outputs are
-// NB batches of M taken in turn, the first batch's loads before the PDL wait, each later one's after the previous
-// batch's dot products. grid.x = ceil(I / (8 M NB)); M NB divides 8.
-template <typename WT>
-__device__ __forceinline__ void gemv_gateup_batches(const float* __restrict__ x, const bf16_t* __restrict__ normw,
-        float eps, const void* __restrict__ W, int I, int K, float* __restrict__ act,
-        const float* __restrict__ scales, const uint8_t* __restrict__ zeros) {
-    float* sx = gemv_smem;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    constexpr int RPW = WT::GEMV_RPW, M = RPW / 2, NB = WT::GEMV_NB;
-    static_assert(8 % (M * NB) == 0, "a warp's outputs share a block of 8 interleaved gate / up rows");
-    const int o0 = (blockIdx.x * GEMV_WARPS + warp) * M * NB;
-    GemvRows<RPW, WT> R;
-    const auto rows = [&](int ob) {
-#pragma unroll
-        for (int j = 0; j < M; ++j) {
-            const int gr = gateup_gate_row(min(ob + j, I - 1));
-            R.p[j] = wrow<WT>(W, gr, K, 0);
-            R.q[j].init(scales, zeros, gr, K, 0);
-            R.p[M + j] = wrow<WT>(W, gr + 8, K, 0);
-            R.q[M + j].init(scales, zeros, gr + 8, K, 0);
-        }
-    };
-    rows(o0);
-    gemv_start<2, FAM_GATEUP>(sx, R, K, o0 < I, x, normw, eps, nullptr);
-#pragma unroll 1
-    for (int b = 0; b < NB; ++b) {
-        const int ob = o0 + b * M;
-        if (ob >= I) return;
-        if (b > 0) {
-            rows(ob);
-            gemv_prefetch(R, K, true);
-        }
-        float acc[RPW];
-        gemv_finish(sx, R, K, acc);
-#pragma unroll
-        for (int j = 0; j < M; ++j)
-            if (lane == j && ob + j < I) act[ob + j] = silu(acc[j]) * acc[M + j];
-    }
-}
-
 // act[o] = silu(gate[o]) * up[o] with RMSNorm prologue; W holds gate/up rows interleaved in blocks of 8:
 // rows 16b..16b+7 = gate 8b..8b+7, rows 16b+8..16b+15 = up 8b..8b+7. grid.x = ceil(I / (8 RPW / 2)).
 template <typename WT>
 __device__ __forceinline__ void gemv_gateup_body(const float* __restrict__ x, const bf16_t* __restrict__ normw,
         float eps, const void* __restrict__ W, int I, int K, float* __restrict__ act,
         const float* __restrict__ scales, const uint8_t* __restrict__ zeros) {
-    if constexpr (WT::GEMV_NB > 1) {
-        gemv_gateup_batches<WT>(x, normw, eps, W, I, K, act, scales, zeros);
-        return;
-    }
     float* sx = gemv_smem;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     constexpr int RPW = WT::GEMV_RPW, M = RPW / 2;  // M outputs per warp: M gate rows and their M up rows
@@ -282,4 +237,4 @@ GEMV_QUANTISED(_i4, WInt4, __launch_bounds__(256))  // 127-128 registers already
 
 
 // What the host reads from the compiled module (engine/cuda/kernels.py LAUNCH_CONSTANTS), in this order.
-__constant__ int vla_launch[4] = {GEMV_RPW_I8, GEMV_RPW_F8, GEMV_RPW_I4, GEMV_NB_I4};
+__constant__ int vla_launch[3] = {GEMV_RPW_I8, GEMV_RPW_F8, GEMV_RPW_I4};

@@ -40,12 +40,6 @@
 #ifndef GEMV_U_I4
 #define GEMV_U_I4 2
 #endif
-// int4 gate/up: batches of GEMV_RPW_I4 rows a warp takes in turn (1: one). A measuring knob (session 31): an int4
-// gate/up block reads 24 KB, so the 1.5B GEMV is 560 blocks, 2.1 waves at two per SM, each block paying its start
-// (RMSNorm prologue, first loads) for little work; 2 halves the blocks for one prologue per two batches.
-#ifndef GEMV_NB_I4
-#define GEMV_NB_I4 1
-#endif
 
 // byte i of a word as the float 2^23 + byte (biased: the caller subtracts 2^23, or 2^23 + 128 for int8)
 __device__ __forceinline__ float byte_plus_2p23(uint32_t word, int i) {
@@ -95,7 +89,7 @@ struct NoQ {
 };
 
 struct WBf16 {
-    static constexpr int BITS = 16, EPL = 8, GEMV_RPW = 2, GEMV_U = 6, GEMV_NB = 1;
+    static constexpr int BITS = 16, EPL = 8, GEMV_RPW = 2, GEMV_U = 6;
     typedef NoQ RowQ;
     struct Q {};
     __device__ static __forceinline__ Q at(const RowQ&, int) { return Q(); }
@@ -117,7 +111,7 @@ struct RowScale {
 };
 
 struct WInt8 {
-    static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_I8, GEMV_U = GEMV_U_FOR(GEMV_RPW_I8), GEMV_NB = 1;
+    static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_I8, GEMV_U = GEMV_U_FOR(GEMV_RPW_I8);
     typedef RowScale RowQ;
     struct Q {};  // the row's scale is all there is (RowQ)
     __device__ static __forceinline__ Q at(const RowQ&, int) { return Q(); }
@@ -149,7 +143,7 @@ struct WInt8 {
 };
 
 struct WFp8 {
-    static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_F8, GEMV_U = GEMV_U_FOR(GEMV_RPW_F8), GEMV_NB = 1;
+    static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_F8, GEMV_U = GEMV_U_FOR(GEMV_RPW_F8);
     typedef RowScale RowQ;
     struct Q {};
     __device__ static __forceinline__ Q at(const RowQ&, int) { return Q(); }
@@ -200,7 +194,7 @@ struct RowGroups {
 };
 
 struct WInt4 {
-    static constexpr int BITS = 4, EPL = 32, GEMV_RPW = GEMV_RPW_I4, GEMV_U = GEMV_U_I4, GEMV_NB = GEMV_NB_I4;
+    static constexpr int BITS = 4, EPL = 32, GEMV_RPW = GEMV_RPW_I4, GEMV_U = GEMV_U_I4;
     typedef RowGroups RowQ;
     // The zero point stays the loaded byte until a dot product or GEMM step uses it: a conversion here, next to its
     // load, made every group's load a round trip of its own (the warp waited for it before issuing the next row's

@@ -109,19 +109,6 @@ def test_the_int4_prefill_pair_knob_builds_without_spills_on_every_architecture(
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
-def test_the_int4_gate_up_batches_knob_builds_two_blocks_per_sm_on_every_architecture(tmp_path):
-    """GEMV_NB_I4=2 (wtype.cuh: an int4 gate/up warp takes two batches of rows in turn) keeps the int4 GEMVs at <= 128
-    registers without spilling everywhere (two blocks per SM, as the default) and changes no other kernel."""
-    src = CUDA_DIR / "gemv_quant.cu"
-    default = _ptxas(src, tmp_path / "default.fatbin", archs=("sm_90",))["sm_90"]
-    nb = _ptxas(src, tmp_path / "nb2.fatbin", defines=("GEMV_NB_I4=2",))
-    for arch in ARCHS:
-        assert all(r <= 128 and spill == 0 for k, (r, spill) in nb[arch].items() if k.endswith("_i4")), (arch, nb[arch])
-    assert {k: v for k, v in nb["sm_90"].items() if k != "gemv_gateup_i4"} == \
-        {k: v for k, v in default.items() if k != "gemv_gateup_i4"}
-
-
-@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 def test_the_quantised_prefill_gemms_round_their_weights_with_the_conversion_instruction(tmp_path):
     """Every quantised skinny GEMM (int8 / fp8 / int4) turns its dequantised weights into bf16 pairs with
     cvt.rn.bf16x2.f32, not with common.cuh's integer rounding (its `+ 0x7fff` carry add), which was most of their

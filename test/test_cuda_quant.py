@@ -177,14 +177,12 @@ def test_the_quantised_engine_at_the_1_5b_widths(torch_cuda, tmp_path, weight_dt
 
 @gpu
 @pytest.mark.parametrize("weight_dtype, defines", [
-    ("int4", "GEMV_U_I4=3"), ("int4", "GEMM_I4_PAIR=1"), ("int4", "GEMV_NB_I4=2"), ("int8", "GEMV_MINB_I8=3"),
-    ("fp8", "GEMV_MINB_F8=3")])
+    ("int4", "GEMV_U_I4=3"), ("int4", "GEMM_I4_PAIR=1"), ("int8", "GEMV_MINB_I8=3"), ("fp8", "GEMV_MINB_F8=3")])
 def test_the_measuring_knob_builds_match_the_oracle_at_the_1_5b_widths(torch_cuda, tmp_path, monkeypatch,
                                                                       weight_dtype, defines):
     """The measuring knobs of cuda/gemv_quant.cu, wtype.cuh and gemm_quant.cu (docs/KERNEL_NOTES.md, sessions 29-30:
     registers and resident blocks; GEMV_U_I4=3 is the int4 form before session 29; GEMM_I4_PAIR=1 the int4 prefill
-    GEMMs' 8-byte loads; GEMV_NB_I4=2 the int4 gate/up warps' two batches of rows, session 31, whose grid the host
-    reads from the module) compute what the default build computes: the engine built with them against the oracle."""
+    GEMMs' 8-byte loads) compute what the default build computes: the engine built with them against the oracle."""
     from vla_edge_ros.engine.config import qwen2_5_1_5b_dict
     monkeypatch.setenv("VLA_CUDA_DEFINES", defines)  # read by CudaEngine at construction
     d = qwen2_5_1_5b_dict()
@@ -251,22 +249,3 @@ def test_quantised_split_k_gemvs_keep_bf16s_block_count_at_the_1_5b_widths(weigh
     q = for_weight_dtype(base, weight_dtype, cfg)
     assert (q.gemv_o.grid, q.gemv_o.ks, q.gemv_o.smem) == ((48, 6), 256, 1024)
     assert (q.gemv_down.grid, q.gemv_down.ks) == ((48, 6), 1536)
-
-
-def test_the_int4_gate_up_batches_knob_shrinks_only_the_int4_gate_up_grid():
-    """GEMV_NB_I4 (cuda/wtype.cuh, read back from gemv_quant.cu's vla_launch): an int4 gate/up warp takes NB batches
-    of its rows, so that launch's grid shrinks NB-fold (1.5B: 8960 outputs, 2 a batch, 8 warps: 560 blocks -> 280);
-    every other GEMV and every other weight type keeps its grid."""
-    from dataclasses import replace as dc_replace
-    from vla_edge_ros.engine.config import qwen2_5_1_5b_dict
-    from vla_edge_ros.engine.cuda.plan import GEMV_LAUNCHES, LaunchConstants
-    cfg = ModelConfig.from_json(qwen2_5_1_5b_dict())
-    base = plan(cfg, Tuning(), DeviceLimits(132, 232448, True))
-    nb2 = dc_replace(LaunchConstants(), GEMV_NB_I4=2)
-    for dtype in ("int8", "fp8", "int4"):
-        one, two = for_weight_dtype(base, dtype, cfg), for_weight_dtype(base, dtype, cfg, nb2)
-        for name in GEMV_LAUNCHES:
-            if (dtype, name) == ("int4", "gemv_gateup"):
-                assert (one.gemv_gateup.grid, two.gemv_gateup.grid) == ((560, 1), (280, 1))
-            else:
-                assert getattr(two, name) == getattr(one, name), (dtype, name)

@@ -46,7 +46,6 @@ class LaunchConstants:
     GEMV_RPW_I8: int = 4     # ... rows per warp of the int8 / fp8 / int4 GEMVs (bf16: 2; cuda/wtype.cuh)
     GEMV_RPW_F8: int = 4
     GEMV_RPW_I4: int = 4
-    GEMV_NB_I4: int = 1      # ... batches of those rows an int4 gate/up warp takes in turn (a measuring knob)
     ATT_KC: int = 64         # keys per staged chunk = keys per split of both attention kernels
     DEC_WARPS: int = 4       # decode attention: warps per block
     DEC_MAXG: int = 8        # query heads one decode-attention block takes (more: head groups, attn_decode_*_hg)
@@ -410,8 +409,7 @@ def for_weight_dtype(p: LaunchPlan, weight_dtype: str, cfg: ModelConfig,
         launch = getattr(p, name)
         grid, ks, smem = launch.grid, launch.ks, launch.smem
         if name in GEMV_LAUNCHES:
-            nb = c.GEMV_NB_I4 if (weight_dtype, name) == ("int4", "gemv_gateup") else 1
-            grid = (math.ceil(grid[0] / (f * nb)),) + tuple(grid[1:])
+            grid = (math.ceil(grid[0] / f),) + tuple(grid[1:])
         if name in split_k and ks:  # f times the splits; the input slice in shared memory shrinks with them
             K = split_k[name]
             ks = max(256, _round_up(math.ceil(K / (math.ceil(K / ks) * f)), 256))
