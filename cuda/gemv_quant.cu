@@ -16,7 +16,7 @@ struct GemvRows {
     static constexpr int NU = U;
     const char* p[RPW];        // row r's bytes from the kernel's first column (wtype.cuh wrow)
     typename WT::RowQ q[RPW];  // row r's quantisation parameters (none for bf16)
-    uint4 w[U][RPW];           // a batch of 16-byte loads
+    typename WT::vec_t w[U][RPW];  // a batch of lane loads (16 bytes; 8 with GEMV_HALF_I4)
     typename WT::Q wq[U][RPW]; // ... and the parameters of the columns each covers (int4: its group)
 };
 
@@ -33,7 +33,9 @@ __device__ __forceinline__ float lane_row(const float (&acc)[RPW], int lane) {
 // row r's load u of the batch at column base (a lane covers EPL columns, a warp 32 EPL: 16 and 512 bytes)
 template <int RPW, typename WT, int U>
 __device__ __forceinline__ void gemv_load(GemvRows<RPW, WT, U>& R, int u, int r, int c) {
-    R.w[u][r] = ldg_stream16(R.p[r] + c * WT::BITS / 8);  // c < 2^28: int arithmetic (80 registers, not 92)
+    const char* p = R.p[r] + c * WT::BITS / 8;  // c < 2^28: int arithmetic (80 registers, not 92)
+    if constexpr (sizeof(typename WT::vec_t) == 8) R.w[u][r] = ldg_stream8(p);
+    else R.w[u][r] = ldg_stream16(p);
     R.wq[u][r] = WT::at(R.q[r], c);
 }
 
@@ -233,7 +235,12 @@ __device__ __forceinline__ void gemv_gateup_body(const float* __restrict__ x, co
     }
 GEMV_QUANTISED(_i8, WInt8, GEMV_LB_I8)
 GEMV_QUANTISED(_f8, WFp8, GEMV_LB_F8)
-GEMV_QUANTISED(_i4, WInt4, __launch_bounds__(256))  // 127-128 registers already: two blocks
+#if GEMV_HALF_I4
+#define GEMV_LB_I4 __launch_bounds__(256, 2)  // the knob's qkv took 176 registers on sm_80 without it
+#else
+#define GEMV_LB_I4 __launch_bounds__(256)  // 127-128 registers already: two blocks
+#endif
+GEMV_QUANTISED(_i4, WInt4, GEMV_LB_I4)
 
 
 // What the host reads from the compiled module (engine/cuda/kernels.py LAUNCH_CONSTANTS), in this order.

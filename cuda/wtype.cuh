@@ -40,6 +40,12 @@
 #ifndef GEMV_U_I4
 #define GEMV_U_I4 2
 #endif
+// int4 GEMV lane loads of 8 bytes (16 weights) instead of 16 (32), 3 per row in flight: a measuring knob (session 31,
+// unmeasured). A 1536-column int4 row is 1.5 warp loads of 16 bytes, so half the lanes sit out the second load (their
+// dot products issued all the same, under a branch); with 8-byte loads it is 3 whole loads, as an int8 row of 16.
+#ifndef GEMV_HALF_I4
+#define GEMV_HALF_I4 0
+#endif
 
 // byte i of a word as the float 2^23 + byte (biased: the caller subtracts 2^23, or 2^23 + 128 for int8)
 __device__ __forceinline__ float byte_plus_2p23(uint32_t word, int i) {
@@ -90,6 +96,7 @@ struct NoQ {
 
 struct WBf16 {
     static constexpr int BITS = 16, EPL = 8, GEMV_RPW = 2, GEMV_U = 6;
+    typedef uint4 vec_t;  // a GEMV lane load
     typedef NoQ RowQ;
     struct Q {};
     __device__ static __forceinline__ Q at(const RowQ&, int) { return Q(); }
@@ -112,6 +119,7 @@ struct RowScale {
 
 struct WInt8 {
     static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_I8, GEMV_U = GEMV_U_FOR(GEMV_RPW_I8);
+    typedef uint4 vec_t;
     typedef RowScale RowQ;
     struct Q {};  // the row's scale is all there is (RowQ)
     __device__ static __forceinline__ Q at(const RowQ&, int) { return Q(); }
@@ -144,6 +152,7 @@ struct WInt8 {
 
 struct WFp8 {
     static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_F8, GEMV_U = GEMV_U_FOR(GEMV_RPW_F8);
+    typedef uint4 vec_t;
     typedef RowScale RowQ;
     struct Q {};
     __device__ static __forceinline__ Q at(const RowQ&, int) { return Q(); }
@@ -194,7 +203,13 @@ struct RowGroups {
 };
 
 struct WInt4 {
+#if GEMV_HALF_I4
+    static constexpr int BITS = 4, EPL = 16, GEMV_RPW = GEMV_RPW_I4, GEMV_U = 3;
+    typedef uint2 vec_t;
+#else
     static constexpr int BITS = 4, EPL = 32, GEMV_RPW = GEMV_RPW_I4, GEMV_U = GEMV_U_I4;
+    typedef uint4 vec_t;
+#endif
     typedef RowGroups RowQ;
     // The zero point stays the loaded byte until a dot product or GEMM step uses it: a conversion here, next to its
     // load, made every group's load a round trip of its own (the warp waited for it before issuing the next row's
@@ -227,6 +242,26 @@ struct WInt4 {
             d = fmaf(byte_plus_2p23(hi, 3) - zf, b.w, d);
         }
         return d * q.s;
+    }
+    __device__ static __forceinline__ float dot(const uint2& w, const float* x, Q q) {  // GEMV_HALF_I4: 16 weights
+        float d0 = 0.f, d1 = 0.f;
+        const float zf = q.zf();
+        const uint32_t words[2] = {w.x, w.y};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {  // as above, two accumulators (two dependent chains of 8 instead of one of 16)
+            const uint32_t lo = words[j] & 0x0F0F0F0Fu, hi = (words[j] >> 4) & 0x0F0F0F0Fu;
+            const float4 a = *reinterpret_cast<const float4*>(x + 8 * j);
+            const float4 b = *reinterpret_cast<const float4*>(x + 8 * j + 4);
+            d0 = fmaf(byte_plus_2p23(lo, 0) - zf, a.x, d0);
+            d1 = fmaf(byte_plus_2p23(hi, 0) - zf, a.y, d1);
+            d0 = fmaf(byte_plus_2p23(lo, 1) - zf, a.z, d0);
+            d1 = fmaf(byte_plus_2p23(hi, 1) - zf, a.w, d1);
+            d0 = fmaf(byte_plus_2p23(lo, 2) - zf, b.x, d0);
+            d1 = fmaf(byte_plus_2p23(hi, 2) - zf, b.y, d1);
+            d0 = fmaf(byte_plus_2p23(lo, 3) - zf, b.z, d0);
+            d1 = fmaf(byte_plus_2p23(hi, 3) - zf, b.w, d1);
+        }
+        return (d0 + d1) * q.s;
     }
     typedef uint32_t raw_t;
     __device__ static __forceinline__ raw_t load_raw(const void* p) { return ldg_stream4(p); }

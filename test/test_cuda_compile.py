@@ -109,6 +109,21 @@ def test_the_int4_prefill_pair_knob_builds_without_spills_on_every_architecture(
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+def test_the_int4_half_load_gemv_knob_builds_two_blocks_per_sm_on_every_architecture(tmp_path):
+    """GEMV_HALF_I4=1 (wtype.cuh: int4 GEMV lanes load 8 bytes, 3 per row in flight, where the default loads 16, 2 per
+    row) keeps the int4 GEMVs at <= 128 registers without spilling everywhere (two blocks per SM, as the default)
+    and changes no other weight type's kernel."""
+    src = CUDA_DIR / "gemv_quant.cu"
+    default = _ptxas(src, tmp_path / "default.fatbin", archs=("sm_90",))["sm_90"]
+    half = _ptxas(src, tmp_path / "half.fatbin", defines=("GEMV_HALF_I4=1",))
+    for arch in ARCHS:
+        assert all(r <= 128 and spill == 0 for k, (r, spill) in half[arch].items() if k.endswith("_i4")), \
+            (arch, half[arch])
+    assert {k: v for k, v in half["sm_90"].items() if not k.endswith("_i4")} == \
+        {k: v for k, v in default.items() if not k.endswith("_i4")}
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 def test_the_quantised_prefill_gemms_round_their_weights_with_the_conversion_instruction(tmp_path):
     """Every quantised skinny GEMM (int8 / fp8 / int4) turns its dequantised weights into bf16 pairs with
     cvt.rn.bf16x2.f32, not with common.cuh's integer rounding (its `+ 0x7fff` carry add), which was most of their
