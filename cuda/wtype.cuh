@@ -202,6 +202,22 @@ struct RowGroups {
     __device__ __forceinline__ float scale() const { return 1.f; }  // applied per load (WInt4::dot)
 };
 
+// one 32-bit word of int4 codes (8 columns: byte b = columns 2b, low nibble, and 2b + 1) against x[0..8), with
+// zf = 2^23 + z: the even columns' products go into de, the odd ones' into dodd (the same variable for one chain)
+__device__ __forceinline__ void int4_word_dot(uint32_t word, const float* x, float zf, float& de, float& dodd) {
+    const uint32_t lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
+    const float4 a = *reinterpret_cast<const float4*>(x);
+    const float4 b = *reinterpret_cast<const float4*>(x + 4);
+    de = fmaf(byte_plus_2p23(lo, 0) - zf, a.x, de);
+    dodd = fmaf(byte_plus_2p23(hi, 0) - zf, a.y, dodd);
+    de = fmaf(byte_plus_2p23(lo, 1) - zf, a.z, de);
+    dodd = fmaf(byte_plus_2p23(hi, 1) - zf, a.w, dodd);
+    de = fmaf(byte_plus_2p23(lo, 2) - zf, b.x, de);
+    dodd = fmaf(byte_plus_2p23(hi, 2) - zf, b.y, dodd);
+    de = fmaf(byte_plus_2p23(lo, 3) - zf, b.z, de);
+    dodd = fmaf(byte_plus_2p23(hi, 3) - zf, b.w, dodd);
+}
+
 struct WInt4 {
 #if GEMV_HALF_I4
     static constexpr int BITS = 4, EPL = 16, GEMV_RPW = GEMV_RPW_I4, GEMV_U = 3;
@@ -228,39 +244,14 @@ struct WInt4 {
         const float zf = q.zf();
         const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {  // word j: columns 8j .. 8j + 7; byte b = columns 8j + 2b (low), + 1 (high)
-            const uint32_t lo = words[j] & 0x0F0F0F0Fu, hi = (words[j] >> 4) & 0x0F0F0F0Fu;
-            const float4 a = *reinterpret_cast<const float4*>(x + 8 * j);
-            const float4 b = *reinterpret_cast<const float4*>(x + 8 * j + 4);
-            d = fmaf(byte_plus_2p23(lo, 0) - zf, a.x, d);
-            d = fmaf(byte_plus_2p23(hi, 0) - zf, a.y, d);
-            d = fmaf(byte_plus_2p23(lo, 1) - zf, a.z, d);
-            d = fmaf(byte_plus_2p23(hi, 1) - zf, a.w, d);
-            d = fmaf(byte_plus_2p23(lo, 2) - zf, b.x, d);
-            d = fmaf(byte_plus_2p23(hi, 2) - zf, b.y, d);
-            d = fmaf(byte_plus_2p23(lo, 3) - zf, b.z, d);
-            d = fmaf(byte_plus_2p23(hi, 3) - zf, b.w, d);
-        }
+        for (int j = 0; j < 4; ++j) int4_word_dot(words[j], x + 8 * j, zf, d, d);  // word j: columns 8j .. 8j + 7
         return d * q.s;
     }
     __device__ static __forceinline__ float dot(const uint2& w, const float* x, Q q) {  // GEMV_HALF_I4: 16 weights
-        float d0 = 0.f, d1 = 0.f;
+        float d0 = 0.f, d1 = 0.f;  // two dependent chains of 8 instead of one of 16
         const float zf = q.zf();
-        const uint32_t words[2] = {w.x, w.y};
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {  // as above, two accumulators (two dependent chains of 8 instead of one of 16)
-            const uint32_t lo = words[j] & 0x0F0F0F0Fu, hi = (words[j] >> 4) & 0x0F0F0F0Fu;
-            const float4 a = *reinterpret_cast<const float4*>(x + 8 * j);
-            const float4 b = *reinterpret_cast<const float4*>(x + 8 * j + 4);
-            d0 = fmaf(byte_plus_2p23(lo, 0) - zf, a.x, d0);
-            d1 = fmaf(byte_plus_2p23(hi, 0) - zf, a.y, d1);
-            d0 = fmaf(byte_plus_2p23(lo, 1) - zf, a.z, d0);
-            d1 = fmaf(byte_plus_2p23(hi, 1) - zf, a.w, d1);
-            d0 = fmaf(byte_plus_2p23(lo, 2) - zf, b.x, d0);
-            d1 = fmaf(byte_plus_2p23(hi, 2) - zf, b.y, d1);
-            d0 = fmaf(byte_plus_2p23(lo, 3) - zf, b.z, d0);
-            d1 = fmaf(byte_plus_2p23(hi, 3) - zf, b.w, d1);
-        }
+        int4_word_dot(w.x, x, zf, d0, d1);
+        int4_word_dot(w.y, x + 8, zf, d0, d1);
         return (d0 + d1) * q.s;
     }
     typedef uint32_t raw_t;
