@@ -6,10 +6,11 @@
 //   WFp8   e4m3fn codes (bit patterns, no NaN), one float32 scale per row: w = e4m3(q) * s.
 //   WInt4  4-bit codes q in [0, 15] packed two per byte (low nibble = even column), per row and group of 128
 //          columns a float32 scale s and a uint8 zero point z: w = (q - z) * s.
-// Every GEMV lane load is 16 bytes (8 bf16, 16 int8 / fp8, 32 int4 weights); a GEMM lane takes 8 consecutive k
-// values of a row (`raw_t`: 16, 8 or 4 bytes) and turns them into the 8 bf16 words the mma takes, bf16(w) rounded
-// to nearest even. Per-row scales multiply a GEMV row's dot product once, at the end (RowQ::scale); int4's group
-// scales multiply each lane load's partial dot (one load never crosses a group: 32 columns of an aligned 128).
+// Every GEMV lane load is 16 bytes (8 bf16, 16 int8 / fp8, 32 int4 weights; 8 bytes, 16 int4 weights, under the
+// GEMV_HALF_I4 knob); a GEMM lane takes 8 consecutive k values of a row (`raw_t`: 16, 8 or 4 bytes) and turns them
+// into the 8 bf16 words the mma takes, bf16(w) rounded to nearest even. Per-row scales multiply a GEMV row's dot
+// product once, at the end (RowQ::scale); int4's group scales multiply each lane load's partial dot (one load never
+// crosses a group: 32 or 16 columns of an aligned 128).
 // The kernels compute in float32 what the numpy oracle computes; they compare with a tolerance (float rounding).
 //
 // Integer -> float without the conversion unit (16 per SM per clock on sm_90, too few to keep up with the loads):
