@@ -10,16 +10,42 @@ __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w 
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 __device__ __forceinline__ float bf16_to_f32(bf16_t h) { return __uint_as_float(((uint32_t)h) << 16); }
 
+// PACK_CVT=1 (a measuring knob, session 31, unmeasured): both conversions below by the conversion instruction
+// (cvt.rn.bf16[x2].f32, sm_80 on: the same rounding, one instruction a value or pair) instead of ~7 integer
+// instructions a value. Outputs equal bit for bit except NaN payloads (the instruction's NaN is canonical). The
+// quantised GEMMs already use it (wtype.cuh cvt_bf16x2: their prefill -19 to -23 %); here it would reach the
+// attention kernels' P and RoPE packing and every bf16 store (docs/KERNEL_NOTES.md, session 31).
+#ifndef PACK_CVT
+#define PACK_CVT 0
+#endif
+#if PACK_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define VLA_PACK_CVT 1
+#else
+#define VLA_PACK_CVT 0
+#endif
+
 __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+#if VLA_PACK_CVT
+    bf16_t h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
     uint32_t u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40);  // NaN stays NaN
     u += 0x7fffu + ((u >> 16) & 1u);
     return (bf16_t)(u >> 16);
+#endif
 }
 
 // two floats -> one 32-bit word of two bf16 (lo = first)
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+#if VLA_PACK_CVT
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
     return (uint32_t)f32_to_bf16(lo) | ((uint32_t)f32_to_bf16(hi) << 16);
+#endif
 }
 
 // 16-byte streaming load of weights: read once per pass, keep them out of L1.
