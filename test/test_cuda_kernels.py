@@ -6,6 +6,7 @@ to write shows up as NaN. Skips cleanly without PyCUDA or a GPU.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -101,17 +102,19 @@ class Dev:
 
 def open_dev(files):
     """A Dev over ``files`` of cuda/ compiled for the GPU present, in the primary context (a generator for a
-    fixture to yield from; skips without a usable GPU)."""
+    fixture to yield from; skips without a usable GPU). $VLA_CUDA_DEFINES (the engine's measuring knobs) apply
+    here too, so a knob's build meets the same float64 references."""
     ok, why = cuda_status()
     if not ok:
         pytest.skip(f"no usable GPU: {why}")
     import pycuda.driver as cuda
     from pycuda.compiler import SourceModule
+    knobs = ["-D" + d for d in os.environ.get("VLA_CUDA_DEFINES", "").split()]
     ctx = cuda.Device(0).retain_primary_context()
     ctx.push()
     try:
         mods = {f: SourceModule((CUDA_DIR / f).read_text(), no_extern_c=True, include_dirs=[str(CUDA_DIR)],
-                                options=["-O3", "-std=c++17"]) for f in files}
+                                options=["-O3", "-std=c++17", *knobs]) for f in files}
         d = Dev(cuda, mods)
         yield d
         d.free()
