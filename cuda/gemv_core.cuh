@@ -7,6 +7,9 @@
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 8
 #endif
+#ifndef GEMV_XS_SCALE
+#define GEMV_XS_SCALE 0x1p100f  // 2^GEMV_XS (wtype.cuh): only the quantised GEMVs' GEMV_DENORM knob reads it
+#endif
 
 // RMSNorm weights of the prologue, read into registers BEFORE the PDL wait (constants: their HBM round trip
 // overlaps the predecessor instead of following the block reduction). Up to GEMV_NW values per thread; larger K
@@ -30,7 +33,8 @@ __device__ __forceinline__ void gemv_norm_prefetch(GemvNorm& n, const bf16_t* __
 // The vector is read PV float4 per thread at a time, all loads in flight before any is stored (a plain loop
 // would wait for each L2 round trip in turn: K / 256 of them for the 8960-wide down projection). PV: 2 covers
 // K <= 2048 in one batch (the normed GEMVs), 4 covers the o_proj / down split-K slices in one or two.
-template <int PV>
+// XS (the quantised GEMVs' GEMV_DENORM knob, wtype.cuh): sx holds the vector times 2^GEMV_XS (norm_out does not).
+template <int PV, bool XS = false>
 __device__ __forceinline__ void gemv_prologue(float* sx, const float* __restrict__ v, int K,
                                               const bf16_t* __restrict__ normw, float eps, float* norm_out,
                                               const GemvNorm& nrm) {
@@ -50,7 +54,12 @@ __device__ __forceinline__ void gemv_prologue(float* sx, const float* __restrict
         for (int j = 0; j < PV; ++j) {
             const int i = base + threadIdx.x + j * blockDim.x;
             if (i < n4) {
-                s4[i] = a[j];
+                if constexpr (XS) {
+                    const float f = normw == nullptr ? GEMV_XS_SCALE : 1.f;  // a normed vector is scaled below
+                    s4[i] = make_float4(a[j].x * f, a[j].y * f, a[j].z * f, a[j].w * f);
+                } else {
+                    s4[i] = a[j];
+                }
                 ss = fmaf(a[j].x, a[j].x, fmaf(a[j].y, a[j].y, fmaf(a[j].z, a[j].z, fmaf(a[j].w, a[j].w, ss))));
             }
         }
@@ -64,14 +73,14 @@ __device__ __forceinline__ void gemv_prologue(float* sx, const float* __restrict
                 const int i = threadIdx.x + j * blockDim.x;
                 if (i < K) {
                     const float y = nrm.w[j] * (sx[i] * r);
-                    sx[i] = y;
+                    sx[i] = XS ? y * GEMV_XS_SCALE : y;
                     if (norm_out != nullptr && blockIdx.x == 0) norm_out[i] = y;
                 }
             }
         } else {
             for (int i = threadIdx.x; i < K; i += blockDim.x) {
                 const float y = bf16_to_f32(normw[i]) * (sx[i] * r);
-                sx[i] = y;
+                sx[i] = XS ? y * GEMV_XS_SCALE : y;
                 if (norm_out != nullptr && blockIdx.x == 0) norm_out[i] = y;
             }
         }
@@ -86,7 +95,7 @@ struct NoPreWait {
 // The start every GEMV kernel shares: its weight loads and norm weights requested, pre() (more work before the
 // wait, after the weight loads are issued: it may block on loads of its own), the PDL trigger and wait (FAM: the
 // kernel family, common.cuh), then the input vector v (K floats, RMS-normed when normw is given) in shared memory sx.
-template <int PV, int FAM, typename Rows, typename Pre = NoPreWait>
+template <int PV, int FAM, bool XS = false, typename Rows, typename Pre = NoPreWait>
 __device__ __forceinline__ void gemv_start(float* sx, Rows& R, int K, bool valid, const float* __restrict__ v,
                                            const bf16_t* __restrict__ normw, float eps, float* norm_out,
                                            Pre pre = Pre()) {
@@ -96,6 +105,6 @@ __device__ __forceinline__ void gemv_start(float* sx, Rows& R, int K, bool valid
     pre();
     pdl_trigger(FAM);
     pdl_wait(FAM);
-    gemv_prologue<PV>(sx, v, K, normw, eps, norm_out, nrm);
+    gemv_prologue<PV, XS>(sx, v, K, normw, eps, norm_out, nrm);
 }
 

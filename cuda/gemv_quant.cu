@@ -70,13 +70,24 @@ __device__ __forceinline__ void gemv_finish(const float* sx, GemvRows<RPW, WT, U
         for (int u = 0; u < U; ++u) {
             const int c = base + c0 + W * u;
             if (c < K) {
+                if constexpr (WT::XSUM) {  // GEMV_DENORM: the load's sum of x, once for all the warp's rows
+                    float xs = 0.f;
 #pragma unroll
-                for (int r = 0; r < RPW; ++r) acc[r] += WT::dot(R.w[u][r], sx + c, R.wq[u][r]);
+                    for (int e = 0; e < E; e += 4) {
+                        const float4 a = *reinterpret_cast<const float4*>(sx + c + e);
+                        xs += (a.x + a.y) + (a.z + a.w);
+                    }
+#pragma unroll
+                    for (int r = 0; r < RPW; ++r) acc[r] += WT::dot_xs(R.w[u][r], sx + c, R.wq[u][r], xs);
+                } else {
+#pragma unroll
+                    for (int r = 0; r < RPW; ++r) acc[r] += WT::dot(R.w[u][r], sx + c, R.wq[u][r]);
+                }
             }
         }
     }
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) acc[r] = warp_sum(acc[r]) * R.q[r].scale();
+    for (int r = 0; r < RPW; ++r) acc[r] = warp_sum(acc[r]) * R.q[r].scale() * (WT::XSUM ? GEMV_XS_BACK : 1.f);
 }
 
 #include "gemv_core.cuh"  // GemvNorm, gemv_prologue, gemv_start
@@ -105,7 +116,7 @@ __device__ __forceinline__ void gemv_qkv_body(const float* __restrict__ x, const
     const bool writer = lane < RPW && valid && n < ntot;
     const float b = writer ? bias[n] : 0.f;
     const int slot = writer && n >= nq ? key_slots[meta[3] + step - 1] : 0;
-    gemv_start<2, FAM_QKV>(sx, R, K, valid, x, normw, eps, nullptr, [&]() {
+    gemv_start<2, FAM_QKV, WT::XSUM>(sx, R, K, valid, x, normw, eps, nullptr, [&]() {
         const int lines = nkv / 64;  // 128-byte lines per cache row (nkv bf16)
         const int total = meta[3] * 2 * lines;
         for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
@@ -150,7 +161,7 @@ __device__ __forceinline__ void gemv_resid_body(const float* __restrict__ v, con
         R.p[r] = wrow<WT>(W, row, K, kbeg);
         R.q[r].init(scales, zeros, row, K, kbeg);
     }
-    gemv_start<4, FAM_RESID>(sx, R, klen, valid, v + kbeg, nullptr, 0.f, nullptr);
+    gemv_start<4, FAM_RESID, WT::XSUM>(sx, R, klen, valid, v + kbeg, nullptr, 0.f, nullptr);
     if (!valid) return;
     float acc[RPW];
     gemv_finish(sx, R, klen, acc);
@@ -181,7 +192,7 @@ __device__ __forceinline__ void gemv_gateup_body(const float* __restrict__ x, co
         R.p[M + j] = wrow<WT>(W, gr + 8, K, 0);  // its up row, 8 rows below
         R.q[M + j].init(scales, zeros, gr + 8, K, 0);
     }
-    gemv_start<2, FAM_GATEUP>(sx, R, K, valid, x, normw, eps, nullptr);
+    gemv_start<2, FAM_GATEUP, WT::XSUM>(sx, R, K, valid, x, normw, eps, nullptr);
     if (!valid) return;
     float acc[RPW];
     gemv_finish(sx, R, K, acc);

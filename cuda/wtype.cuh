@@ -47,6 +47,22 @@
 #ifndef GEMV_HALF_I4
 #define GEMV_HALF_I4 0
 #endif
+// int8 / int4 GEMV codes as denormal floats (a measuring knob, session 31, unmeasured): the code byte as a float's
+// whole bit pattern is the denormal q 2^-149, so one PRMT and one FFMA a weight against x 2^GEMV_XS (scaled in shared
+// memory by the prologue, the products normal) where the default needs a third instruction, the FADD that removes
+// the 2^23 bias. The zero point / int8's offset of 128 comes off once a load: minus z times the load's sum of x
+// (computed once per load for all the warp's rows). FFMA takes denormal inputs at full rate (no -ftz here).
+#ifndef GEMV_DENORM
+#define GEMV_DENORM 0
+#endif
+#define GEMV_XS 100
+#define GEMV_XS_SCALE 0x1p100f  // 2^GEMV_XS
+#define GEMV_XS_BACK 0x1p49f    // 2^(149 - GEMV_XS): a denormal code's 2^-149 and x's 2^GEMV_XS undone
+
+// byte i of a word as the denormal float byte x 2^-149 (GEMV_DENORM)
+__device__ __forceinline__ float byte_den(uint32_t word, int i) {
+    return __uint_as_float(__byte_perm(word, 0, 0x4440u + i));
+}
 
 // byte i of a word as the float 2^23 + byte (biased: the caller subtracts 2^23, or 2^23 + 128 for int8)
 __device__ __forceinline__ float byte_plus_2p23(uint32_t word, int i) {
@@ -97,6 +113,7 @@ struct NoQ {
 
 struct WBf16 {
     static constexpr int BITS = 16, EPL = 8, GEMV_RPW = 2, GEMV_U = 6;
+    static constexpr bool XSUM = false;  // GEMV_DENORM's form (dot_xs against a scaled x and its load sums)
     typedef uint4 vec_t;  // a GEMV lane load
     typedef NoQ RowQ;
     struct Q {};
@@ -120,6 +137,7 @@ struct RowScale {
 
 struct WInt8 {
     static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_I8, GEMV_U = GEMV_U_FOR(GEMV_RPW_I8);
+    static constexpr bool XSUM = GEMV_DENORM;
     typedef uint4 vec_t;
     typedef RowScale RowQ;
     struct Q {};  // the row's scale is all there is (RowQ)
@@ -137,6 +155,20 @@ struct WInt8 {
         }
         return s;
     }
+    // GEMV_DENORM: sum (q + 128) x' - 128 xs', x' = x 2^GEMV_XS, xs' = the load's sum of x' (times 2^(GEMV_XS - 149))
+    __device__ static __forceinline__ float dot_xs(const uint4& w, const float* x, Q, float xs) {
+        float s = 0.f;
+        const uint32_t words[4] = {w.x ^ 0x80808080u, w.y ^ 0x80808080u, w.z ^ 0x80808080u, w.w ^ 0x80808080u};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const float4 a = *reinterpret_cast<const float4*>(x + 4 * q);
+            s = fmaf(byte_den(words[q], 0), a.x, s);
+            s = fmaf(byte_den(words[q], 1), a.y, s);
+            s = fmaf(byte_den(words[q], 2), a.z, s);
+            s = fmaf(byte_den(words[q], 3), a.w, s);
+        }
+        return fmaf(-__uint_as_float(128u), xs, s);
+    }
     typedef uint2 raw_t;
     __device__ static __forceinline__ raw_t load_raw(const void* p) { return ldg_stream8(p); }
     __device__ static __forceinline__ uint4 to_bf16x8(const raw_t& r, const RowQ& rq, Q) {
@@ -153,6 +185,7 @@ struct WInt8 {
 
 struct WFp8 {
     static constexpr int BITS = 8, EPL = 16, GEMV_RPW = GEMV_RPW_F8, GEMV_U = GEMV_U_FOR(GEMV_RPW_F8);
+    static constexpr bool XSUM = false;
     typedef uint4 vec_t;
     typedef RowScale RowQ;
     struct Q {};
@@ -220,7 +253,9 @@ __device__ __forceinline__ void int4_word_dot(uint32_t word, const float* x, flo
 }
 
 struct WInt4 {
+    static constexpr bool XSUM = GEMV_DENORM;
 #if GEMV_HALF_I4
+    static_assert(!GEMV_DENORM, "GEMV_DENORM has the 16-byte int4 loads only");
     static constexpr int BITS = 4, EPL = 16, GEMV_RPW = GEMV_RPW_I4, GEMV_U = 3;
     typedef uint2 vec_t;
 #else
@@ -254,6 +289,26 @@ struct WInt4 {
         int4_word_dot(w.x, x, zf, d0, d1);
         int4_word_dot(w.y, x + 8, zf, d0, d1);
         return (d0 + d1) * q.s;
+    }
+    // GEMV_DENORM: (sum q x' - z xs') s, as WInt8::dot_xs (the zero point's denormal z 2^-149 against xs')
+    __device__ static __forceinline__ float dot_xs(const uint4& w, const float* x, Q q, float xs) {
+        float d = 0.f;
+        const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t lo = words[j] & 0x0F0F0F0Fu, hi = (words[j] >> 4) & 0x0F0F0F0Fu;
+            const float4 a = *reinterpret_cast<const float4*>(x + 8 * j);
+            const float4 b = *reinterpret_cast<const float4*>(x + 8 * j + 4);
+            d = fmaf(byte_den(lo, 0), a.x, d);
+            d = fmaf(byte_den(hi, 0), a.y, d);
+            d = fmaf(byte_den(lo, 1), a.z, d);
+            d = fmaf(byte_den(hi, 1), a.w, d);
+            d = fmaf(byte_den(lo, 2), b.x, d);
+            d = fmaf(byte_den(hi, 2), b.y, d);
+            d = fmaf(byte_den(lo, 3), b.z, d);
+            d = fmaf(byte_den(hi, 3), b.w, d);
+        }
+        return fmaf(-__uint_as_float(q.z), xs, d) * q.s;
     }
     typedef uint32_t raw_t;
     __device__ static __forceinline__ raw_t load_raw(const void* p) { return ldg_stream4(p); }

@@ -160,3 +160,20 @@ def test_the_hardware_bf16_rounding_knob_builds_the_attention_without_spills_on_
         assert proc.returncode == 0, proc.stderr
         return out.read_text()
     assert "cvt.rn.bf16x2.f32" not in ptx(()) and ptx(("PACK_CVT=1",)).count("cvt.rn.bf16x2.f32") > 10
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+def test_the_denormal_code_gemv_knob_builds_with_fewer_registers_and_no_spills_on_every_architecture(tmp_path):
+    """GEMV_DENORM=1 (wtype.cuh: int8 / int4 GEMV codes as denormal floats against a vector scaled by 2^100, one FADD
+    a weight fewer) builds every quantised GEMV without spilling, int8 / int4 at <= 128 registers (two blocks per
+    SM), fp8's kernels as the default's; the int4 GEMVs hold fewer registers than the default's 127-128 (the biased
+    floats gone: what makes this test able to fail if the knob stops reaching them)."""
+    src = CUDA_DIR / "gemv_quant.cu"
+    default = _ptxas(src, tmp_path / "default.fatbin", archs=("sm_90",))["sm_90"]
+    den = _ptxas(src, tmp_path / "den.fatbin", defines=("GEMV_DENORM=1",))
+    for arch in ARCHS:
+        assert all(spill == 0 for _, spill in den[arch].values()), (arch, den[arch])
+        assert all(r <= 128 for k, (r, _) in den[arch].items() if k.endswith(("_i8", "_i4"))), (arch, den[arch])
+    assert {k: v for k, v in den["sm_90"].items() if k.endswith("_f8")} == \
+        {k: v for k, v in default.items() if k.endswith("_f8")}
+    assert all(den["sm_90"][k][0] < default[k][0] for k in ("gemv_gateup_i4", "gemv_resid_i4", "gemv_qkv_i4"))

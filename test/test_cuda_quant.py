@@ -177,14 +177,15 @@ def test_the_quantised_engine_at_the_1_5b_widths(torch_cuda, tmp_path, weight_dt
 
 @gpu
 @pytest.mark.parametrize("weight_dtype, defines", [
-    ("int4", "GEMV_U_I4=3"), ("int4", "GEMM_I4_PAIR=1"), ("int4", "GEMV_HALF_I4=1"), ("int8", "GEMV_MINB_I8=3"),
-    ("fp8", "GEMV_MINB_F8=3")])
+    ("int4", "GEMV_U_I4=3"), ("int4", "GEMM_I4_PAIR=1"), ("int4", "GEMV_HALF_I4=1"), ("int4", "GEMV_DENORM=1"),
+    ("int8", "GEMV_DENORM=1"), ("int8", "GEMV_MINB_I8=3"), ("fp8", "GEMV_MINB_F8=3")])
 def test_the_measuring_knob_builds_match_the_oracle_at_the_1_5b_widths(torch_cuda, tmp_path, monkeypatch,
                                                                       weight_dtype, defines):
     """The measuring knobs of cuda/gemv_quant.cu, wtype.cuh and gemm_quant.cu (docs/KERNEL_NOTES.md, sessions 29-30:
     registers and resident blocks; GEMV_U_I4=3 is the int4 form before session 29; GEMM_I4_PAIR=1 the int4 prefill
-    GEMMs' 8-byte loads; GEMV_HALF_I4=1 the int4 decode GEMVs' 8-byte lane loads, session 31) compute what the
-    default build computes: the engine built with them against the oracle."""
+    GEMMs' 8-byte loads; GEMV_HALF_I4=1 the int4 decode GEMVs' 8-byte lane loads and GEMV_DENORM=1 their codes as
+    denormal floats, session 31) compute what the default build computes: the engine built with them against the
+    oracle."""
     from vla_edge_ros.engine.config import qwen2_5_1_5b_dict
     monkeypatch.setenv("VLA_CUDA_DEFINES", defines)  # read by CudaEngine at construction
     d = qwen2_5_1_5b_dict()
