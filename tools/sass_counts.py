@@ -12,7 +12,8 @@ to the same file at another git revision (the whole cuda/ directory of that revi
 
 nvdisasm: $NVDISASM, else on PATH, else next to nvcc. Without a CUDA toolkit's nvdisasm, the `nvidia-cuda-nvdisasm`
 wheel on PyPI carries it (`pip download --no-deps nvidia-cuda-nvdisasm`, unzip, nvidia/cu13/bin/nvdisasm).
-Static counts: a loop body counts once; what matters is the mix and how it moves between builds.
+Static counts (a loop body counts once; the NOPs padding a function's end included, as in the notes' figures): what
+matters is the mix and how it moves between builds.
 """
 from __future__ import annotations
 
@@ -72,8 +73,11 @@ def compile_counts(src: Path, include: Path, arch: str, defines: list[str]) -> d
 def counts_at_revision(rev: str, src: Path, arch: str, defines: list[str]) -> dict[str, collections.Counter]:
     """The same file compiled from the cuda/ directory of git revision ``rev``."""
     with tempfile.TemporaryDirectory() as tmp:
-        names = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", rev, "cuda/"], capture_output=True,
-                               text=True, check=True).stdout.split()
+        proc = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", rev, "cuda/"], capture_output=True,
+                              text=True)
+        names = proc.stdout.split()
+        if proc.returncode or f"cuda/{src.name}" not in names:
+            sys.exit(f"sass_counts: no cuda/{src.name} at revision {rev!r} {proc.stderr.strip()}".rstrip())
         for name in names:
             blob = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{name}"], capture_output=True, check=True)
             (Path(tmp) / Path(name).name).write_bytes(blob.stdout)
