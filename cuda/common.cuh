@@ -37,12 +37,19 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
 #endif
 }
 
-// two floats -> one 32-bit word of two bf16 (lo = first)
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-#if VLA_PACK_CVT
+// two floats -> one bf16x2 word (lo = first) by the conversion instruction (sm_80 on), rounded to nearest even as
+// pack_bf16x2 below, whose integer rounding (about 7 instructions a value) was most of the instructions of the
+// quantised GEMMs' dequantisation (wtype.cuh, docs/KERNEL_NOTES.md session 31). Only NaN payloads can differ.
+__device__ __forceinline__ uint32_t cvt_bf16x2(float lo, float hi) {
     uint32_t r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+}
+
+// two floats -> one 32-bit word of two bf16 (lo = first)
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+#if VLA_PACK_CVT
+    return cvt_bf16x2(lo, hi);
 #else
     return (uint32_t)f32_to_bf16(lo) | ((uint32_t)f32_to_bf16(hi) << 16);
 #endif

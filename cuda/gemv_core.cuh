@@ -7,8 +7,8 @@
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 8
 #endif
-#ifndef GEMV_XS_SCALE
-#define GEMV_XS_SCALE 0x1p100f  // 2^GEMV_XS (wtype.cuh): only the quantised GEMVs' GEMV_DENORM knob reads it
+#ifndef GEMV_XS_SCALE  // the GEMV_DENORM knob's scale of x: wtype.cuh defines it; without it (gemv.cu) XS is never on
+#define GEMV_XS_SCALE 1.f
 #endif
 
 // RMSNorm weights of the prologue, read into registers BEFORE the PDL wait (constants: their HBM round trip
@@ -33,7 +33,7 @@ __device__ __forceinline__ void gemv_norm_prefetch(GemvNorm& n, const bf16_t* __
 // The vector is read PV float4 per thread at a time, all loads in flight before any is stored (a plain loop
 // would wait for each L2 round trip in turn: K / 256 of them for the 8960-wide down projection). PV: 2 covers
 // K <= 2048 in one batch (the normed GEMVs), 4 covers the o_proj / down split-K slices in one or two.
-// XS (the quantised GEMVs' GEMV_DENORM knob, wtype.cuh): sx holds the vector times 2^GEMV_XS (norm_out does not).
+// XS (the quantised GEMVs' GEMV_DENORM knob, wtype.cuh): sx holds the vector times GEMV_XS_SCALE (norm_out does not).
 template <int PV, bool XS = false>
 __device__ __forceinline__ void gemv_prologue(float* sx, const float* __restrict__ v, int K,
                                               const bf16_t* __restrict__ normw, float eps, float* norm_out,
@@ -55,6 +55,7 @@ __device__ __forceinline__ void gemv_prologue(float* sx, const float* __restrict
             const int i = base + threadIdx.x + j * blockDim.x;
             if (i < n4) {
                 if constexpr (XS) {
+                    static_assert(!XS || GEMV_XS_SCALE > 1.f, "XS needs wtype.cuh's GEMV_XS_SCALE, included first");
                     const float f = normw == nullptr ? GEMV_XS_SCALE : 1.f;  // a normed vector is scaled below
                     s4[i] = make_float4(a[j].x * f, a[j].y * f, a[j].z * f, a[j].w * f);
                 } else {

@@ -48,16 +48,16 @@
 #define GEMV_HALF_I4 0
 #endif
 // int8 / int4 GEMV codes as denormal floats (a measuring knob, session 31, unmeasured): the code byte as a float's
-// whole bit pattern is the denormal q 2^-149, so one PRMT and one FFMA a weight against x 2^GEMV_XS (scaled in shared
+// whole bit pattern is the denormal q 2^-149, so one PRMT and one FFMA a weight against x 2^100 (scaled in shared
 // memory by the prologue, the products normal) where the default needs a third instruction, the FADD that removes
 // the 2^23 bias. The zero point / int8's offset of 128 comes off once a load: minus z times the load's sum of x
 // (computed once per load for all the warp's rows). FFMA takes denormal inputs at full rate (no -ftz here).
 #ifndef GEMV_DENORM
 #define GEMV_DENORM 0
 #endif
-#define GEMV_XS 100
-#define GEMV_XS_SCALE 0x1p100f  // 2^GEMV_XS
-#define GEMV_XS_BACK 0x1p49f    // 2^(149 - GEMV_XS): a denormal code's 2^-149 and x's 2^GEMV_XS undone
+#define GEMV_XS_SCALE 0x1p100f  // x's scale in shared memory (gemv_core.cuh's prologue)
+// what a row's sum is multiplied by at the end: the denormal codes' 2^-149 and x's scale undone (2^49)
+#define GEMV_XS_BACK (1.f / (GEMV_XS_SCALE * 0x1p-149f))
 
 // byte i of a word as the denormal float byte x 2^-149 (GEMV_DENORM)
 __device__ __forceinline__ float byte_den(uint32_t word, int i) {
@@ -69,6 +69,14 @@ __device__ __forceinline__ float byte_plus_2p23(uint32_t word, int i) {
     return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540u + i));
 }
 
+// the code in byte i of a word for a GEMV dot product: byte - bias exactly (bias = 2^23 + the code offset), or under
+// GEMV_DENORM (DEN) the denormal byte 2^-149, the offset then taken off once a load by the caller
+template <bool DEN>
+__device__ __forceinline__ float gemv_code(uint32_t word, int i, float bias) {
+    if constexpr (DEN) return byte_den(word, i);
+    else return byte_plus_2p23(word, i) - bias;
+}
+
 __device__ __forceinline__ uint2 ldg_stream8(const void* p) {
     uint2 r;
     asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
@@ -78,15 +86,6 @@ __device__ __forceinline__ uint2 ldg_stream8(const void* p) {
 __device__ __forceinline__ uint32_t ldg_stream4(const void* p) {
     uint32_t r;
     asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
-    return r;
-}
-
-// two floats -> one bf16x2 word (lo = first) by the conversion instruction (sm_80 on), rounded to nearest even as
-// common.cuh's pack_bf16x2, whose integer rounding (about 7 instructions a value) was most of the instructions of
-// the quantised GEMMs' dequantisation (docs/KERNEL_NOTES.md, session 31). Only NaN payloads can differ.
-__device__ __forceinline__ uint32_t cvt_bf16x2(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
 
@@ -142,32 +141,25 @@ struct WInt8 {
     typedef RowScale RowQ;
     struct Q {};  // the row's scale is all there is (RowQ)
     __device__ static __forceinline__ Q at(const RowQ&, int) { return Q(); }
-    __device__ static __forceinline__ float dot(const uint4& w, const float* x, Q) {
+    // sum q x over a load's 16 codes (the biased bytes q + 128 as gemv_code<DEN>: minus 2^23 + 128, or denormal)
+    template <bool DEN>
+    __device__ static __forceinline__ float codes_dot(const uint4& w, const float* x) {
         float s = 0.f;
         const uint32_t words[4] = {w.x ^ 0x80808080u, w.y ^ 0x80808080u, w.z ^ 0x80808080u, w.w ^ 0x80808080u};
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             const float4 a = *reinterpret_cast<const float4*>(x + 4 * q);
-            s = fmaf(byte_plus_2p23(words[q], 0) - 8388736.f, a.x, s);  // biased byte - (2^23 + 128) = q
-            s = fmaf(byte_plus_2p23(words[q], 1) - 8388736.f, a.y, s);
-            s = fmaf(byte_plus_2p23(words[q], 2) - 8388736.f, a.z, s);
-            s = fmaf(byte_plus_2p23(words[q], 3) - 8388736.f, a.w, s);
+            s = fmaf(gemv_code<DEN>(words[q], 0, 8388736.f), a.x, s);  // biased byte - (2^23 + 128) = q
+            s = fmaf(gemv_code<DEN>(words[q], 1, 8388736.f), a.y, s);
+            s = fmaf(gemv_code<DEN>(words[q], 2, 8388736.f), a.z, s);
+            s = fmaf(gemv_code<DEN>(words[q], 3, 8388736.f), a.w, s);
         }
         return s;
     }
-    // GEMV_DENORM: sum (q + 128) x' - 128 xs', x' = x 2^GEMV_XS, xs' = the load's sum of x' (times 2^(GEMV_XS - 149))
+    __device__ static __forceinline__ float dot(const uint4& w, const float* x, Q) { return codes_dot<false>(w, x); }
+    // GEMV_DENORM: sum (q + 128) x' - 128 xs', x' = x GEMV_XS_SCALE, xs' = the load's sum of x' (times 2^-149)
     __device__ static __forceinline__ float dot_xs(const uint4& w, const float* x, Q, float xs) {
-        float s = 0.f;
-        const uint32_t words[4] = {w.x ^ 0x80808080u, w.y ^ 0x80808080u, w.z ^ 0x80808080u, w.w ^ 0x80808080u};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const float4 a = *reinterpret_cast<const float4*>(x + 4 * q);
-            s = fmaf(byte_den(words[q], 0), a.x, s);
-            s = fmaf(byte_den(words[q], 1), a.y, s);
-            s = fmaf(byte_den(words[q], 2), a.z, s);
-            s = fmaf(byte_den(words[q], 3), a.w, s);
-        }
-        return fmaf(-__uint_as_float(128u), xs, s);
+        return fmaf(-__uint_as_float(128u), xs, codes_dot<true>(w, x));
     }
     typedef uint2 raw_t;
     __device__ static __forceinline__ raw_t load_raw(const void* p) { return ldg_stream8(p); }
@@ -236,20 +228,22 @@ struct RowGroups {
     __device__ __forceinline__ float scale() const { return 1.f; }  // applied per load (WInt4::dot)
 };
 
-// one 32-bit word of int4 codes (8 columns: byte b = columns 2b, low nibble, and 2b + 1) against x[0..8), with
-// zf = 2^23 + z: the even columns' products go into de, the odd ones' into dodd (the same variable for one chain)
+// one 32-bit word of int4 codes (8 columns: byte b = columns 2b, low nibble, and 2b + 1) against x[0..8), the codes
+// as gemv_code<DEN> (zf = 2^23 + z; unused for DEN): the even columns' products go into de, the odd ones' into dodd
+// (the same variable for one chain)
+template <bool DEN = false>
 __device__ __forceinline__ void int4_word_dot(uint32_t word, const float* x, float zf, float& de, float& dodd) {
     const uint32_t lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
     const float4 a = *reinterpret_cast<const float4*>(x);
     const float4 b = *reinterpret_cast<const float4*>(x + 4);
-    de = fmaf(byte_plus_2p23(lo, 0) - zf, a.x, de);
-    dodd = fmaf(byte_plus_2p23(hi, 0) - zf, a.y, dodd);
-    de = fmaf(byte_plus_2p23(lo, 1) - zf, a.z, de);
-    dodd = fmaf(byte_plus_2p23(hi, 1) - zf, a.w, dodd);
-    de = fmaf(byte_plus_2p23(lo, 2) - zf, b.x, de);
-    dodd = fmaf(byte_plus_2p23(hi, 2) - zf, b.y, dodd);
-    de = fmaf(byte_plus_2p23(lo, 3) - zf, b.z, de);
-    dodd = fmaf(byte_plus_2p23(hi, 3) - zf, b.w, dodd);
+    de = fmaf(gemv_code<DEN>(lo, 0, zf), a.x, de);
+    dodd = fmaf(gemv_code<DEN>(hi, 0, zf), a.y, dodd);
+    de = fmaf(gemv_code<DEN>(lo, 1, zf), a.z, de);
+    dodd = fmaf(gemv_code<DEN>(hi, 1, zf), a.w, dodd);
+    de = fmaf(gemv_code<DEN>(lo, 2, zf), b.x, de);
+    dodd = fmaf(gemv_code<DEN>(hi, 2, zf), b.y, dodd);
+    de = fmaf(gemv_code<DEN>(lo, 3, zf), b.z, de);
+    dodd = fmaf(gemv_code<DEN>(hi, 3, zf), b.w, dodd);
 }
 
 struct WInt4 {
@@ -295,19 +289,7 @@ struct WInt4 {
         float d = 0.f;
         const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const uint32_t lo = words[j] & 0x0F0F0F0Fu, hi = (words[j] >> 4) & 0x0F0F0F0Fu;
-            const float4 a = *reinterpret_cast<const float4*>(x + 8 * j);
-            const float4 b = *reinterpret_cast<const float4*>(x + 8 * j + 4);
-            d = fmaf(byte_den(lo, 0), a.x, d);
-            d = fmaf(byte_den(hi, 0), a.y, d);
-            d = fmaf(byte_den(lo, 1), a.z, d);
-            d = fmaf(byte_den(hi, 1), a.w, d);
-            d = fmaf(byte_den(lo, 2), b.x, d);
-            d = fmaf(byte_den(hi, 2), b.y, d);
-            d = fmaf(byte_den(lo, 3), b.z, d);
-            d = fmaf(byte_den(hi, 3), b.w, d);
-        }
+        for (int j = 0; j < 4; ++j) int4_word_dot<true>(words[j], x + 8 * j, 0.f, d, d);
         return fmaf(-__uint_as_float(q.z), xs, d) * q.s;
     }
     typedef uint32_t raw_t;
