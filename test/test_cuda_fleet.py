@@ -5,7 +5,8 @@ few-row GEMM tuning.fleet_gemv names, gemv_rows_mma's grids).
 GPU (marked ``gpu``): a batch equals each robot run alone by the numpy engine (the oracle) on the tiny geometry
 with eviction, changing memberships (subsets, a late joiner, a leaver), graphs on and off, either few-row GEMM; bad
 members rejected alone; on the Qwen2.5-1.5B geometry (head_dim 128) a batch equals each robot's single CUDA engine;
-gemv_rows_mma alone against numpy for 1..16 rows.
+both with either many-row prefill GEMM (tuning.fleet_gemm); gemv_rows_mma alone against numpy for 1..16 rows,
+gemm_tiled*_atomic alone for 32..512 rows.
 """
 from __future__ import annotations
 
@@ -69,19 +70,21 @@ def _fake_engine(cfg, max_robots=8, budget=4096, tuning=None):
     return e
 
 
-@pytest.mark.parametrize("fleet_gemv", ["rows", "mma"])
+@pytest.mark.parametrize("fleet_gemv, fleet_gemm", [("rows", "tiles32"), ("mma", "tiles32"), ("mma", "tiled")])
 @pytest.mark.parametrize("geometry", ["1.5b", "tiny"])
 @pytest.mark.parametrize("n", [1, 3, 8, 16])
-def test_the_batched_pass_launches_match_the_table(geometry, n, fleet_gemv):
+def test_the_batched_pass_launches_match_the_table(geometry, n, fleet_gemv, fleet_gemm):
     """The prefill and decode graphs of n robots as recorded launches: every argument list matches the kernel's
     signature, grids are positive, per-member launches span the n members, the GEMMs pick the few-row GEMM that
-    tuning.fleet_gemv names for a decode step of <= 16 robots and the 32-row tiles for the prefill, each decode
-    step's first launch is serial, and the gate/up buffer is zeroed before every gate/up GEMM."""
+    tuning.fleet_gemv names for a decode step of <= 16 robots and the many-row GEMM tuning.fleet_gemm names for
+    the prefill (over the pass's 32-row tiles), each decode step's first launch is serial, and the gate/up buffer
+    is zeroed before every gate/up GEMM."""
     from cuda_plan_fixtures import cfg_of, check_launch
     from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.plan import Tuning
     cfg = cfg_of(geometry)
-    e = _fake_engine(cfg, max_robots=16, tuning=Tuning(fleet_gemv=fleet_gemv))
+    e = _fake_engine(cfg, max_robots=16, tuning=Tuning(fleet_gemv=fleet_gemv, fleet_gemm=fleet_gemm))
+    many = "gemm32t" if fleet_gemm == "tiles32" else "gemm_tiled"
     rec, zeros = [], []
 
     def k(launch, *args, serial=False):
@@ -94,15 +97,18 @@ def test_the_batched_pass_launches_match_the_table(geometry, n, fleet_gemv):
     per_layer = 9
     assert len(rec) == per_layer * L + 3 and len(zeros) == L
     tiles = -(-n * cfg.n_patches // 32)
-    gemms = [r for r in rec if r[0].startswith("gemm32t")]
+    gemms = [r for r in rec if r[0].startswith(many)]
     assert len(gemms) == 4 * L and all(r[3][-1] == tiles for r in gemms)  # every tile of every member
+    if fleet_gemm == "tiled":  # 128-row block tiles once the pass has 128 rows; the grid covers every row
+        bm = 128 if 32 * tiles >= 128 else 64
+        assert all(r[0] == f"gemm_tiled{bm}_atomic" and r[1][1] * bm >= 32 * tiles for r in gemms)
     assert all(r[1][-1] == n for r in rec if "batch" in r[0] or r[0] in ("rows_gather",))
     assert rec[-1][1] == (n, 1) and rec[-2][1][1] == n  # one argmax block / logits row per member
     assert [i for i, r in enumerate(rec) if r[2]] == [0]
     for at, ptr, count in zeros:
         assert ptr == e.gu and count == 32 * tiles * 2 * fleet_forward.padded_intermediate(cfg)
         assert rec[at][0] == "rmsnorm_rows_bf16"  # zeroed before the norm, whose output feeds the gate/up GEMM
-        assert rec[at + 1][0].startswith("gemm32t") and rec[at + 1][3][6] == e.gu
+        assert rec[at + 1][0].startswith(many) and rec[at + 1][3][6] == e.gu
     rec.clear()
     zeros.clear()
     fleet_forward.decode(e, k, zero, n)
@@ -134,6 +140,36 @@ def test_the_fleet_gemv_knob_is_checked_by_name():
     with pytest.raises(EngineError, match="fleet_gemv must be one of 'rows', 'mma', got 'tensor'"):
         fleet_forward.linear(e, 512, 256, 3)
     fleet_forward.linear(e, 512, 256, 17)  # past the few rows the knob does not matter: gemm32t tiles
+    with pytest.raises(EngineError, match="tuning fleet_gemm must be one of tiles32, tiled, got 'wide'"):
+        Tuning(fleet_gemm="wide")
+
+
+@pytest.mark.parametrize("geometry", ["1.5b", "0.5b"])
+@pytest.mark.parametrize("rows", [17, 64, 96, 256, 512])
+def test_gemm_tiled_launches_cover_every_row_column_and_k(geometry, rows):
+    """tuning fleet_gemm = "tiled" (cuda/gemm_tiled.cu): 128-row block tiles from 128 rows on, 64 below; the grid
+    covers every column and 32-row tile, the K splits cover K in whole 32-column steps, the blocks come near
+    gemm_target_blocks without a split shorter than gemm_min_ks, and the shared memory is the module's."""
+    from cuda_plan_fixtures import cfg_of
+    from vla_edge_ros.engine.cuda import fleet_forward
+    from vla_edge_ros.engine.cuda.plan import Tuning
+    cfg = cfg_of(geometry)
+    e = _fake_engine(cfg, tuning=Tuning(fleet_gemm="tiled"))
+    c, t = e.limits.constants, e.tuning
+    H, I = cfg.hidden_size, fleet_forward.padded_intermediate(cfg)
+    nqkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    R = 32 * -(-rows // 32)
+    for N, K in ((nqkv, H), (H, cfg.num_attention_heads * cfg.head_dim), (2 * I, H), (H, I)):
+        launch = fleet_forward.linear(e, N, K, rows)
+        bm = 128 if R >= 128 else 64
+        gx, gy, gz = launch.grid
+        assert launch.kernel == f"gemm_tiled{bm}_atomic" and launch.block == (256, 1, 1)
+        assert launch.smem == (c.GT_SMEM128 if bm == 128 else c.GT_SMEM64)
+        assert gx * c.GT_BN >= N > (gx - 1) * c.GT_BN and gy * bm >= R > (gy - 1) * bm
+        assert launch.ks % 32 == 0 and gz * launch.ks >= K > (gz - 1) * launch.ks
+        assert launch.ks >= min(K, t.gemm_min_ks)
+        if gz > 1:  # split only to come near the target, never past twice it
+            assert gx * gy * gz < 2 * t.gemm_target_blocks
 
 
 @pytest.mark.parametrize("geometry", ["1.5b", "0.5b", "tiny"])
@@ -251,15 +287,15 @@ def _budget(frames):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fleet_gemv", ["rows", "mma"])
+@pytest.mark.parametrize("fleet_gemv, fleet_gemm", [("rows", "tiles32"), ("mma", "tiles32"), ("mma", "tiled")])
 @pytest.mark.parametrize("use_graphs", [True, False])
-def test_a_batch_equals_each_robot_run_alone_by_numpy(torch_cuda, tmp_path, use_graphs, fleet_gemv):
+def test_a_batch_equals_each_robot_run_alone_by_numpy(torch_cuda, tmp_path, use_graphs, fleet_gemv, fleet_gemm):
     """Tiny geometry (head_dim 64): three robots with budgets of 3, 2 and 4 frames (FIFO eviction mid-run), full
     batches, subsets, a robot silent for cycles, a late joiner and a leaver; the decode steps' GEMMs on either
-    few-row kernel (tuning.fleet_gemv)."""
+    few-row kernel (tuning.fleet_gemv), the prefill's on either many-row one (tuning.fleet_gemm)."""
     t = _Twins(torch_cuda, tmp_path, tiny_default_dict(), {"a": _budget(3), "b": _budget(2), "c": _budget(4),
                                                             "d": _budget(2)}, use_graphs=use_graphs,
-               tuning={"fleet_gemv": fleet_gemv})
+               tuning={"fleet_gemv": fleet_gemv, "fleet_gemm": fleet_gemm})
     try:
         for name in "abc":
             t.add(name)
@@ -322,12 +358,12 @@ def test_a_pass_reports_its_host_split_next_to_the_gpu_figures(torch_cuda, tmp_p
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fleet_gemv", ["rows", "mma"])
-def test_the_1_5b_geometry_batch_equals_each_single_cuda_engine(torch_cuda, tmp_path, fleet_gemv):
+@pytest.mark.parametrize("fleet_gemv, fleet_gemm", [("rows", "tiles32"), ("mma", "tiles32"), ("mma", "tiled")])
+def test_the_1_5b_geometry_batch_equals_each_single_cuda_engine(torch_cuda, tmp_path, fleet_gemv, fleet_gemm):
     """head_dim 128, 28 layers: three robots, eviction on; the single-robot CUDA engine is the reference. Random
     weights give flat logits: a token the two engines choose differently must be within 0.1 std of the best."""
     t = _Twins(torch_cuda, tmp_path, qwen2_5_1_5b_dict(), {n: _budget(3) for n in "abc"}, reference="cuda", seed=1,
-               tie=0.1, tuning={"fleet_gemv": fleet_gemv})
+               tie=0.1, tuning={"fleet_gemv": fleet_gemv, "fleet_gemm": fleet_gemm})
     try:
         for name in "abc":
             t.add(name)
@@ -339,12 +375,50 @@ def test_the_1_5b_geometry_batch_equals_each_single_cuda_engine(torch_cuda, tmp_
         t.close()
 
 
-# ---------------------------------------------------------------------------------- gemv_rows_mma alone (GPU)
+# ---------------------------------------------------------------------- gemv_rows_mma, gemm_tiled alone (GPU)
 @pytest.fixture(scope="module")
 def fleet_kernels():
-    """cuda/fleet.cu alone, compiled for the GPU present (test_cuda_kernels.Dev: uploads, poisoned buffers)."""
+    """cuda/fleet.cu and gemm_tiled.cu, compiled for the GPU present (test_cuda_kernels.Dev: uploads, poisoned
+    buffers)."""
     from test_cuda_kernels import open_dev
-    yield from open_dev(["fleet.cu"])
+    yield from open_dev(["fleet.cu", "gemm_tiled.cu"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K,rows,ks", [
+    (2048, 1536, 256, 0), (1536, 1536, 256, 0), (17920, 1536, 256, 0), (1536, 8960, 256, 0),  # 8 robots, 1.5B
+    (2048, 1536, 96, 0), (17920, 1536, 64, 0), (1536, 8960, 512, 0),  # 3 / 2 / 16 robots
+    (272, 704, 160, 0), (272, 704, 160, 96), (136, 64, 32, 32)])  # ragged columns, odd splits, one step per split
+def test_gemm_tiled_against_numpy(fleet_kernels, N, K, rows, ks):
+    """C[rows] += A W^T by gemm_tiled*_atomic on the engine's grids (ks = 0: fleet_forward.linear with tuning
+    fleet_gemm = "tiled") and chosen split lengths, against float64 numpy on the same bf16 inputs. A's rows past
+    `rows` are NaN (must not be read), C's rows past `rows` and columns past N keep their values, lda / ldc wider
+    than K / N."""
+    import types
+
+    from test_cuda_kernels import rand_bf16, rel_err, set_smem
+    from cuda_plan_fixtures import H200, cfg_of, limits
+    from vla_edge_ros.engine.cuda import fleet_forward
+    from vla_edge_ros.engine.cuda.plan import Tuning
+    d, rng = fleet_kernels, np.random.default_rng(N + K + rows + ks)
+    lda, ldc = K + 64, N + 16
+    a_b, a = rand_bf16(rng, (rows, K))
+    w_b, w = rand_bf16(rng, (N, K), 0.05)
+    A = np.full((rows + 32, lda), 0x7FC0, np.uint16)
+    A[:rows, :K] = a_b
+    e = types.SimpleNamespace(limits=limits(H200, cfg_of("1.5b")), tuning=Tuning(fleet_gemm="tiled"))
+    launch = fleet_forward.linear(e, N, K, rows)
+    if ks:
+        launch = launch._replace(grid=launch.grid[:2] + (-(-K // ks),), ks=ks)
+    f = d.fn(launch.kernel)
+    set_smem(d, f, launch.smem)
+    c0 = rng.standard_normal((rows + 32, ldc)).astype(np.float32)
+    C = d.up(c0)
+    f(d.up(A), I32(lda), d.up(w_b), I32(N), I32(K), I32(launch.ks), C, I32(ldc), I32(rows // 32),
+      block=launch.block, grid=launch.grid, shared=launch.smem)
+    out = d.down(C, (rows + 32, ldc), np.float32)
+    assert rel_err(out[:rows, :N], c0[:rows, :N] + a @ w.T) < 1e-5, launch
+    assert np.array_equal(out[rows:], c0[rows:]) and np.array_equal(out[:rows, N:], c0[:rows, N:]), launch
 
 
 @pytest.mark.gpu
@@ -386,3 +460,21 @@ def test_gemv_rows_mma_against_numpy(fleet_kernels, N, K, ks):
         out = d.down(C, (17, ldc), np.float32)
         assert rel_err(out[:rows, :N], c0[:rows, :N] + ref[:rows]) < 1e-5, (rows, launch)
         assert np.array_equal(out[rows:], c0[rows:]) and np.array_equal(out[:rows, N:], c0[:rows, N:]), rows
+
+
+def test_the_fleet_bench_times_every_pair_of_gemm_variants():
+    """gpu_fleet_bench's --fleet-gemm x --fleet-gemv: every pair, labelled as before when --fleet-gemm is absent;
+    an unknown name refused by the parser."""
+    import argparse
+
+    from vla_edge_ros.bench import gpu_fleet_bench as bench
+    from vla_edge_ros.engine.cuda.plan import Tuning
+    ns = argparse.Namespace
+    assert bench.variants(ns(fleet_gemv=None, fleet_gemm=None), Tuning()) == [
+        ("mma", {"fleet_gemv": "mma", "fleet_gemm": "tiles32"})]
+    assert [v for v, _ in bench.variants(ns(fleet_gemv=["rows", "mma"], fleet_gemm=None), Tuning())] == ["rows", "mma"]
+    got = bench.variants(ns(fleet_gemv=None, fleet_gemm=bench.fleet_gemm_variants("tiles32, tiled")), Tuning())
+    assert got == [("mma+tiles32", {"fleet_gemv": "mma", "fleet_gemm": "tiles32"}),
+                   ("mma+tiled", {"fleet_gemv": "mma", "fleet_gemm": "tiled"})]
+    with pytest.raises(argparse.ArgumentTypeError, match="--fleet-gemm takes tiles32, tiled"):
+        bench.fleet_gemm_variants("tiled,wide")

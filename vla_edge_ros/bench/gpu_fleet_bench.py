@@ -2,7 +2,7 @@
 with each N's bandwidth floor, in one run.
 
     python -m vla_edge_ros.bench.gpu_fleet_bench [--robots 1,2,4,8,16] [--batches 30] [--budget 4096]
-        [--geometry 1.5b|0.5b] [--fleet-gemv rows,mma] [--json out.json]
+        [--geometry 1.5b|0.5b] [--fleet-gemv rows,mma] [--fleet-gemm tiles32,tiled] [--json out.json]
     python -m vla_edge_ros.bench.gpu_fleet_bench --gemv-micro [--json out.json]
 
 Why: a chunk is memory-bound, so N robots in one pass should cost the weights once plus each robot's K/V, not N
@@ -14,7 +14,9 @@ the same run. Floor per N: (1 + S) passes x (the weights once + every member's K
 copy bandwidth measured here. Goal (issue 24): 8 robots in <= 1.5x the single-robot chunk time.
 
 ``--fleet-gemv rows,mma``: the N sweep once per few-row decode GEMM (tuning.fleet_gemv: gemv_rows_atomic, then
-gemv_rows_mma), on the same engine and caches, each with its ratio to the single engine.
+gemv_rows_mma), on the same engine and caches, each with its ratio to the single engine. ``--fleet-gemm
+tiles32,tiled``: the same for the prefill's many-row GEMMs (tuning.fleet_gemm: gemm32t_atomic, gemm_tiled*_atomic);
+with both options, every pair (variant "mma+tiled").
 
 ``--gemv-micro``: the two few-row GEMMs alone, no engine: for the 1.5B decode step's four linear layers and 1, 2, 4,
 8, 16 rows, each on the grid the fleet launches it with (fleet_forward.linear), the median of 50 graph replays
@@ -55,15 +57,24 @@ MICRO_ROWS = (1, 2, 4, 8, 16)
 MICRO_MAX_ERR = 1e-2  # max |error| / max |reference| of a few-row GEMM against numpy
 
 
+def _names(text: str, known, option: str) -> list[str]:
+    names = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    bad = [n for n in names if n not in known]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{option} takes {', '.join(known)} (comma-separated), got {text!r}")
+    return names
+
+
 def fleet_gemv_variants(text: str) -> list[str]:
     """--fleet-gemv: comma-separated tuning.fleet_gemv values, in the order given, each once."""
     from vla_edge_ros.engine.cuda.fleet_forward import FLEET_GEMV
-    names = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    bad = [n for n in names if n not in FLEET_GEMV]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"--fleet-gemv takes {', '.join(FLEET_GEMV)} (comma-separated), got "
-                                         f"{text!r}")
-    return names
+    return _names(text, FLEET_GEMV, "--fleet-gemv")
+
+
+def fleet_gemm_variants(text: str) -> list[str]:
+    """--fleet-gemm: comma-separated tuning.fleet_gemm values, in the order given, each once."""
+    from vla_edge_ros.engine.cuda.plan import FLEET_GEMMS
+    return _names(text, FLEET_GEMMS, "--fleet-gemm")
 
 
 def max_rel_err(out: np.ndarray, ref: np.ndarray) -> float:
@@ -89,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fleet-gemv", type=fleet_gemv_variants, default=None,
                     help="few-row decode GEMMs to time in turn (tuning.fleet_gemv), e.g. rows,mma; default: the "
                          "engine's default")
+    ap.add_argument("--fleet-gemm", type=fleet_gemm_variants, default=None,
+                    help="many-row prefill GEMMs to time in turn (tuning.fleet_gemm), e.g. tiles32,tiled; default: "
+                         "the engine's default")
     ap.add_argument("--gemv-micro", action="store_true",
                     help="time gemv_rows_atomic against gemv_rows_mma alone (1.5B shapes, 1..16 rows) and check "
                          "both against numpy; no engine run")
@@ -212,15 +226,23 @@ def gemv_micro(cuda, json_path: str = "", reps: int = 50) -> int:
     return 1 if failed else 0
 
 
-def use_fleet_gemv(eng, variant: str) -> None:
-    """The fleet engine's decode GEMMs on ``variant`` (tuning.fleet_gemv): its captured graphs dropped, so the next
-    batch of each size captures them again with the new launches."""
+def use_tuning(eng, **changes) -> None:
+    """The fleet engine's launches on other tuning values (fleet_gemv, fleet_gemm): its captured graphs dropped, so
+    the next batch of each size captures them again with the new launches."""
     with eng._active():
         eng.stream.synchronize()
         for g in eng._graphs.values():
             g.destroy()
         eng._graphs = {}
-    eng.tuning = eng.tuning.with_changes(fleet_gemv=variant)
+    eng.tuning = eng.tuning.with_changes(**changes)
+
+
+def variants(args, tuning) -> list[tuple[str, dict]]:
+    """(label, tuning changes) for every pair of --fleet-gemm x --fleet-gemv (each defaulting to the engine's);
+    the label is the few-row GEMM's alone when the many-row one was not asked for (the runs before it)."""
+    gemms, gemvs = args.fleet_gemm or [tuning.fleet_gemm], args.fleet_gemv or [tuning.fleet_gemv]
+    return [(gemv if args.fleet_gemm is None else f"{gemv}+{gemm}", {"fleet_gemv": gemv, "fleet_gemm": gemm})
+            for gemm in gemms for gemv in gemvs]
 
 
 def _main(args, torch, cuda) -> int:
@@ -276,11 +298,11 @@ def _main(args, torch, cuda) -> int:
     while eng.robot(names[0]).kv.occupancy_tokens + tpf <= args.budget:
         batch(names)
     out["variants"] = {}
-    for variant in args.fleet_gemv or [eng.tuning.fleet_gemv]:
-        use_fleet_gemv(eng, variant)
+    for variant, changes in variants(args, eng.tuning):
+        use_tuning(eng, **changes)
         rows = out["variants"][variant] = []
-        print(f"\ndecode GEMMs of <= {eng.limits.constants.GR_MAXM} robots: {variant} "
-              f"({fleet_forward.fleet_gemv_kernel(eng.tuning)})")
+        print(f"\ndecode GEMMs of <= {eng.limits.constants.GR_MAXM} robots: {changes['fleet_gemv']} "
+              f"({fleet_forward.fleet_gemv_kernel(eng.tuning)}); prefill GEMMs: {changes['fleet_gemm']}")
         print(f"{'N':>3} {'GPU p50 ms':>11} {'p99':>7} {'prefill':>8} {'decode':>7} {'wall p50':>9} "
               f"{'per robot':>10} {'x single':>9} {'floor ms':>9} {'% floor':>8} {'VRAM GiB':>9}")
         for n in args.robots:

@@ -45,9 +45,26 @@ def linear(e: Any, N: int, K: int, rows: int) -> Launch:
         rb = math.ceil(N / (2 * c.GR_WARPS))
         ks = min(split_len(K, rb, t.gemv_target_blocks, 256, 256), GR_MAX_KS)
         return Launch("gemv_rows_atomic", (rb, math.ceil(K / ks)), (32 * c.GR_WARPS, 1, 1), 4 * rows * ks, ks)
+    if t.fleet_gemm == "tiled":
+        return tiled_gemm(c, t, N, K, rows)
     rb = math.ceil(N / (16 * c.GEMM_WARPS))
     ks = split_len(K, rb, t.gemm_target_blocks, 32, t.gemm_min_ks)
     return Launch("gemm32t_atomic", (rb, math.ceil(K / ks)), (32 * c.GEMM_WARPS, 1, 1), 0, ks)
+
+
+def tiled_gemm(c: Any, t: Any, N: int, K: int, rows: int) -> Launch:
+    """gemm_tiled*_atomic's launch (cuda/gemm_tiled.cu) for the pass's 32-row tiles: block tiles of 128 rows once
+    the pass has that many (a weight read from DRAM once per 128 rows), else 64; K split only as far as
+    tuning.gemm_target_blocks asks (each split adds its partial sums into C by atomics), each split at least
+    tuning.gemm_min_ks columns."""
+    if N % 2 or K % 32:
+        raise EngineError(f"gemm_tiled: N={N} must be even and K={K} a multiple of 32")
+    R = 32 * math.ceil(rows / 32)
+    bm = 128 if R >= 128 else 64
+    gx, gy = math.ceil(N / c.GT_BN), math.ceil(R / bm)
+    ks = split_len(K, gx * gy, t.gemm_target_blocks, 32, t.gemm_min_ks)
+    smem = c.GT_SMEM128 if bm == 128 else c.GT_SMEM64
+    return Launch(f"gemm_tiled{bm}_atomic", (gx, gy, math.ceil(K / ks)), (256, 1, 1), smem, ks)
 
 
 def _gemv_rows_mma(e: Any, N: int, K: int, rows: int) -> Launch:

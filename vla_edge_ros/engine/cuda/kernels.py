@@ -64,6 +64,9 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("gemm32t_atomic", "fleet.cu", "PiPiiiPii", "gemm32_atomic"),
     Kernel("gemv_rows_atomic", "fleet.cu", "PiPiiiPii", "gemv_rows"),
     Kernel("gemv_rows_mma", "fleet.cu", "PiPiiiPii", "gemv_rows"),  # the same on the tensor cores
+    # the fleet's prefill GEMMs of many rows, both operands staged (tuning fleet_gemm = "tiled")
+    Kernel("gemm_tiled128_atomic", "gemm_tiled.cu", "PiPiiiPii", "gemm_tiled"),
+    Kernel("gemm_tiled64_atomic", "gemm_tiled.cu", "PiPiiiPii", "gemm_tiled"),
     Kernel("silu_rows", "fleet.cu", "PiP", "silu"),
     Kernel("rows_gather", "fleet.cu", "PiPiP", "gather"),
 )
@@ -90,6 +93,7 @@ LAUNCH_CONSTANTS = {
     "gemm_skinny.cu": ("GEMM_WARPS", "G4_NW", "G4_U", "G4_SMEM"),
     "gemv.cu": ("GEMV_WARPS",),
     "fleet.cu": ("GEMM_WARPS", "GR_WARPS", "GR_MAXM"),
+    "gemm_tiled.cu": ("GT_BN", "GT_SMEM128", "GT_SMEM64"),
     "gemv_quant.cu": ("GEMV_RPW_I8", "GEMV_RPW_F8", "GEMV_RPW_I4"),
     "rope_attention.cu": ("ATT_KC", "DEC_WARPS", "DEC_MAXG", "CMB_GROUPS", "PF_MAXG_128", "PF_MAXG_64", "PFG_MAXG_128",
                           "PFG_MAXG_64"),

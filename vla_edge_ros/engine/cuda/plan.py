@@ -56,9 +56,13 @@ class LaunchConstants:
     PFG_MAXG_64: int = 8     # ... of attn_prefill_hd64_hg
     GR_WARPS: int = 8        # gemv_rows_atomic (the fleet's decode passes, cuda/fleet.cu): warps per block
     GR_MAXM: int = 16        # ... and the most rows (robots) it takes
+    GT_BN: int = 128         # gemm_tiled*_atomic (the fleet's many-row prefill GEMMs): columns of C per block
+    GT_SMEM128: int = 81920  # ... dynamic shared memory of the 128-row and the 64-row block tile
+    GT_SMEM64: int = 61440
 
 
 FLEET_GEMVS = ("mma", "rows")  # engine/cuda/fleet_forward.FLEET_GEMV's kernels
+FLEET_GEMMS = ("tiles32", "tiled")  # the fleet's prefill GEMMs: gemm32t_atomic | gemm_tiled*_atomic
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,9 @@ class Tuning:
     gemv_target_blocks: int = 264  # split-K decode GEMVs (o_proj, down)
     gemv_min_ks: int = 512
     fleet_gemv: str = "mma"  # the fleet's decode GEMMs (<= 16 robots): mma (gemv_rows_mma) | rows (gemv_rows_atomic)
+    # the fleet's GEMMs of more rows (prefill): tiles32 (gemm32t_atomic: weights in registers, 32-row tiles in turn)
+    # | tiled (gemm_tiled*_atomic: both operands staged, 128- or 64-row block tiles; session 32, unmeasured)
+    fleet_gemm: str = "tiles32"
 
     def __post_init__(self) -> None:
         for name in ("gemm_v4", "late_trigger"):
@@ -89,6 +96,8 @@ class Tuning:
             raise EngineError(f"tuning pdl must be true or false, got {self.pdl!r}")
         if self.fleet_gemv not in FLEET_GEMVS:
             raise EngineError(f"tuning fleet_gemv must be one of {', '.join(FLEET_GEMVS)}, got {self.fleet_gemv!r}")
+        if self.fleet_gemm not in FLEET_GEMMS:
+            raise EngineError(f"tuning fleet_gemm must be one of {', '.join(FLEET_GEMMS)}, got {self.fleet_gemm!r}")
         for f in ("gemm_target_blocks", "gemm_min_ks", "gemv_target_blocks", "gemv_min_ks"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
