@@ -11,7 +11,8 @@
 // 80 bytes apart in shared memory (64 + 16: ldmatrix's eight 16-byte rows land in distinct bank quads).
 // grid = (ceil(N / 128), ceil(M / BM), K splits of ks_len columns, a multiple of 32); dynamic shared memory
 // GT_SMEM128 / GT_SMEM64. Rows >= M are neither read (their addresses clamped) nor written. With one K split C is
-// added to plainly (a block owns its elements); with more, by fp32 atomics.
+// added to plainly (a block owns its elements); with more, by fp32 atomics. The _silu kernels (one K split) write
+// silu(gate) * up in bf16 instead, as gemm32_silu: no fp32 gate/up rows, no memset, no separate SiLU pass.
 #include "common.cuh"
 
 #define GT_BN 128
@@ -28,9 +29,12 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) 
                  : "r"(s));
 }
 
-template <int BM>
+enum { GT_ATOMIC = 0, GT_SILU = 1 };
+
+template <int BM, int MODE>
 __device__ __forceinline__ void gemm_tiled_body(const bf16_t* __restrict__ A, int lda, const bf16_t* __restrict__ W,
-                                                int N, int K, int ks_len, float* __restrict__ C, int ldc, int M) {
+                                                int N, int K, int ks_len, float* __restrict__ C, int ldc, int M,
+                                                bf16_t* __restrict__ act) {
     constexpr int MI = BM / 32;  // 16-row mma tiles per warp (a warp: BM / 2 rows)
     extern __shared__ __align__(16) bf16_t gt_smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -102,8 +106,31 @@ __device__ __forceinline__ void gemm_tiled_body(const bf16_t* __restrict__ A, in
         }
     }
     cp_async_wait<0>();  // no copy outlives the block
-    const bool atomic = gridDim.z > 1;
     const int g = lane >> 2, t = lane & 3;
+    if (MODE == GT_SILU) {
+        // act[M][N / 2] = silu(gate) * up: the weight rows are interleaved in groups of 8 gate rows then their 8 up
+        // rows (engine interleave_gate_up), so 8-column tiles j = 0, 1 (and 2, 3) of a warp are one group's gate and
+        // up, lane for lane: intermediate column 8 (group) + 2t, + 1. One K split (the host's grid).
+        const int I = N >> 1;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int jp = 0; jp < 2; ++jp) {
+                const int colg = n0 + wn * 32 + 16 * jp;  // the group's first weight row
+                if (colg >= N) continue;
+                const float* ga = acc[mi][2 * jp];
+                const float* ua = acc[mi][2 * jp + 1];
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    const int row = m0 + wm * (BM / 2) + 16 * mi + g + 8 * hr;
+                    if (row >= M) continue;
+                    *reinterpret_cast<uint32_t*>(act + (size_t)row * I + 8 * (colg >> 4) + 2 * t) =
+                        pack_bf16x2(silu(ga[2 * hr]) * ua[2 * hr], silu(ga[2 * hr + 1]) * ua[2 * hr + 1]);
+                }
+            }
+        return;
+    }
+    const bool atomic = gridDim.z > 1;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -133,14 +160,23 @@ __device__ __forceinline__ void gemm_tiled_body(const bf16_t* __restrict__ A, in
         }
 }
 
-// The fleet's launches keep gemm32t_atomic's arguments (tiles: M = 32 tiles rows).
+// C[M][ldc] += A W^T (the fleet's launches keep gemm32t_atomic's arguments; tiles: M = 32 tiles rows)
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_tiled128_atomic(const bf16_t* __restrict__ A, int lda,
         const bf16_t* __restrict__ W, int N, int K, int ks_len, float* __restrict__ C, int ldc, int tiles) {
-    gemm_tiled_body<128>(A, lda, W, N, K, ks_len, C, ldc, 32 * tiles);
+    gemm_tiled_body<128, GT_ATOMIC>(A, lda, W, N, K, ks_len, C, ldc, 32 * tiles, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_tiled64_atomic(const bf16_t* __restrict__ A, int lda,
         const bf16_t* __restrict__ W, int N, int K, int ks_len, float* __restrict__ C, int ldc, int tiles) {
-    gemm_tiled_body<64>(A, lda, W, N, K, ks_len, C, ldc, 32 * tiles);
+    gemm_tiled_body<64, GT_ATOMIC>(A, lda, W, N, K, ks_len, C, ldc, 32 * tiles, nullptr);
+}
+// act[M][N / 2] = silu(gate) * up of the interleaved gate/up weights (as gemm32_silu); grid z = 1
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_tiled128_silu(const bf16_t* __restrict__ A, int lda,
+        const bf16_t* __restrict__ W, int N, int K, bf16_t* __restrict__ act, int tiles) {
+    gemm_tiled_body<128, GT_SILU>(A, lda, W, N, K, K, nullptr, 0, 32 * tiles, act);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_tiled64_silu(const bf16_t* __restrict__ A, int lda,
+        const bf16_t* __restrict__ W, int N, int K, bf16_t* __restrict__ act, int tiles) {
+    gemm_tiled_body<64, GT_SILU>(A, lda, W, N, K, K, nullptr, 0, 32 * tiles, act);
 }
 
 // What the host reads from the compiled module (engine/cuda/kernels.py LAUNCH_CONSTANTS), in this order.

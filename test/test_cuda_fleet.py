@@ -94,14 +94,17 @@ def test_the_batched_pass_launches_match_the_table(geometry, n, fleet_gemv, flee
     zero = lambda ptr, count: zeros.append((len(rec), ptr, count))  # noqa: E731
     fleet_forward.prefill(e, k, zero, n)
     L = cfg.num_hidden_layers
-    per_layer = 9
-    assert len(rec) == per_layer * L + 3 and len(zeros) == L
+    tiled = fleet_gemm == "tiled"  # its gate/up GEMM writes silu(gate) * up: no memset, no silu_rows
+    per_layer = 8 if tiled else 9
+    assert len(rec) == per_layer * L + 3 and len(zeros) == (0 if tiled else L)
     tiles = -(-n * cfg.n_patches // 32)
     gemms = [r for r in rec if r[0].startswith(many)]
     assert len(gemms) == 4 * L and all(r[3][-1] == tiles for r in gemms)  # every tile of every member
-    if fleet_gemm == "tiled":  # 128-row block tiles once the pass has 128 rows; the grid covers every row
+    if tiled:  # 128-row block tiles once the pass has 128 rows; the grid covers every row
         bm = 128 if 32 * tiles >= 128 else 64
-        assert all(r[0] == f"gemm_tiled{bm}_atomic" and r[1][1] * bm >= 32 * tiles for r in gemms)
+        assert [r[0] for r in gemms[:4]] == [f"gemm_tiled{bm}_{m}" for m in ("atomic", "atomic", "silu", "atomic")]
+        assert all(r[1][1] * bm >= 32 * tiles for r in gemms)
+        assert all(r[3][5] == e.act_bf for r in gemms[2::4]) and "silu_rows" not in [r[0] for r in rec]
     assert all(r[1][-1] == n for r in rec if "batch" in r[0] or r[0] in ("rows_gather",))
     assert rec[-1][1] == (n, 1) and rec[-2][1][1] == n  # one argmax block / logits row per member
     assert [i for i, r in enumerate(rec) if r[2]] == [0]
@@ -170,6 +173,8 @@ def test_gemm_tiled_launches_cover_every_row_column_and_k(geometry, rows):
         assert launch.ks >= min(K, t.gemm_min_ks)
         if gz > 1:  # split only to come near the target, never past twice it
             assert gx * gy * gz < 2 * t.gemm_target_blocks
+    silu = fleet_forward.tiled_gemm(c, t, 2 * I, H, rows, silu=True)  # the gate/up GEMM writing silu(gate) * up
+    assert silu.kernel == f"gemm_tiled{bm}_silu" and silu.grid == (-(-2 * I // c.GT_BN), -(-R // bm), 1)
 
 
 @pytest.mark.parametrize("geometry", ["1.5b", "0.5b", "tiny"])
@@ -419,6 +424,39 @@ def test_gemm_tiled_against_numpy(fleet_kernels, N, K, rows, ks):
     out = d.down(C, (rows + 32, ldc), np.float32)
     assert rel_err(out[:rows, :N], c0[:rows, :N] + a @ w.T) < 1e-5, launch
     assert np.array_equal(out[rows:], c0[rows:]) and np.array_equal(out[:rows, N:], c0[:rows, N:]), launch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("I,K,rows", [(8960, 1536, 256), (8960, 1536, 64), (4864, 896, 96), (144, 96, 160)])
+def test_gemm_tiled_silu_against_numpy(fleet_kernels, I, K, rows):
+    """act[rows][I] = silu(gate) * up by gemm_tiled*_silu on the fleet's grid over interleaved gate/up weights (the
+    1.5B and 0.5B widths; I = 144: a ragged last block tile), against float64 numpy; the rows past `rows` keep
+    their poison (0xFFFF), A's rows past `rows` are NaN."""
+    import types
+
+    from test_cuda_kernels import bits_f32, rand_bf16, rel_err, set_smem
+    from cuda_plan_fixtures import H200, cfg_of, limits
+    from vla_edge_ros.engine.cuda import fleet_forward
+    from vla_edge_ros.engine.cuda.buffers import interleave_gate_up
+    from vla_edge_ros.engine.cuda.plan import Tuning
+    d, rng = fleet_kernels, np.random.default_rng(I + K + rows)
+    a_b, a = rand_bf16(rng, (rows, K))
+    g_b, g = rand_bf16(rng, (I, K), 0.05)
+    u_b, u = rand_bf16(rng, (I, K), 0.05)
+    A = np.full((rows + 32, K), 0x7FC0, np.uint16)
+    A[:rows] = a_b
+    e = types.SimpleNamespace(limits=limits(H200, cfg_of("1.5b")), tuning=Tuning(fleet_gemm="tiled"))
+    launch = fleet_forward.tiled_gemm(e.limits.constants, e.tuning, 2 * I, K, rows, silu=True)
+    assert launch.grid[2] == 1
+    f = d.fn(launch.kernel)
+    set_smem(d, f, launch.smem)
+    act = d.poisoned(2 * (rows + 32) * I)
+    f(d.up(A), I32(K), d.up(interleave_gate_up(g_b, u_b)), I32(2 * I), I32(K), act, I32(rows // 32),
+      block=launch.block, grid=launch.grid, shared=launch.smem)
+    out = d.down(act, (rows + 32, I), np.uint16)
+    gg, uu = a @ g.T, a @ u.T
+    assert rel_err(bits_f32(out[:rows]), gg / (1 + np.exp(-gg)) * uu) < 5e-3, launch
+    assert np.all(out[rows:] == 0xFFFF), launch
 
 
 @pytest.mark.gpu

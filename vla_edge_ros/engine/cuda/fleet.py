@@ -159,8 +159,9 @@ class FleetCudaEngine(DeviceEngine):
         self._apply_plan(p)
         c = self.limits.constants
         self.kernels.raise_dynamic_smem("gemv_rows_atomic", 4 * c.GR_MAXM * fleet_forward.GR_MAX_KS)
-        self.kernels.raise_dynamic_smem("gemm_tiled128_atomic", c.GT_SMEM128)
-        self.kernels.raise_dynamic_smem("gemm_tiled64_atomic", c.GT_SMEM64)
+        for mode in ("atomic", "silu"):  # the tiled prefill GEMMs (tuning fleet_gemm = "tiled")
+            self.kernels.raise_dynamic_smem(f"gemm_tiled128_{mode}", c.GT_SMEM128)
+            self.kernels.raise_dynamic_smem(f"gemm_tiled64_{mode}", c.GT_SMEM64)
         t1 = time.perf_counter()
         self.weights = Weights(self.mem, cfg, w, self.prefix_ids)
         self.weight_bytes = int(self.mem.tracker.current_bytes)

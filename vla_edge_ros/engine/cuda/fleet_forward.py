@@ -52,18 +52,20 @@ def linear(e: Any, N: int, K: int, rows: int) -> Launch:
     return Launch("gemm32t_atomic", (rb, math.ceil(K / ks)), (32 * c.GEMM_WARPS, 1, 1), 0, ks)
 
 
-def tiled_gemm(c: Any, t: Any, N: int, K: int, rows: int) -> Launch:
-    """gemm_tiled*_atomic's launch (cuda/gemm_tiled.cu) for the pass's 32-row tiles: block tiles of 128 rows once
-    the pass has that many (a weight read from DRAM once per 128 rows), else 64; K split only as far as
+def tiled_gemm(c: Any, t: Any, N: int, K: int, rows: int, silu: bool = False) -> Launch:
+    """gemm_tiled*'s launch (cuda/gemm_tiled.cu) for the pass's 32-row tiles: block tiles of 128 rows once the pass
+    has that many (a weight read from DRAM once per 128 rows), else 64. _atomic: K split only as far as
     tuning.gemm_target_blocks asks (each split adds its partial sums into C by atomics), each split at least
-    tuning.gemm_min_ks columns."""
-    if N % 2 or K % 32:
-        raise EngineError(f"gemm_tiled: N={N} must be even and K={K} a multiple of 32")
+    tuning.gemm_min_ks columns; _silu (the gate/up GEMM writing silu(gate) * up): one split."""
+    if N % (32 if silu else 2) or K % 32:
+        raise EngineError(f"gemm_tiled: N={N} must be a multiple of {32 if silu else 2} and K={K} of 32")
     R = 32 * math.ceil(rows / 32)
     bm = 128 if R >= 128 else 64
     gx, gy = math.ceil(N / c.GT_BN), math.ceil(R / bm)
-    ks = split_len(K, gx * gy, t.gemm_target_blocks, 32, t.gemm_min_ks)
     smem = c.GT_SMEM128 if bm == 128 else c.GT_SMEM64
+    if silu:
+        return Launch(f"gemm_tiled{bm}_silu", (gx, gy, 1), (256, 1, 1), smem)
+    ks = split_len(K, gx * gy, t.gemm_target_blocks, 32, t.gemm_min_ks)
     return Launch(f"gemm_tiled{bm}_atomic", (gx, gy, math.ceil(K / ks)), (256, 1, 1), smem, ks)
 
 
@@ -136,6 +138,9 @@ def batched_pass(e: Any, k: Callable, zero: Callable[[int, int], None], n: int, 
         rows_per_head = 32
     silu = Launch("silu_rows", (math.ceil(I / BLOCK), R), (BLOCK, 1, 1))
     g_qkv, g_o, g_gu, g_d = (linear(e, N, K, rows) for N, K in ((nqkv, H), (H, nq), (2 * I, H), (H, I)))
+    # the tiled GEMMs' gate/up writes silu(gate) * up itself: no fp32 gate/up rows to zero and pass over
+    gu_silu = tiled_gemm(e.limits.constants, e.tuning, 2 * I, H, rows, silu=True) if g_gu.kernel.startswith(
+        "gemm_tiled") else None
     arg = rows if few else tiles  # gemv_rows_*: rows; gemm32t: 32-row tiles
     layer_bytes = 2 * e.slots_total * e.nkv
     for i, L in enumerate(w.layers):
@@ -152,12 +157,16 @@ def batched_pass(e: Any, k: Callable, zero: Callable[[int, int], None], n: int, 
               e.region, REC, e.part_rows)
         k(merge, e.part_o, e.part_ml, HD, Hq, rows_per_head, meta, REC, e.kps, e.part_rows, e.attn_bf)
         k(g_o, e.attn_bf, nq, L.wo, H, nq, g_o.ks, e.x, H, arg)
-        # the gate/up GEMM adds into gu: zeroed by a memset (a graph node), not by the norm kernel's bias copy,
-        # whose one block per row wrote 2I floats each: 3.6 of a 36.6 ms decode graph at 8 robots (H200)
-        zero(e.gu, R * 2 * I)
-        k(norm, e.x, L.ln2, e.h_bf, H, eps, 0, 0, 0)
-        k(g_gu, e.h_bf, H, L.wgu, 2 * I, H, g_gu.ks, e.gu, 2 * I, arg)
-        k(silu, e.gu, I, e.act_bf)
+        if gu_silu:
+            k(norm, e.x, L.ln2, e.h_bf, H, eps, 0, 0, 0)
+            k(gu_silu, e.h_bf, H, L.wgu, 2 * I, H, e.act_bf, tiles)
+        else:
+            # the gate/up GEMM adds into gu: zeroed by a memset (a graph node), not by the norm kernel's bias copy,
+            # whose one block per row wrote 2I floats each: 3.6 of a 36.6 ms decode graph at 8 robots (H200)
+            zero(e.gu, R * 2 * I)
+            k(norm, e.x, L.ln2, e.h_bf, H, eps, 0, 0, 0)
+            k(g_gu, e.h_bf, H, L.wgu, 2 * I, H, g_gu.ks, e.gu, 2 * I, arg)
+            k(silu, e.gu, I, e.act_bf)
         k(g_d, e.act_bf, I, L.wd, H, I, g_d.ks, e.x, H, arg)
     k(Launch("rows_gather", (math.ceil(H / BLOCK), n), (BLOCK, 1, 1)), e.x, H, meta, REC, e.xg)
     k(p.logits._replace(grid=(p.logits.grid[0], n)), e.xg, e.one, 0, w.final_norm, eps, w.head_rows,

@@ -67,6 +67,8 @@ KERNELS: tuple[Kernel, ...] = (
     # the fleet's prefill GEMMs of many rows, both operands staged (tuning fleet_gemm = "tiled")
     Kernel("gemm_tiled128_atomic", "gemm_tiled.cu", "PiPiiiPii", "gemm_tiled"),
     Kernel("gemm_tiled64_atomic", "gemm_tiled.cu", "PiPiiiPii", "gemm_tiled"),
+    Kernel("gemm_tiled128_silu", "gemm_tiled.cu", "PiPiiPi", "gemm_tiled_silu"),
+    Kernel("gemm_tiled64_silu", "gemm_tiled.cu", "PiPiiPi", "gemm_tiled_silu"),
     Kernel("silu_rows", "fleet.cu", "PiP", "silu"),
     Kernel("rows_gather", "fleet.cu", "PiPiP", "gather"),
 )
