@@ -138,12 +138,15 @@ def test_parallel_chunks_match_the_numpy_engine(torch_cuda, tmp_path, use_graphs
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("horizon, use_graphs", [(8, True), (8, False), (10, True)])
-def test_tiled_parallel_chunks_match_the_numpy_engine(torch_cuda, tmp_path, horizon, use_graphs):
+@pytest.mark.parametrize("horizon, use_graphs, gemm", [(8, True, "tiles32"), (8, False, "tiles32"),
+                                                      (10, True, "tiles32"), (8, True, "tiled"), (10, False, "tiled")])
+def test_tiled_parallel_chunks_match_the_numpy_engine(torch_cuda, tmp_path, horizon, use_graphs, gemm):
     """H = 8 (56 slots: two row tiles) and H = 10 (70: three, the last of 6 rows), with eviction, graphs on and off:
     the tiles' attention sees every slot's key (tile 0 stores them, later tiles stage them from the cache), so
-    every slot's logits equal numpy's."""
-    cfg, eng, ref = _pair(torch_cuda, tmp_path, horizon=horizon, use_graphs=use_graphs)
+    every slot's logits equal numpy's; the GEMMs per tile or over all tiles at once (tuning parallel_gemm)."""
+    cfg, eng, ref = _pair(torch_cuda, tmp_path, horizon=horizon, use_graphs=use_graphs,
+                          tuning={"parallel_gemm": gemm})
+    assert bool(eng.plan.parallel_gemms) == (gemm == "tiled")
     a = 7 * horizon
     try:
         assert (eng.decode_steps, eng.scratch_slots, eng.act.tiles) == (1, a, -(-a // 32))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cuda_plan_fixtures import GEOMETRIES, H200, record_chunk, cfg_of, limits
+from vla_edge_ros.engine.config import tiny_default_dict
 from vla_edge_ros.engine.cuda.pass_meta import META_INTS
 from vla_edge_ros.engine.cuda.plan import Tuning, padded_intermediate, plan
 
@@ -111,3 +112,31 @@ def test_a_quantised_chunk_launches_the_quantised_kernels_with_their_scales_and_
     L = cfg.num_hidden_layers
     assert sum(n.endswith(suffix) for n in names) == 4 * L + 8 * 4 * L  # 4 GEMMs + 8 x 4 GEMVs per layer
     assert names.count("gemv_logits") == 9 and "gemv_qkv" not in names
+
+
+@pytest.mark.parametrize("geometry", ["1.5b", "tiny"])
+def test_a_tiled_parallel_pass_runs_each_gemm_once_over_both_tiles(geometry):
+    """tuning parallel_gemm = "tiled" (H = 8, 56 slots, bf16): each GEMM is one gemm_tiled64 launch over the 64 rows
+    (A and C from row 0, tiles = 2; the gate/up one writes act_bf), the attention and merge still per tile; with
+    quantised weights the plan keeps the per-tile 32-row kernels (and says so); one tile: nothing tiled."""
+    from vla_edge_ros.engine.cuda.plan import for_weight_dtype
+    vla = {**tiny_default_dict()["vla"], "action_horizon": 8, "chunk_decode": "parallel"}
+    cfg = cfg_of(geometry, vla=vla)
+    p = plan(cfg, Tuning(parallel_gemm="tiled"), limits(H200, cfg))
+    assert [g.kernel for g in p.parallel_gemms] == [f"gemm_tiled64_{m}" for m in ("atomic", "atomic", "silu",
+                                                                                  "atomic")]
+    assert all(p.raise_smem[g.kernel] == g.smem for g in p.parallel_gemms)
+    rec = record_chunk(cfg, p, 4104, parallel_slots=56, with_args=True)
+    L, I = cfg.num_hidden_layers, padded_intermediate(cfg)
+    par = rec[8 * L + 3:]
+    a = rec[0][4]
+    per_layer = 1 + 1 + 4 + 1 + 1 + 1 + 1  # norm, qkv, (attn, merge) x 2, o, norm, gate/up, down
+    assert len(par) == per_layer * L + 3
+    gemms = [r for r in par[:per_layer] if r[0].startswith("gemm")]
+    assert [r[0] for r in gemms] == [g.kernel for g in p.parallel_gemms]
+    assert [r[3][0] for r in gemms] == [a.h_bf, a.attn_bf, a.h_bf, a.act_bf] and all(r[3][-1] == 2 for r in gemms)
+    assert gemms[2][3][5] == a.act_bf and gemms[3][3][6] == a.x_pre and 2 * I == gemms[2][3][3]
+    q = for_weight_dtype(p, "int8", cfg)
+    assert q.parallel_gemms == () and any("bf16 weights only" in n for n in q.notes)
+    one = cfg_of(geometry, vla={**vla, "action_horizon": 4})  # 28 slots: one tile
+    assert plan(one, Tuning(parallel_gemm="tiled"), limits(H200, one)).parallel_gemms == ()

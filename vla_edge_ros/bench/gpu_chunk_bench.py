@@ -176,18 +176,22 @@ def run_ours(cfg, weights_np, args, log) -> dict:
 
 
 def run_horizon_compare(cfg_dict, weights_np, args, log) -> dict:
-    """GPU medians (prefill, decode, chunk) of an H = args.horizon_compare chunk, autoregressive vs parallel, each on
-    a fresh engine with the cache filled to the budget (same frames, same weights)."""
+    """GPU medians (prefill, decode, chunk) of an H = args.horizon_compare chunk, autoregressive vs parallel (and,
+    past one 32-row tile, parallel with tuning parallel_gemm = "tiled": each GEMM once over every tile), each on a
+    fresh engine with the cache filled to the budget (same frames, same weights)."""
     from vla_edge_ros.core.kv.manager import KVManager
     from vla_edge_ros.engine.cuda import CudaEngine
     out = {"horizon": args.horizon_compare}
-    for decode in ("autoregressive", "parallel"):
+    modes = ("autoregressive", "parallel") + (("parallel_tiled",) if 7 * args.horizon_compare > 32 else ())
+    for mode in modes:
+        decode = "parallel" if mode.startswith("parallel") else mode
         cfg = ModelConfig.from_json({**cfg_dict, "vla": {"action_horizon": args.horizon_compare,
                                                          "chunk_decode": decode}})
         kv = KVManager(args.budget, cfg.n_patches, len(INSTRUCTION.encode()), policy=args.policy,
                        embed_dim=cfg.hidden_size)
         eng = CudaEngine(cfg, weights_np, kv, instruction=INSTRUCTION, decode_tokens=args.decode_tokens,
-                         max_vram_gb=args.max_vram_gb, log=log)
+                         max_vram_gb=args.max_vram_gb, log=log,
+                         tuning={"parallel_gemm": "tiled" if mode == "parallel_tiled" else "tiles32"})
         try:
             rng = np.random.default_rng(0)
             frames = [(0.02 * rng.standard_normal((cfg.n_patches, cfg.hidden_size))).astype(np.float32)
@@ -200,14 +204,14 @@ def run_horizon_compare(cfg_dict, weights_np, args, log) -> dict:
                 r = eng.run_chunk(frames[(f + i) % 8] + np.float32(1e-3 * i), f + i)
                 pf.append(r.prefill_ms)
                 dc.append(r.decode_ms)
-            out[decode] = {"decode_steps": eng.decode_steps, "scratch_slots": eng.scratch_slots,
+            out[mode] = {"decode_steps": eng.decode_steps, "scratch_slots": eng.scratch_slots,
                            "prefill_median_ms": pct(pf, 50), "decode_median_ms": pct(dc, 50),
                            "gpu_median_ms": pct(np.add(pf, dc), 50), "chunks": args.chunks}
         finally:
             eng.close()
-    for decode in ("autoregressive", "parallel"):
-        r = out[decode]
-        print(f"H={args.horizon_compare} {decode:14s}: {r['scratch_slots']} action/decode slots, GPU median "
+    for mode in modes:
+        r = out[mode]
+        print(f"H={args.horizon_compare} {mode:14s}: {r['scratch_slots']} action/decode slots, GPU median "
               f"{r['gpu_median_ms']:.3f} ms (prefill {r['prefill_median_ms']:.3f} + decode "
               f"{r['decode_median_ms']:.3f})")
     return out

@@ -15,7 +15,8 @@ import math
 from typing import Any, Callable
 
 from vla_edge_ros.engine.cuda.forward import _qscale
-from vla_edge_ros.engine.cuda.plan import BLOCK, SMEM_DEFAULT, Launch, padded_intermediate, split_len
+from vla_edge_ros.engine.cuda.plan import (BLOCK, SMEM_DEFAULT, Launch, padded_intermediate, split_len,
+                                          tiled_gemm)
 from vla_edge_ros.engine.interface import EngineError
 
 REC = 8  # ints per member record (pass_meta.META_INTS; index 5 = the member's first row in the pass)
@@ -50,23 +51,6 @@ def linear(e: Any, N: int, K: int, rows: int) -> Launch:
     rb = math.ceil(N / (16 * c.GEMM_WARPS))
     ks = split_len(K, rb, t.gemm_target_blocks, 32, t.gemm_min_ks)
     return Launch("gemm32t_atomic", (rb, math.ceil(K / ks)), (32 * c.GEMM_WARPS, 1, 1), 0, ks)
-
-
-def tiled_gemm(c: Any, t: Any, N: int, K: int, rows: int, silu: bool = False) -> Launch:
-    """gemm_tiled*'s launch (cuda/gemm_tiled.cu) for the pass's 32-row tiles: block tiles of 128 rows once the pass
-    has that many (a weight read from DRAM once per 128 rows), else 64. _atomic: K split only as far as
-    tuning.gemm_target_blocks asks (each split adds its partial sums into C by atomics), each split at least
-    tuning.gemm_min_ks columns; _silu (the gate/up GEMM writing silu(gate) * up): one split."""
-    if N % (32 if silu else 2) or K % 32:
-        raise EngineError(f"gemm_tiled: N={N} must be a multiple of {32 if silu else 2} and K={K} of 32")
-    R = 32 * math.ceil(rows / 32)
-    bm = 128 if R >= 128 else 64
-    gx, gy = math.ceil(N / c.GT_BN), math.ceil(R / bm)
-    smem = c.GT_SMEM128 if bm == 128 else c.GT_SMEM64
-    if silu:
-        return Launch(f"gemm_tiled{bm}_silu", (gx, gy, 1), (256, 1, 1), smem)
-    ks = split_len(K, gx * gy, t.gemm_target_blocks, 32, t.gemm_min_ks)
-    return Launch(f"gemm_tiled{bm}_atomic", (gx, gy, math.ceil(K / ks)), (256, 1, 1), smem, ks)
 
 
 def _gemv_rows_mma(e: Any, N: int, K: int, rows: int) -> Launch:

@@ -73,7 +73,9 @@ def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: 
     attention stores every slot's K/V (it reads each key of the pass fresh from the QKV rows); tile t > 0 finds the keys
     of the rows before its own in the cache, staged before its PDL wait, so it is launched serially (after tile 0's
     attention and merge are complete); the keys from its own row on it reads fresh, like tile 0. The split partials are
-    one tile's, reused: each tile's merge runs before the next tile's attention."""
+    one tile's, reused: each tile's merge runs before the next tile's attention. With p.parallel_gemms (tuning
+    parallel_gemm = "tiled", bf16) each GEMM is instead one launch over every tile (cuda/gemm_tiled.cu: the weights
+    read once; the gate/up one writes silu(gate) * up)."""
     H, I, T, eps = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK, cfg.rms_norm_eps
     G, n_kvh, HD = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads, cfg.head_dim
     nq = cfg.num_attention_heads * HD
@@ -82,6 +84,8 @@ def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: 
     norm = p.norm_rows._replace(grid=(T * tiles,) + p.norm_rows.grid[1:])  # every row of the pass
     final_norm = p.final_norm._replace(grid=(T * tiles,) + p.final_norm.grid[1:])
     recs = [meta] if tiles == 1 else [a.meta_tile(t) for t in range(tiles)]
+    whole = tiles > 1 and bool(p.parallel_gemms)  # one tiled launch per GEMM over every tile
+    t_qkv, t_o, t_gu, t_d = p.parallel_gemms if whole else (None,) * 4
 
     def rows(ptr: int, width: int, nbytes: int, t: int) -> int:  # tile t's first row of a [rows][width] buffer
         return ptr + t * T * width * nbytes
@@ -91,7 +95,9 @@ def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: 
         # serial at layer 0: the attention stages cache rows of older keys before its PDL wait, so whatever ran
         # before the prefill (the last chunk, K/V moves) must be complete (a graph boundary does that too)
         k(norm, a.x_pre, L.ln1, a.h_bf, H, eps, L.bqkv, a.qkv, nqkv, serial=i == 0)
-        for t in range(tiles):
+        if whole:
+            k(t_qkv, a.h_bf, H, L.wqkv, nqkv, H, t_qkv.ks, a.qkv, nqkv, tiles)
+        for t in range(0 if whole else tiles):
             _gemm(k, p.gemm_qkv, rows(a.h_bf, H, 2, t), H, L.wqkv, nqkv, H, rows(a.qkv, nqkv, 4, t), nqkv,
                   scales=_s(w, L.sqkv, L.zqkv))
         for t in range(tiles):
@@ -99,14 +105,19 @@ def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: 
               kv.part_o_pf, kv.part_ml_pf, serial=t > 0)  # tile 0 also stores the pass's K/V in the cache
             k(p.merge_prefill, kv.part_o_pf, kv.part_ml_pf, cfg.num_attention_heads * T, HD, T,
               cfg.num_attention_heads, recs[t], 0, 0, p.keys_per_split, 0, rows(a.attn_bf, nq, 2, t))
-        for t in range(tiles):
+        if whole:
+            k(t_o, a.attn_bf, nq, L.wo, H, nq, t_o.ks, a.x_pre, H, tiles)
+        for t in range(0 if whole else tiles):
             _gemm(k, p.gemm_o, rows(a.attn_bf, nq, 2, t), nq, L.wo, H, nq, rows(a.x_pre, H, 4, t), H,
                   scales=_s(w, L.so, L.zo))
         k(norm, a.x_pre, L.ln2, a.h_bf, H, eps, 0, 0, 0)
-        for t in range(tiles):
+        if whole:
+            k(t_gu, a.h_bf, H, L.wgu, 2 * I, H, a.act_bf, tiles)
+            k(t_d, a.act_bf, I, L.wd, H, I, t_d.ks, a.x_pre, H, tiles)
+        for t in range(0 if whole else tiles):
             k(p.gemm_gateup, rows(a.h_bf, H, 2, t), H, L.wgu, 2 * I, H, rows(a.act_bf, I, 2, t),
               *_s(w, L.sgu, L.zgu))
-        for t in range(tiles):
+        for t in range(0 if whole else tiles):
             _gemm(k, p.gemm_down, rows(a.act_bf, I, 2, t), I, L.wd, H, I, rows(a.x_pre, H, 4, t), H,
                   scales=_s(w, L.sd, L.zd))
     k(final_norm, a.x_pre, w.final_norm, a.final_h, H, eps)

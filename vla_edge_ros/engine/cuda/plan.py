@@ -62,7 +62,7 @@ class LaunchConstants:
 
 
 FLEET_GEMVS = ("mma", "rows")  # engine/cuda/fleet_forward.FLEET_GEMV's kernels
-FLEET_GEMMS = ("tiles32", "tiled")  # the fleet's prefill GEMMs: gemm32t_atomic | gemm_tiled*_atomic
+FLEET_GEMMS = ("tiles32", "tiled")  # many-row GEMMs (fleet_gemm, parallel_gemm): 32-row tiles | gemm_tiled*
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,9 @@ class Tuning:
     # the fleet's GEMMs of more rows (prefill): tiles32 (gemm32t_atomic: weights in registers, 32-row tiles in turn)
     # | tiled (gemm_tiled*_atomic: both operands staged, 128- or 64-row block tiles; session 32, unmeasured)
     fleet_gemm: str = "tiles32"
+    # the single engine's parallel pass of more than 32 slots (issue 22, H = 8: 2 tiles): tiles32 (the 32-row
+    # kernels once per tile) | tiled (gemm_tiled64_*: one launch over every tile, weights read once; bf16 only)
+    parallel_gemm: str = "tiles32"
 
     def __post_init__(self) -> None:
         for name in ("gemm_v4", "late_trigger"):
@@ -96,8 +99,9 @@ class Tuning:
             raise EngineError(f"tuning pdl must be true or false, got {self.pdl!r}")
         if self.fleet_gemv not in FLEET_GEMVS:
             raise EngineError(f"tuning fleet_gemv must be one of {', '.join(FLEET_GEMVS)}, got {self.fleet_gemv!r}")
-        if self.fleet_gemm not in FLEET_GEMMS:
-            raise EngineError(f"tuning fleet_gemm must be one of {', '.join(FLEET_GEMMS)}, got {self.fleet_gemm!r}")
+        for f in ("fleet_gemm", "parallel_gemm"):
+            if getattr(self, f) not in FLEET_GEMMS:
+                raise EngineError(f"tuning {f} must be one of {', '.join(FLEET_GEMMS)}, got {getattr(self, f)!r}")
         for f in ("gemm_target_blocks", "gemm_min_ks", "gemv_target_blocks", "gemv_min_ks"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -166,6 +170,9 @@ class LaunchPlan:
     late_trigger_mask: int
     keys_per_split: int
     notes: tuple[str, ...] = ()  # decisions worth a log line (a GEMM moved off gemm32v4, ...)
+    # the parallel pass's qkv, o, gate/up (SiLU) and down over all its tiles at once (tuning parallel_gemm =
+    # "tiled", bf16, more than one tile); empty: each tile on the 32-row launches above
+    parallel_gemms: tuple[Launch, ...] = ()
 
     def splits(self, slots: int) -> int:
         """Attention splits (blocks per KV head) over ``slots`` cache rows."""
@@ -177,6 +184,23 @@ def split_len(K: int, row_blocks: int, target_blocks: int, quantum: int, min_len
     splits = max(1, math.ceil(target_blocks / max(1, row_blocks)))
     ks = _round_up(math.ceil(K / splits), quantum)
     return min(_round_up(K, quantum), max(ks, min_len))
+
+
+def tiled_gemm(c: Any, t: Any, N: int, K: int, rows: int, silu: bool = False) -> Launch:
+    """gemm_tiled*'s launch (cuda/gemm_tiled.cu) for the pass's 32-row tiles: block tiles of 128 rows once the pass
+    has that many (a weight read from DRAM once per 128 rows), else 64. _atomic: K split only as far as
+    tuning.gemm_target_blocks asks (each split adds its partial sums into C by atomics), each split at least
+    tuning.gemm_min_ks columns; _silu (the gate/up GEMM writing silu(gate) * up): one split."""
+    if N % (32 if silu else 2) or K % 32:
+        raise EngineError(f"gemm_tiled: N={N} must be a multiple of {32 if silu else 2} and K={K} of 32")
+    R = 32 * math.ceil(rows / 32)
+    bm = 128 if R >= 128 else 64
+    gx, gy = math.ceil(N / c.GT_BN), math.ceil(R / bm)
+    smem = c.GT_SMEM128 if bm == 128 else c.GT_SMEM64
+    if silu:
+        return Launch(f"gemm_tiled{bm}_silu", (gx, gy, 1), (256, 1, 1), smem)
+    ks = split_len(K, gx * gy, t.gemm_target_blocks, 32, t.gemm_min_ks)
+    return Launch(f"gemm_tiled{bm}_atomic", (gx, gy, math.ceil(K / ks)), (256, 1, 1), smem, ks)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -359,6 +383,15 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
     merge_block = (32 * c.CMB_GROUPS, 1, 1)
     attn_prefill, attn_decode, attn_notes = attention_launches(cfg, limits)
     notes.extend(attn_notes)
+    parallel_gemms: tuple[Launch, ...] = ()
+    from vla_edge_ros.engine.cuda.pass_meta import parallel_tiles  # pass_meta imports T_CHUNK from here
+    tiles = parallel_tiles(cfg)
+    if t.parallel_gemm == "tiled" and tiles > 1:
+        rows = T * tiles
+        parallel_gemms = tuple(tiled_gemm(c, t, N, K, rows, silu=use == "gateup")
+                               for use, (N, K, _) in shapes.items())
+        for launch in parallel_gemms:
+            smem[launch.kernel] = launch.smem
     row = (T, 1)
     return LaunchPlan(
         norm_rows=Launch("rmsnorm_rows_bf16", row, (BLOCK, 1, 1)),
@@ -384,7 +417,8 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
         pdl=bool(t.pdl and limits.pdl),
         late_trigger_mask=late_trigger_mask(t.late_trigger),
         keys_per_split=c.ATT_KC,
-        notes=tuple(notes))
+        notes=tuple(notes),
+        parallel_gemms=parallel_gemms)
 
 
 WEIGHT_LAUNCHES = ("gemm_qkv", "gemm_o", "gemm_gateup", "gemm_down", "gemv_qkv", "gemv_o", "gemv_gateup", "gemv_down")
@@ -427,7 +461,9 @@ def for_weight_dtype(p: LaunchPlan, weight_dtype: str, cfg: ModelConfig,
     smem = dict(p.raise_smem)
     smem.update({name + suffix: n for name, n in p.raise_smem.items()
                  if any(m.kernel == name + suffix for m in moved.values())})
-    return replace(p, raise_smem=smem, **moved)
+    notes = p.notes + (("parallel pass on the 32-row kernels per tile: the tiled GEMMs take bf16 weights only",)
+                       if p.parallel_gemms else ())
+    return replace(p, raise_smem=smem, parallel_gemms=(), notes=notes, **moved)
 
 
 def _vision_grid(cfg: ModelConfig, rows: int, block) -> tuple:
