@@ -84,7 +84,6 @@ def test_the_batched_pass_launches_match_the_table(geometry, n, fleet_gemv, flee
     from vla_edge_ros.engine.cuda.plan import Tuning
     cfg = cfg_of(geometry)
     e = _fake_engine(cfg, max_robots=16, tuning=Tuning(fleet_gemv=fleet_gemv, fleet_gemm=fleet_gemm))
-    many = "gemm32t" if fleet_gemm == "tiles32" else "gemm_tiled"
     rec, zeros = [], []
 
     def k(launch, *args, serial=False):
@@ -94,10 +93,11 @@ def test_the_batched_pass_launches_match_the_table(geometry, n, fleet_gemv, flee
     zero = lambda ptr, count: zeros.append((len(rec), ptr, count))  # noqa: E731
     fleet_forward.prefill(e, k, zero, n)
     L = cfg.num_hidden_layers
-    tiled = fleet_gemm == "tiled"  # its gate/up GEMM writes silu(gate) * up: no memset, no silu_rows
+    tiles = -(-n * cfg.n_patches // 32)
+    tiled = fleet_gemm == "tiled" and tiles > 1  # its gate/up writes silu(gate) * up: no memset, no silu_rows
+    many = "gemm_tiled" if tiled else "gemm32t"  # one tile stays on gemm32t
     per_layer = 8 if tiled else 9
     assert len(rec) == per_layer * L + 3 and len(zeros) == (0 if tiled else L)
-    tiles = -(-n * cfg.n_patches // 32)
     gemms = [r for r in rec if r[0].startswith(many)]
     assert len(gemms) == 4 * L and all(r[3][-1] == tiles for r in gemms)  # every tile of every member
     if tiled:  # 128-row block tiles once the pass has 128 rows; the grid covers every row
@@ -148,9 +148,10 @@ def test_the_fleet_gemv_knob_is_checked_by_name():
 
 
 @pytest.mark.parametrize("geometry", ["1.5b", "0.5b"])
-@pytest.mark.parametrize("rows", [17, 64, 96, 256, 512])
+@pytest.mark.parametrize("rows", [33, 64, 96, 256, 512])
 def test_gemm_tiled_launches_cover_every_row_column_and_k(geometry, rows):
-    """tuning fleet_gemm = "tiled" (cuda/gemm_tiled.cu): 128-row block tiles from 128 rows on, 64 below; the grid
+    """tuning fleet_gemm = "tiled" (cuda/gemm_tiled.cu) past one 32-row tile (one tile stays on gemm32t_atomic):
+    128-row block tiles from 128 rows on, 64 below; the grid
     covers every column and 32-row tile, the K splits cover K in whole 32-column steps, the blocks come near
     gemm_target_blocks without a split shorter than gemm_min_ks, and the shared memory is the module's."""
     from cuda_plan_fixtures import cfg_of
@@ -162,6 +163,7 @@ def test_gemm_tiled_launches_cover_every_row_column_and_k(geometry, rows):
     H, I = cfg.hidden_size, fleet_forward.padded_intermediate(cfg)
     nqkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     R = 32 * -(-rows // 32)
+    assert fleet_forward.linear(e, 2 * I, H, 32).kernel == "gemm32t_atomic"
     for N, K in ((nqkv, H), (H, cfg.num_attention_heads * cfg.head_dim), (2 * I, H), (H, I)):
         launch = fleet_forward.linear(e, N, K, rows)
         bm = 128 if R >= 128 else 64
@@ -396,7 +398,7 @@ def fleet_kernels():
     (272, 704, 160, 0), (272, 704, 160, 96), (136, 64, 32, 32)])  # ragged columns, odd splits, one step per split
 def test_gemm_tiled_against_numpy(fleet_kernels, N, K, rows, ks):
     """C[rows] += A W^T by gemm_tiled*_atomic on the engine's grids (ks = 0: fleet_forward.linear with tuning
-    fleet_gemm = "tiled") and chosen split lengths, against float64 numpy on the same bf16 inputs. A's rows past
+    fleet_gemm = "tiled"; tiled_gemm's for one tile) and chosen split lengths, against float64 numpy on the same bf16 inputs. A's rows past
     `rows` are NaN (must not be read), C's rows past `rows` and columns past N keep their values, lda / ldc wider
     than K / N."""
     import types
@@ -412,7 +414,9 @@ def test_gemm_tiled_against_numpy(fleet_kernels, N, K, rows, ks):
     A = np.full((rows + 32, lda), 0x7FC0, np.uint16)
     A[:rows, :K] = a_b
     e = types.SimpleNamespace(limits=limits(H200, cfg_of("1.5b")), tuning=Tuning(fleet_gemm="tiled"))
-    launch = fleet_forward.linear(e, N, K, rows)
+    launch = fleet_forward.linear(e, N, K, rows) if rows > 32 else fleet_forward.tiled_gemm(
+        e.limits.constants, e.tuning, N, K, rows)  # (the fleet keeps one tile on gemm32t; the kernel takes it)
+    assert launch.kernel.startswith("gemm_tiled")
     if ks:
         launch = launch._replace(grid=launch.grid[:2] + (-(-K // ks),), ks=ks)
     f = d.fn(launch.kernel)

@@ -46,7 +46,7 @@ def linear(e: Any, N: int, K: int, rows: int) -> Launch:
         rb = math.ceil(N / (2 * c.GR_WARPS))
         ks = min(split_len(K, rb, t.gemv_target_blocks, 256, 256), GR_MAX_KS)
         return Launch("gemv_rows_atomic", (rb, math.ceil(K / ks)), (32 * c.GR_WARPS, 1, 1), 4 * rows * ks, ks)
-    if t.fleet_gemm == "tiled":
+    if t.fleet_gemm == "tiled" and rows > 32:  # one tile: gemm32t over it is the single engine's gemm32_atomic
         return tiled_gemm(c, t, N, K, rows)
     rb = math.ceil(N / (16 * c.GEMM_WARPS))
     ks = split_len(K, rb, t.gemm_target_blocks, 32, t.gemm_min_ks)
