@@ -97,9 +97,10 @@ def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: 
         k(norm, a.x_pre, L.ln1, a.h_bf, H, eps, L.bqkv, a.qkv, nqkv, serial=i == 0)
         if whole:
             k(t_qkv, a.h_bf, H, L.wqkv, nqkv, H, t_qkv.ks, a.qkv, nqkv, tiles)
-        for t in range(0 if whole else tiles):
-            _gemm(k, p.gemm_qkv, rows(a.h_bf, H, 2, t), H, L.wqkv, nqkv, H, rows(a.qkv, nqkv, 4, t), nqkv,
-                  scales=_s(w, L.sqkv, L.zqkv))
+        else:
+            for t in range(tiles):
+                _gemm(k, p.gemm_qkv, rows(a.h_bf, H, 2, t), H, L.wqkv, nqkv, H, rows(a.qkv, nqkv, 4, t), nqkv,
+                      scales=_s(w, L.sqkv, L.zqkv))
         for t in range(tiles):
             k(attn, rows(a.qkv, nqkv, 4, t), nqkv, kc, vc, kv.key_slots, recs[t], kv.rope, G, n_kvh, _qscale(cfg),
               kv.part_o_pf, kv.part_ml_pf, serial=t > 0)  # tile 0 also stores the pass's K/V in the cache
@@ -107,17 +108,19 @@ def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: 
               cfg.num_attention_heads, recs[t], 0, 0, p.keys_per_split, 0, rows(a.attn_bf, nq, 2, t))
         if whole:
             k(t_o, a.attn_bf, nq, L.wo, H, nq, t_o.ks, a.x_pre, H, tiles)
-        for t in range(0 if whole else tiles):
-            _gemm(k, p.gemm_o, rows(a.attn_bf, nq, 2, t), nq, L.wo, H, nq, rows(a.x_pre, H, 4, t), H,
-                  scales=_s(w, L.so, L.zo))
+        else:
+            for t in range(tiles):
+                _gemm(k, p.gemm_o, rows(a.attn_bf, nq, 2, t), nq, L.wo, H, nq, rows(a.x_pre, H, 4, t), H,
+                      scales=_s(w, L.so, L.zo))
         k(norm, a.x_pre, L.ln2, a.h_bf, H, eps, 0, 0, 0)
         if whole:
             k(t_gu, a.h_bf, H, L.wgu, 2 * I, H, a.act_bf, tiles)
             k(t_d, a.act_bf, I, L.wd, H, I, t_d.ks, a.x_pre, H, tiles)
-        for t in range(0 if whole else tiles):
+            continue
+        for t in range(tiles):
             k(p.gemm_gateup, rows(a.h_bf, H, 2, t), H, L.wgu, 2 * I, H, rows(a.act_bf, I, 2, t),
               *_s(w, L.sgu, L.zgu))
-        for t in range(0 if whole else tiles):
+        for t in range(tiles):
             _gemm(k, p.gemm_down, rows(a.act_bf, I, 2, t), I, L.wd, H, I, rows(a.x_pre, H, 4, t), H,
                   scales=_s(w, L.sd, L.zd))
     k(final_norm, a.x_pre, w.final_norm, a.final_h, H, eps)
