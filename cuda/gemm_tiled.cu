@@ -44,25 +44,17 @@ __device__ __forceinline__ void gemm_tiled_body(const bf16_t* __restrict__ A, in
     const int nk = (kend - kbeg) / GT_BK;
     bf16_t* sA = gt_smem;                                // [GT_STAGES][BM][GT_RS]
     bf16_t* sW = gt_smem + GT_STAGES * BM * GT_RS;       // [GT_STAGES][GT_BN][GT_RS]
-    // what each thread copies a step: 16-byte pieces (4 a row) of A's BM rows and W's 128 rows, clamped to valid rows
-    const auto load_w = [&](int stage, int kt) {
+    // step kt's 16-byte pieces (4 a row) of n rows of X from row r0 (clamped to row rmax) into a stage's buffer
+    const auto load = [&](bf16_t* dst, const bf16_t* X, int ld, int n, int r0, int rmax, int kt) {
         const int k = kbeg + kt * GT_BK;
 #pragma unroll
-        for (int i = tid; i < GT_BN * 4; i += 256) {
+        for (int i = tid; i < n * 4; i += 256) {
             const int r = i >> 2, c = i & 3;
-            const bf16_t* src = W + (size_t)min(n0 + r, N - 1) * K + k + 8 * c;
-            cp_async16(sW + (stage * GT_BN + r) * GT_RS + 8 * c, src);
+            cp_async16(dst + r * GT_RS + 8 * c, X + (size_t)min(r0 + r, rmax) * ld + k + 8 * c);
         }
     };
-    const auto load_a = [&](int stage, int kt) {
-        const int k = kbeg + kt * GT_BK;
-#pragma unroll
-        for (int i = tid; i < BM * 4; i += 256) {
-            const int r = i >> 2, c = i & 3;
-            const bf16_t* src = A + (size_t)min(m0 + r, M - 1) * lda + k + 8 * c;
-            cp_async16(sA + (stage * BM + r) * GT_RS + 8 * c, src);
-        }
-    };
+    const auto load_w = [&](int stage, int kt) { load(sW + stage * GT_BN * GT_RS, W, K, GT_BN, n0, N - 1, kt); };
+    const auto load_a = [&](int stage, int kt) { load(sA + stage * BM * GT_RS, A, lda, BM, m0, M - 1, kt); };
     // the weights do not depend on the previous kernel: the first stages' are requested before the PDL wait (one
     // commit group), then each stage's activations a group of its own; from then on a group per step. Step kt's
     // data is in the first kt + 2 groups, so waiting until at most GT_STAGES - 2 are pending is always enough.

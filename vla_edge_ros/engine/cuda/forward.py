@@ -90,39 +90,34 @@ def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: 
     def rows(ptr: int, width: int, nbytes: int, t: int) -> int:  # tile t's first row of a [rows][width] buffer
         return ptr + t * T * width * nbytes
 
+    def linear(tiled: Launch, per_tile: Launch, A: int, lda: int, W: int, N: int, K: int, C: int, ldc: int,
+               scales: tuple) -> None:  # C[rows] += A W^T (bf16 A, fp32 C): once over every tile, or tile by tile
+        if whole:
+            k(tiled, A, lda, W, N, K, tiled.ks, C, ldc, tiles)
+            return
+        for t in range(tiles):
+            _gemm(k, per_tile, rows(A, lda, 2, t), lda, W, N, K, rows(C, ldc, 4, t), ldc, scales=scales)
+
     for i, L in enumerate(w.layers):
         kc, vc = kv.layer(i)
         # serial at layer 0: the attention stages cache rows of older keys before its PDL wait, so whatever ran
         # before the prefill (the last chunk, K/V moves) must be complete (a graph boundary does that too)
         k(norm, a.x_pre, L.ln1, a.h_bf, H, eps, L.bqkv, a.qkv, nqkv, serial=i == 0)
-        if whole:
-            k(t_qkv, a.h_bf, H, L.wqkv, nqkv, H, t_qkv.ks, a.qkv, nqkv, tiles)
-        else:
-            for t in range(tiles):
-                _gemm(k, p.gemm_qkv, rows(a.h_bf, H, 2, t), H, L.wqkv, nqkv, H, rows(a.qkv, nqkv, 4, t), nqkv,
-                      scales=_s(w, L.sqkv, L.zqkv))
+        linear(t_qkv, p.gemm_qkv, a.h_bf, H, L.wqkv, nqkv, H, a.qkv, nqkv, _s(w, L.sqkv, L.zqkv))
         for t in range(tiles):
             k(attn, rows(a.qkv, nqkv, 4, t), nqkv, kc, vc, kv.key_slots, recs[t], kv.rope, G, n_kvh, _qscale(cfg),
               kv.part_o_pf, kv.part_ml_pf, serial=t > 0)  # tile 0 also stores the pass's K/V in the cache
             k(p.merge_prefill, kv.part_o_pf, kv.part_ml_pf, cfg.num_attention_heads * T, HD, T,
               cfg.num_attention_heads, recs[t], 0, 0, p.keys_per_split, 0, rows(a.attn_bf, nq, 2, t))
-        if whole:
-            k(t_o, a.attn_bf, nq, L.wo, H, nq, t_o.ks, a.x_pre, H, tiles)
-        else:
-            for t in range(tiles):
-                _gemm(k, p.gemm_o, rows(a.attn_bf, nq, 2, t), nq, L.wo, H, nq, rows(a.x_pre, H, 4, t), H,
-                      scales=_s(w, L.so, L.zo))
+        linear(t_o, p.gemm_o, a.attn_bf, nq, L.wo, H, nq, a.x_pre, H, _s(w, L.so, L.zo))
         k(norm, a.x_pre, L.ln2, a.h_bf, H, eps, 0, 0, 0)
         if whole:
             k(t_gu, a.h_bf, H, L.wgu, 2 * I, H, a.act_bf, tiles)
-            k(t_d, a.act_bf, I, L.wd, H, I, t_d.ks, a.x_pre, H, tiles)
-            continue
-        for t in range(tiles):
-            k(p.gemm_gateup, rows(a.h_bf, H, 2, t), H, L.wgu, 2 * I, H, rows(a.act_bf, I, 2, t),
-              *_s(w, L.sgu, L.zgu))
-        for t in range(tiles):
-            _gemm(k, p.gemm_down, rows(a.act_bf, I, 2, t), I, L.wd, H, I, rows(a.x_pre, H, 4, t), H,
-                  scales=_s(w, L.sd, L.zd))
+        else:
+            for t in range(tiles):
+                k(p.gemm_gateup, rows(a.h_bf, H, 2, t), H, L.wgu, 2 * I, H, rows(a.act_bf, I, 2, t),
+                  *_s(w, L.sgu, L.zgu))
+        linear(t_d, p.gemm_down, a.act_bf, I, L.wd, H, I, a.x_pre, H, _s(w, L.sd, L.zd))
     k(final_norm, a.x_pre, w.final_norm, a.final_h, H, eps)
 
 
