@@ -57,6 +57,15 @@ def _ptxas(src: Path, out: Path, archs=ARCHS, defines=()) -> dict[str, dict[str,
     return report
 
 
+def _ptx(src: Path, out: Path, defines=()) -> str:
+    """``src``'s sm_90 PTX (what the quantised GEMMs' and the PACK_CVT knob's instruction checks read)."""
+    proc = subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-O3", "-std=c++17", "-I", str(CUDA_DIR),
+                           *("-D" + d for d in defines), "-o", str(out), str(src)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return out.read_text()
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
 def test_compiles_for_every_architecture(src: Path, tmp_path):
@@ -129,11 +138,8 @@ def test_the_quantised_prefill_gemms_round_their_weights_with_the_conversion_ins
     cvt.rn.bf16x2.f32, not with common.cuh's integer rounding (its `+ 0x7fff` carry add), which was most of their
     instructions: the int8 / fp8 prefill 22 % slower (docs/KERNEL_NOTES.md, session 31). The atomic forms have no
     bf16 epilogue, so any 32767 in them is the integer rounding come back; the bf16 GEMMs convert nothing."""
-    ptx = tmp_path / "gemm_quant.ptx"
-    proc = subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-O3", "-std=c++17", "-I", str(CUDA_DIR), "-o", str(ptx),
-                           str(CUDA_DIR / "gemm_quant.cu")], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    bodies = dict(re.findall(r"\.entry (\w+)\((.*?)\n\}\n", ptx.read_text(), re.S))
+    ptx = _ptx(CUDA_DIR / "gemm_quant.cu", tmp_path / "gemm_quant.ptx")
+    bodies = dict(re.findall(r"\.entry (\w+)\((.*?)\n\}\n", ptx, re.S))
     quantised = {k for k in KERNELS if k.file == "gemm_quant.cu"}
     assert {k.name for k in quantised} <= set(bodies)
     for k in quantised:
@@ -152,14 +158,8 @@ def test_the_hardware_bf16_rounding_knob_builds_the_attention_without_spills_on_
     want = {k.name for k in KERNELS if k.file == src.name}
     for arch in ARCHS:
         assert want <= set(report[arch]) and all(spill == 0 for _, spill in report[arch].values()), (arch, report[arch])
-
-    def ptx(defines):
-        out = tmp_path / ("cvt.ptx" if defines else "default.ptx")
-        proc = subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-O3", "-std=c++17", "-I", str(CUDA_DIR),
-                               *("-D" + d for d in defines), "-o", str(out), str(src)], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
-        return out.read_text()
-    assert "cvt.rn.bf16x2.f32" not in ptx(()) and ptx(("PACK_CVT=1",)).count("cvt.rn.bf16x2.f32") > 10
+    assert "cvt.rn.bf16x2.f32" not in _ptx(src, tmp_path / "default.ptx")
+    assert _ptx(src, tmp_path / "cvt.ptx", ("PACK_CVT=1",)).count("cvt.rn.bf16x2.f32") > 10
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
