@@ -1,4 +1,5 @@
-// A GEMM for many rows (the fleet's batched prefill: 32 x robots rows; issue 24): C[M][ldc] += A[M][lda] W^T
+// A GEMM for many rows (the fleet's batched prefill: 32 x robots rows, issue 24; the parallel pass of more than
+// one 32-row tile, issue 22): C[M][ldc] += A[M][lda] W^T
 // with BOTH operands staged in shared memory, as a textbook tensor-core GEMM. Why it exists: the fleet's
 // gemm32t_atomic (fleet.cu) keeps a block's weights in registers and loops over the 32-row tiles, so every tile
 // pays a barrier, a staging round trip and a split-K partial sum added by atomics per 256 columns: measured, the
@@ -152,7 +153,7 @@ __device__ __forceinline__ void gemm_tiled_body(const bf16_t* __restrict__ A, in
         }
 }
 
-// C[M][ldc] += A W^T (the fleet's launches keep gemm32t_atomic's arguments; tiles: M = 32 tiles rows)
+// C[M][ldc] += A W^T (gemm32t_atomic's arguments; tiles: M = 32 tiles rows)
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_tiled128_atomic(const bf16_t* __restrict__ A, int lda,
         const bf16_t* __restrict__ W, int N, int K, int ks_len, float* __restrict__ C, int ldc, int tiles) {
     gemm_tiled_body<128, GT_ATOMIC>(A, lda, W, N, K, ks_len, C, ldc, 32 * tiles, nullptr);

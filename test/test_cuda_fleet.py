@@ -76,7 +76,7 @@ def test_the_batched_pass_launches_match_the_table(geometry, n, fleet_gemv, flee
     signature, grids are positive, per-member launches span the n members, the GEMMs pick the few-row GEMM that
     tuning.fleet_gemv names for a decode step of <= 16 robots and the many-row GEMM tuning.fleet_gemm names for
     the prefill (over the pass's 32-row tiles), each decode step's first launch is serial, and the gate/up buffer
-    is zeroed before every gate/up GEMM."""
+    is zeroed before every gate/up GEMM that adds into it (the tiled one writes silu(gate) * up instead)."""
     from cuda_plan_fixtures import cfg_of, check_launch
     from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.plan import Tuning

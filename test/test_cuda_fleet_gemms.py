@@ -18,9 +18,9 @@ I32 = np.int32
 @pytest.mark.parametrize("rows", [33, 64, 96, 256, 512])
 def test_gemm_tiled_launches_cover_every_row_column_and_k(geometry, rows):
     """tuning fleet_gemm = "tiled" (cuda/gemm_tiled.cu) past one 32-row tile (one tile stays on gemm32t_atomic):
-    128-row block tiles from 128 rows on, 64 below; the grid
-    covers every column and 32-row tile, the K splits cover K in whole 32-column steps, the blocks come near
-    gemm_target_blocks without a split shorter than gemm_min_ks, and the shared memory is the module's."""
+    128-row block tiles from 128 rows on, 64 below; the grid covers every column and 32-row tile, the K splits cover
+    K in whole 32-column steps, the blocks come near gemm_target_blocks without a split shorter than gemm_min_ks,
+    and the shared memory is the module's."""
     from cuda_plan_fixtures import cfg_of
     from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.plan import Tuning
@@ -88,9 +88,9 @@ def fleet_kernels():
     (272, 704, 160, 0), (272, 704, 160, 96), (136, 64, 32, 32)])  # ragged columns, odd splits, one step per split
 def test_gemm_tiled_against_numpy(fleet_kernels, N, K, rows, ks):
     """C[rows] += A W^T by gemm_tiled*_atomic on the engine's grids (ks = 0: fleet_forward.linear with tuning
-    fleet_gemm = "tiled"; tiled_gemm's for one tile) and chosen split lengths, against float64 numpy on the same bf16 inputs. A's rows past
-    `rows` are NaN (must not be read), C's rows past `rows` and columns past N keep their values, lda / ldc wider
-    than K / N."""
+    fleet_gemm = "tiled"; tiled_gemm's for one tile) and chosen split lengths, against float64 numpy on the same
+    bf16 inputs. A's rows past `rows` are NaN (must not be read), C's rows past `rows` and columns past N keep their
+    values, lda / ldc wider than K / N."""
     import types
 
     from test_cuda_kernels import rand_bf16, rel_err, set_smem
@@ -126,21 +126,17 @@ def test_gemm_tiled_silu_against_numpy(fleet_kernels, I, K, rows):
     """act[rows][I] = silu(gate) * up by gemm_tiled*_silu on the fleet's grid over interleaved gate/up weights (the
     1.5B and 0.5B widths; I = 144: a ragged last block tile), against float64 numpy; the rows past `rows` keep
     their poison (0xFFFF), A's rows past `rows` are NaN."""
-    import types
-
     from test_cuda_kernels import bits_f32, rand_bf16, rel_err, set_smem
     from cuda_plan_fixtures import H200, cfg_of, limits
-    from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.buffers import interleave_gate_up
-    from vla_edge_ros.engine.cuda.plan import Tuning
+    from vla_edge_ros.engine.cuda.plan import Tuning, tiled_gemm
     d, rng = fleet_kernels, np.random.default_rng(I + K + rows)
     a_b, a = rand_bf16(rng, (rows, K))
     g_b, g = rand_bf16(rng, (I, K), 0.05)
     u_b, u = rand_bf16(rng, (I, K), 0.05)
     A = np.full((rows + 32, K), 0x7FC0, np.uint16)
     A[:rows] = a_b
-    e = types.SimpleNamespace(limits=limits(H200, cfg_of("1.5b")), tuning=Tuning(fleet_gemm="tiled"))
-    launch = fleet_forward.tiled_gemm(e.limits.constants, e.tuning, 2 * I, K, rows, silu=True)
+    launch = tiled_gemm(limits(H200, cfg_of("1.5b")).constants, Tuning(), 2 * I, K, rows, silu=True)
     assert launch.grid[2] == 1
     f = d.fn(launch.kernel)
     set_smem(d, f, launch.smem)

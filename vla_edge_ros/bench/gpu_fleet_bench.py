@@ -73,8 +73,8 @@ def fleet_gemv_variants(text: str) -> list[str]:
 
 def fleet_gemm_variants(text: str) -> list[str]:
     """--fleet-gemm: comma-separated tuning.fleet_gemm values, in the order given, each once."""
-    from vla_edge_ros.engine.cuda.plan import FLEET_GEMMS
-    return _names(text, FLEET_GEMMS, "--fleet-gemm")
+    from vla_edge_ros.engine.cuda.plan import MANY_ROW_GEMMS
+    return _names(text, MANY_ROW_GEMMS, "--fleet-gemm")
 
 
 def max_rel_err(out: np.ndarray, ref: np.ndarray) -> float:

@@ -64,7 +64,8 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("gemm32t_atomic", "fleet.cu", "PiPiiiPii", "gemm32_atomic"),
     Kernel("gemv_rows_atomic", "fleet.cu", "PiPiiiPii", "gemv_rows"),
     Kernel("gemv_rows_mma", "fleet.cu", "PiPiiiPii", "gemv_rows"),  # the same on the tensor cores
-    # the fleet's prefill GEMMs of many rows, both operands staged (tuning fleet_gemm = "tiled")
+    # GEMMs of many rows, both operands staged: the fleet's prefill, the parallel pass past one tile (tuning
+    # fleet_gemm / parallel_gemm = "tiled")
     Kernel("gemm_tiled128_atomic", "gemm_tiled.cu", "PiPiiiPii", "gemm_tiled"),
     Kernel("gemm_tiled64_atomic", "gemm_tiled.cu", "PiPiiiPii", "gemm_tiled"),
     Kernel("gemm_tiled128_silu", "gemm_tiled.cu", "PiPiiPi", "gemm_tiled_silu"),

@@ -56,13 +56,13 @@ class LaunchConstants:
     PFG_MAXG_64: int = 8     # ... of attn_prefill_hd64_hg
     GR_WARPS: int = 8        # gemv_rows_atomic (the fleet's decode passes, cuda/fleet.cu): warps per block
     GR_MAXM: int = 16        # ... and the most rows (robots) it takes
-    GT_BN: int = 128         # gemm_tiled*_atomic (the fleet's many-row prefill GEMMs): columns of C per block
+    GT_BN: int = 128         # gemm_tiled* (tuning fleet_gemm / parallel_gemm = tiled): columns of C per block
     GT_SMEM128: int = 81920  # ... dynamic shared memory of the 128-row and the 64-row block tile
     GT_SMEM64: int = 61440
 
 
 FLEET_GEMVS = ("mma", "rows")  # engine/cuda/fleet_forward.FLEET_GEMV's kernels
-FLEET_GEMMS = ("tiles32", "tiled")  # many-row GEMMs (fleet_gemm, parallel_gemm): 32-row tiles | gemm_tiled*
+MANY_ROW_GEMMS = ("tiles32", "tiled")  # many-row GEMMs (fleet_gemm, parallel_gemm): 32-row tiles | gemm_tiled*
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,8 @@ class Tuning:
         if self.fleet_gemv not in FLEET_GEMVS:
             raise EngineError(f"tuning fleet_gemv must be one of {', '.join(FLEET_GEMVS)}, got {self.fleet_gemv!r}")
         for f in ("fleet_gemm", "parallel_gemm"):
-            if getattr(self, f) not in FLEET_GEMMS:
-                raise EngineError(f"tuning {f} must be one of {', '.join(FLEET_GEMMS)}, got {getattr(self, f)!r}")
+            if getattr(self, f) not in MANY_ROW_GEMMS:
+                raise EngineError(f"tuning {f} must be one of {', '.join(MANY_ROW_GEMMS)}, got {getattr(self, f)!r}")
         for f in ("gemm_target_blocks", "gemm_min_ks", "gemv_target_blocks", "gemv_min_ks"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -186,7 +186,7 @@ def split_len(K: int, row_blocks: int, target_blocks: int, quantum: int, min_len
     return min(_round_up(K, quantum), max(ks, min_len))
 
 
-def tiled_gemm(c: Any, t: Any, N: int, K: int, rows: int, silu: bool = False) -> Launch:
+def tiled_gemm(c: LaunchConstants, t: Tuning, N: int, K: int, rows: int, silu: bool = False) -> Launch:
     """gemm_tiled*'s launch (cuda/gemm_tiled.cu) for the pass's 32-row tiles: block tiles of 128 rows once the pass
     has that many (a weight read from DRAM once per 128 rows), else 64. _atomic: K split only as far as
     tuning.gemm_target_blocks asks (each split adds its partial sums into C by atomics), each split at least
@@ -371,6 +371,15 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
     for name, need in (("gemv_qkv", 4 * H), ("gemv_gateup", 4 * H), ("gemv_logits", 4 * H),
                        ("gemv_resid", max(gemv_o.smem, gemv_down.smem))):
         smem[name] = max(smem.get(name, 0), need)
+    # ---- the parallel pass of more than one tile, each GEMM once over every tile (tuning parallel_gemm = "tiled")
+    parallel_gemms: tuple[Launch, ...] = ()
+    from vla_edge_ros.engine.cuda.pass_meta import parallel_tiles  # pass_meta imports T_CHUNK from here
+    tiles = parallel_tiles(cfg)
+    if t.parallel_gemm == "tiled" and tiles > 1:
+        parallel_gemms = tuple(tiled_gemm(c, t, N, K, T * tiles, silu=use == "gateup")
+                               for use, (N, K, _) in shapes.items())
+        for launch in parallel_gemms:
+            smem[launch.kernel] = launch.smem
     for name, need in smem.items():
         if need > limits.smem_optin:
             raise EngineError(f"{name} needs {need} bytes of shared memory, the device allows {limits.smem_optin}")
@@ -383,15 +392,6 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
     merge_block = (32 * c.CMB_GROUPS, 1, 1)
     attn_prefill, attn_decode, attn_notes = attention_launches(cfg, limits)
     notes.extend(attn_notes)
-    parallel_gemms: tuple[Launch, ...] = ()
-    from vla_edge_ros.engine.cuda.pass_meta import parallel_tiles  # pass_meta imports T_CHUNK from here
-    tiles = parallel_tiles(cfg)
-    if t.parallel_gemm == "tiled" and tiles > 1:
-        rows = T * tiles
-        parallel_gemms = tuple(tiled_gemm(c, t, N, K, rows, silu=use == "gateup")
-                               for use, (N, K, _) in shapes.items())
-        for launch in parallel_gemms:
-            smem[launch.kernel] = launch.smem
     row = (T, 1)
     return LaunchPlan(
         norm_rows=Launch("rmsnorm_rows_bf16", row, (BLOCK, 1, 1)),
