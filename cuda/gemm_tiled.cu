@@ -8,18 +8,23 @@
 // read from DRAM once per BM rows and added into C once per K split, not once per 256 columns and tile.
 //
 // Block: 8 warps as 2 (rows) x 4 (columns), a warp BM/2 x 32 of C (mma.m16n8k16: BM/32 x 4 tiles of 16 x 8).
-// K steps of 32 columns, GT_STAGES of them in flight (cp.async; one barrier per step); the operands' rows are
-// 80 bytes apart in shared memory (64 + 16: ldmatrix's eight 16-byte rows land in distinct bank quads).
-// grid = (ceil(N / 128), ceil(M / BM), K splits of ks_len columns, a multiple of 32); dynamic shared memory
-// GT_SMEM128 / GT_SMEM64. Rows >= M are neither read (their addresses clamped) nor written. With one K split C is
+// K steps of GT_BK columns, GT_STAGES of them in flight (cp.async; one barrier per step); the operands' rows are
+// 2 GT_BK + 16 bytes apart in shared memory (an odd multiple of 16: ldmatrix's eight 16-byte rows land in distinct
+// bank quads). grid = (ceil(M / BM), ceil(N / 128), K splits of ks_len columns, a multiple of GT_BK): the row
+// blocks of one column block are adjacent, so they run together and read its weights from DRAM once (a gate/up
+// weight matrix is larger than the L2); dynamic shared memory GT_SMEM128 / GT_SMEM64. Rows >= M are neither read (their addresses clamped) nor written. With one K split C is
 // added to plainly (a block owns its elements); with more, by fp32 atomics. The _silu kernels (one K split) write
 // silu(gate) * up in bf16 instead, as gemm32_silu: no fp32 gate/up rows, no memset, no separate SiLU pass.
 #include "common.cuh"
 
 #define GT_BN 128
+#ifndef GT_BK  // K step (a measuring knob: 64 with GT_STAGES 3 reads 128 contiguous bytes of a weight row a step)
 #define GT_BK 32
+#endif
+#ifndef GT_STAGES
 #define GT_STAGES 4
-#define GT_RS 40  // bf16 per staged row: 32 + 8
+#endif
+#define GT_RS (GT_BK + 8)  // bf16 per staged row
 #define GT_SMEM128 (GT_STAGES * (128 + GT_BN) * GT_RS * 2)  // dynamic shared memory of the 128-row block tile
 #define GT_SMEM64 (GT_STAGES * (64 + GT_BN) * GT_RS * 2)    // ... and of the 64-row one
 
@@ -40,17 +45,18 @@ __device__ __forceinline__ void gemm_tiled_body(const bf16_t* __restrict__ A, in
     extern __shared__ __align__(16) bf16_t gt_smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 2, wn = warp & 3;  // this warp's rows wm * BM / 2, columns wn * 32 of the block tile
-    const int n0 = blockIdx.x * GT_BN, m0 = blockIdx.y * BM;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * GT_BN;
     const int kbeg = blockIdx.z * ks_len, kend = min(K, kbeg + ks_len);
     const int nk = (kend - kbeg) / GT_BK;
     bf16_t* sA = gt_smem;                                // [GT_STAGES][BM][GT_RS]
     bf16_t* sW = gt_smem + GT_STAGES * BM * GT_RS;       // [GT_STAGES][GT_BN][GT_RS]
-    // step kt's 16-byte pieces (4 a row) of n rows of X from row r0 (clamped to row rmax) into a stage's buffer
+    // step kt's 16-byte pieces (PR a row) of n rows of X from row r0 (clamped to row rmax) into a stage's buffer
+    constexpr int PR = GT_BK / 8;
     const auto load = [&](bf16_t* dst, const bf16_t* X, int ld, int n, int r0, int rmax, int kt) {
         const int k = kbeg + kt * GT_BK;
 #pragma unroll
-        for (int i = tid; i < n * 4; i += 256) {
-            const int r = i >> 2, c = i & 3;
+        for (int i = tid; i < n * PR; i += 256) {
+            const int r = i / PR, c = i % PR;
             cp_async16(dst + r * GT_RS + 8 * c, X + (size_t)min(r0 + r, rmax) * ld + k + 8 * c);
         }
     };
@@ -84,7 +90,7 @@ __device__ __forceinline__ void gemm_tiled_body(const bf16_t* __restrict__ A, in
         const bf16_t* a = sA + (kt % GT_STAGES) * BM * GT_RS;
         const bf16_t* w = sW + (kt % GT_STAGES) * GT_BN * GT_RS;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // the two k16 halves of the step
+        for (int h = 0; h < GT_BK / 16; ++h) {  // the step's k16 slices
             uint32_t af[MI][4], bf[2][4];
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(af[mi], a + (a_row + 16 * mi) * GT_RS + 16 * h + a_col);
@@ -173,4 +179,4 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_tiled64_silu(const bf1
 }
 
 // What the host reads from the compiled module (engine/cuda/kernels.py LAUNCH_CONSTANTS), in this order.
-__constant__ int vla_launch[3] = {GT_BN, GT_SMEM128, GT_SMEM64};
+__constant__ int vla_launch[4] = {GT_BN, GT_SMEM128, GT_SMEM64, GT_BK};

@@ -79,14 +79,17 @@ def check_launch(launch, args) -> None:
 def record_chunk(cfg: ModelConfig, p, slots: int, quantized: bool = False, parallel_slots: int = 0,
                   with_args: bool = False) -> list[tuple]:
     """(kernel, grid, serial[, args]) of every launch of a chunk (parallel_slots > 0: the prefill and the parallel
-    pass over that many slots), each checked against the table's signature."""
+    pass over that many slots, or the fused pass when p.fused_parallel), each checked against the table's
+    signature."""
     w, a, kv = fake_buffers(cfg, slots, quantized)
     rec = []
 
     def k(launch, *args, serial=False):
         check_launch(launch, args)
         rec.append((launch.kernel, tuple(launch.grid), serial) + ((args, a) if with_args else ()))
-    if parallel_slots:
+    if parallel_slots and p.fused_parallel:
+        forward.fused(k, p, cfg, w, a, kv, parallel_slots)
+    elif parallel_slots:
         forward.prefill(k, p, cfg, w, a, kv)
         forward.parallel(k, p, cfg, w, a, kv, parallel_slots)
     else:

@@ -138,17 +138,20 @@ def test_parallel_chunks_match_the_numpy_engine(torch_cuda, tmp_path, use_graphs
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("horizon, use_graphs, gemm", [(8, True, "tiles32"), (8, False, "tiles32"),
-                                                      (10, True, "tiles32"), (8, True, "tiled"), (10, False, "tiled")])
-def test_tiled_parallel_chunks_match_the_numpy_engine(torch_cuda, tmp_path, horizon, use_graphs, gemm):
+@pytest.mark.parametrize("horizon, use_graphs, gemm, fused", [
+    (8, True, "tiles32", False), (8, False, "tiles32", False), (10, True, "tiles32", False), (8, True, "tiled", False),
+    (10, False, "tiled", False), (4, True, "tiles32", True), (4, True, "tiled", True), (8, True, "tiled", True),
+    (8, False, "tiles32", True), (10, True, "tiled", True)])
+def test_tiled_parallel_chunks_match_the_numpy_engine(torch_cuda, tmp_path, horizon, use_graphs, gemm, fused):
     """H = 8 (56 slots: two row tiles) and H = 10 (70: three, the last of 6 rows), with eviction, graphs on and off:
     the tiles' attention sees every slot's key (tile 0 stores them, later tiles stage them from the cache), so
-    every slot's logits equal numpy's; the GEMMs per tile or over all tiles at once (tuning parallel_gemm)."""
+    every slot's logits equal numpy's; the GEMMs per tile or over all tiles at once (tuning parallel_gemm); the
+    frame's prefill apart or fused with the slots into one pass (tuning fused_parallel; H = 4 too: 2 tiles then)."""
     cfg, eng, ref = _pair(torch_cuda, tmp_path, horizon=horizon, use_graphs=use_graphs,
-                          tuning={"parallel_gemm": gemm})
-    assert bool(eng.plan.parallel_gemms) == (gemm == "tiled")
+                          tuning={"parallel_gemm": gemm, "fused_parallel": fused})
     a = 7 * horizon
     try:
+        assert bool(eng.plan.parallel_gemms) == (gemm == "tiled" and -(-a // 32) + fused > 1) and eng.fused == fused
         assert (eng.decode_steps, eng.scratch_slots, eng.act.tiles) == (1, a, -(-a // 32))
         evicted = ties = 0
         for f, x in enumerate(_frames(5, cfg.hidden_size, seed=horizon)):

@@ -18,8 +18,8 @@ I32 = np.int32
 @pytest.mark.parametrize("rows", [33, 64, 96, 256, 512])
 def test_gemm_tiled_launches_cover_every_row_column_and_k(geometry, rows):
     """tuning fleet_gemm = "tiled" (cuda/gemm_tiled.cu) past one 32-row tile (one tile stays on gemm32t_atomic):
-    128-row block tiles from 128 rows on, 64 below; the grid covers every column and 32-row tile, the K splits cover
-    K in whole 32-column steps, the blocks come near gemm_target_blocks without a split shorter than gemm_min_ks,
+    64-row block tiles up to 64 rows, 128-row ones past that; the grid (row blocks first: those of one column block
+    run together) covers every 32-row tile and column, the K splits cover K in whole GT_BK-column steps, the blocks come near gemm_target_blocks without a split shorter than gemm_min_ks,
     and the shared memory is the module's."""
     from cuda_plan_fixtures import cfg_of
     from vla_edge_ros.engine.cuda import fleet_forward
@@ -33,17 +33,17 @@ def test_gemm_tiled_launches_cover_every_row_column_and_k(geometry, rows):
     assert fleet_forward.linear(e, 2 * I, H, 32).kernel == "gemm32t_atomic"
     for N, K in ((nqkv, H), (H, cfg.num_attention_heads * cfg.head_dim), (2 * I, H), (H, I)):
         launch = fleet_forward.linear(e, N, K, rows)
-        bm = 128 if R >= 128 else 64
-        gx, gy, gz = launch.grid
+        bm = 64 if R <= 64 else 128
+        gy, gx, gz = launch.grid
         assert launch.kernel == f"gemm_tiled{bm}_atomic" and launch.block == (256, 1, 1)
         assert launch.smem == (c.GT_SMEM128 if bm == 128 else c.GT_SMEM64)
         assert gx * c.GT_BN >= N > (gx - 1) * c.GT_BN and gy * bm >= R > (gy - 1) * bm
-        assert launch.ks % 32 == 0 and gz * launch.ks >= K > (gz - 1) * launch.ks
+        assert launch.ks % c.GT_BK == 0 and gz * launch.ks >= K > (gz - 1) * launch.ks
         assert launch.ks >= min(K, t.gemm_min_ks)
         if gz > 1:  # split only to come near the target, never past twice it
             assert gx * gy * gz < 2 * t.gemm_target_blocks
     silu = fleet_forward.tiled_gemm(c, t, 2 * I, H, rows, silu=True)  # the gate/up GEMM writing silu(gate) * up
-    assert silu.kernel == f"gemm_tiled{bm}_silu" and silu.grid == (-(-2 * I // c.GT_BN), -(-R // bm), 1)
+    assert silu.kernel == f"gemm_tiled{bm}_silu" and silu.grid == (-(-R // bm), -(-2 * I // c.GT_BN), 1)
 
 
 @pytest.mark.parametrize("geometry", ["1.5b", "0.5b", "tiny"])

@@ -140,3 +140,51 @@ def test_a_tiled_parallel_pass_runs_each_gemm_once_over_both_tiles(geometry):
     assert q.parallel_gemms == () and any("bf16 weights only" in n for n in q.notes)
     one = cfg_of(geometry, vla={**vla, "action_horizon": 4})  # 28 slots: one tile
     assert plan(one, Tuning(parallel_gemm="tiled"), limits(H200, one)).parallel_gemms == ()
+
+
+@pytest.mark.parametrize("geometry, slots, gemm", [("1.5b", 56, "tiles32"), ("1.5b", 56, "tiled"), ("tiny", 56, "tiled"),
+                                                   ("1.5b", 28, "tiled")])
+def test_a_fused_parallel_chunk_is_one_pass_the_frame_tile_first_then_both_heads(geometry, slots, gemm):
+    """tuning fused_parallel: ONE pass over the frame's tile and the slot tiles, no prefill pass before it. The norms
+    take every row; the GEMMs run per tile (tiles32) or once over all of them (tiled); per layer the frame's tile is
+    attended first (a.meta, QKV row 0), then each slot tile on its record from QKV row 32 (t + 1) on, launched
+    serially (it stages the keys the launch before stored); then the frame's head (its last row: logits[0],
+    tok_buf[0]) and the slots' (final_h from row 32: logits[1 ..], tok_buf[1 ..])."""
+    vla = {**tiny_default_dict()["vla"], "action_horizon": slots // 7, "chunk_decode": "parallel"}
+    cfg = cfg_of(geometry, vla=vla)
+    p = plan(cfg, Tuning(parallel_gemm=gemm, fused_parallel=True), limits(H200, cfg))
+    tiles = 1 + -(-slots // 32)
+    assert p.fused_parallel and len(p.parallel_gemms) == (4 if gemm == "tiled" else 0)
+    rec = record_chunk(cfg, p, 4104, parallel_slots=slots, with_args=True)
+    L, H, HD, n_bins = cfg.num_hidden_layers, cfg.hidden_size, cfg.head_dim, cfg.n_action_bins
+    nq = cfg.num_attention_heads * HD
+    nqkv = nq + 2 * cfg.num_key_value_heads * HD
+    a = rec[0][4]
+    per_layer = 2 + (4 if gemm == "tiled" else 4 * tiles) + 2 * tiles  # norms, GEMMs, (attention, merge) per tile
+    assert len(rec) == per_layer * L + 1 + 4  # the final norm, two heads of two launches
+    layer = rec[:per_layer]
+    records = [a.meta] + [a.meta_tile(t) for t in range(tiles - 1)]
+    attn = [r for r in layer if r[0] == f"attn_prefill_hd{HD}"]
+    merges = [r for r in layer if r[0] == p.merge_prefill.kernel]
+    assert [r[3][5] for r in attn] == [r[3][6] for r in merges] == records
+    assert [r[3][0] for r in attn] == [a.qkv + 4 * 32 * t * nqkv for t in range(tiles)]
+    assert [r[3][-1] for r in merges] == [a.attn_bf + 2 * 32 * t * nq for t in range(tiles)]
+    assert [r[2] for r in attn] == [False] + [True] * (tiles - 1)
+    assert [r[1][0] for r in layer if r[0] == "rmsnorm_rows_bf16"] == [32 * tiles] * 2
+    gemms = [r for r in layer if r[0].startswith("gemm")]
+    if gemm == "tiled":  # one block tile over the pass's 32 x tiles rows: 64 (28 slots) or 128 (56) rows
+        assert [r[0] for r in gemms] == [g.kernel for g in p.parallel_gemms]
+        bm = 64 if tiles == 2 else 128
+        assert all(r[0].startswith(f"gemm_tiled{bm}_") and r[1][0] == 1 and r[3][-1] == tiles for r in gemms)
+    else:
+        assert [r[3][0] for r in gemms[:tiles]] == [a.h_bf + 2 * 32 * t * H for t in range(tiles)]
+    fl, fa, sl, sa = rec[-4:]
+    assert [r[0] for r in rec[-5:]] == ["rmsnorm_rows_f32", "gemv_logits", "argmax_tokens", "gemv_logits",
+                                        "argmax_tokens"] and rec[-5][1][0] == 32 * tiles
+    assert fl[3][:3] == (a.final_h, a.meta, 2) and fl[3][8] == a.logits and fa[3][3:] == (a.tok_buf, 0, a.forced)
+    assert sl[1] == (p.logits.grid[0], slots) and sl[3][:3] == (a.final_h + 4 * 32 * H, a.meta_parallel, -1)
+    assert sl[3][8] == a.logits + 4 * n_bins and sa[1] == (slots, 1) and sa[3][3:] == (a.tok_buf, 1, a.forced)
+    assert [r for r in rec if r[2]] == [rec[0]] + [r for r in rec if r[0] == attn[0][0] and r[3][5] != a.meta]
+    # autoregressive chunks have no fused pass: the tuning is ignored there
+    ar = cfg_of(geometry, vla={**vla, "chunk_decode": "autoregressive"})
+    assert not plan(ar, Tuning(fused_parallel=True), limits(H200, ar)).fused_parallel

@@ -18,11 +18,13 @@ from vla_edge_ros.engine.config import ModelConfig, tiny_default_dict
 from vla_edge_ros.engine.cuda.kernels import (BENCH_KERNELS, BY_NAME, KERNEL_FILES, KERNELS, LAUNCH_CONSTANTS)
 from vla_edge_ros.engine.cuda.pass_meta import (FORCED_AT, META_INTS, PARALLEL_MAX_TILES, PARALLEL_RECORD,
                                                 chunk_meta, forced_at, meta_ints, meta_record, parallel_record,
-                                                parallel_records, parallel_slots_problem, parallel_tiles)
+                                                parallel_records, parallel_slots_problem, parallel_tiles,
+                                                pass_tiles)
 from vla_edge_ros.engine.cuda.plan import (LATE_TRIGGER_FAMILIES, T_CHUNK, DeviceLimits, LaunchConstants, Tuning,
-                                           check_geometry, gemm4_grid, late_trigger_mask, memory_plan,
-                                           padded_intermediate, plan, split_len)
+                                           check_geometry, gemm4_grid, late_trigger_mask, padded_intermediate,
+                                           plan, split_len)
 from vla_edge_ros.engine.cuda.probe import CUDA_DIR
+from vla_edge_ros.engine.cuda.vram import memory_plan
 from vla_edge_ros.engine.interface import EngineError
 
 
@@ -97,6 +99,8 @@ def test_tuning_refuses_unknown_values():
         Tuning(gemv_min_ks=0)
     with pytest.raises(EngineError, match="true or false"):
         Tuning(pdl="yes")
+    with pytest.raises(EngineError, match="tuning fused_parallel must be true or false, got 1"):
+        Tuning(fused_parallel=1)
     assert Tuning.from_mapping({"gemm_v4": "down, gateup"}).gemm_v4 == ("down", "gateup")
 
 
@@ -295,13 +299,16 @@ def test_memory_plan_grows_with_the_kv_budget():
 
 
 def test_memory_plan_of_a_parallel_chunk_counts_its_slots_and_input_rows():
-    """A parallel H = 4 chunk: 28 scratch slots (geometry.chunk_scratch_slots, not decode_steps = 1) in the KV cache,
-    and its 32 constant input rows (fp32) in the scratch."""
+    """A parallel H = 4 chunk: 28 scratch slots (geometry.chunk_scratch_slots, not decode_steps = 1) in the KV cache;
+    in the scratch its 32 constant input rows (fp32) and a second tile of the passes' rows (pass_meta.pass_tiles:
+    the fused pass runs the frame's tile and the slots' at once)."""
     vla = {**tiny_default_dict()["vla"], "action_horizon": 4}  # (a Qwen2.5 dict has no vla block: the defaults)
     ar, par = cfg_of("1.5b", vla=vla), cfg_of("1.5b", vla={**vla, "chunk_decode": "parallel"})
     a, b = memory_plan(ar, 4096, 28), memory_plan(par, 4096, 28)
     assert a["kv"] == b["kv"] == 2 * 28 * (4096 + 28) * 256 * 2
-    assert b["scratch"] - a["scratch"] == 4 * T_CHUNK * 1536
+    H, nqkv, I = 1536, 1536 + 2 * 256, padded_intermediate(par)
+    tile = 4 * T_CHUNK * (3 * H + nqkv) + 2 * T_CHUNK * (2 * H + I)  # memory_plan's fp32 and bf16 rows of a tile
+    assert b["scratch"] - a["scratch"] == 4 * T_CHUNK * H + tile
 
 
 # ------------------------------------------------------------------------------------------------- meta, refusal
@@ -332,6 +339,7 @@ def test_a_parallel_chunk_is_tiled_and_one_wider_than_the_most_tiles_is_refused_
                                                                                         problem):
     cfg = cfg_of("tiny", vla={**tiny_default_dict()["vla"], "action_horizon": horizon, "chunk_decode": decode})
     assert parallel_tiles(cfg) == tiles
+    assert pass_tiles(cfg) == (tiles + 1 if decode == "parallel" else 1)  # the frame's tile first
     why = parallel_slots_problem(cfg)
     if not problem:
         assert why is None

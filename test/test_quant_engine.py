@@ -27,7 +27,8 @@ from vla_edge_ros.engine import reference as R
 from vla_edge_ros.engine.checkpoint import expected_shapes, load_checkpoint
 from vla_edge_ros.engine.config import ModelConfig, tiny_default_dict
 from vla_edge_ros.engine.cuda.engine import CudaEngine, defines_problem, unsupported_reason
-from vla_edge_ros.engine.cuda.plan import memory_plan, padded_intermediate
+from vla_edge_ros.engine.cuda.plan import padded_intermediate
+from vla_edge_ros.engine.cuda.vram import memory_plan
 from vla_edge_ros.engine.cuda.vram import GIB, check_budget, quantized_model_bytes
 from vla_edge_ros.engine.factory import make_engine
 from vla_edge_ros.engine.interface import EngineError

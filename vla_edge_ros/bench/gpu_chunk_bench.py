@@ -11,7 +11,7 @@ here), our fraction of that floor, per-kernel time shares and peak VRAM. Tuning 
 
 ``--horizon-compare H`` (issue 22) also times an H-step action chunk (A = 7H action tokens) of the same geometry
 and cache both ways: autoregressive (max(decode_tokens, A + 1) decode steps) and parallel (one pass over the A
-slots, in 32-row tiles); the prediction is parallel decode ~ one prefill pass per tile (docs/KERNEL_NOTES.md,
+slots, in 32-row tiles; its tuning variants: bench/gpu_horizon.py); the prediction is parallel decode ~ one prefill pass per tile (docs/KERNEL_NOTES.md,
 "Action chunks"); ``--horizon-hf compiled`` (the default) also times HF StaticCache + torch.compile generating the
 same A + 1 tokens autoregressively in the same run (``eager``: HF eager; ``none``: skip).
 
@@ -172,48 +172,6 @@ def run_ours(cfg, weights_np, args, log) -> dict:
     out["peak_vram_bytes"] = eng.memory()["peak_bytes"]
     out["tracked_bytes"] = eng.memory()["current_bytes"]
     eng.close()
-    return out
-
-
-def run_horizon_compare(cfg_dict, weights_np, args, log) -> dict:
-    """GPU medians (prefill, decode, chunk) of an H = args.horizon_compare chunk, autoregressive vs parallel (and,
-    past one 32-row tile, parallel with tuning parallel_gemm = "tiled": each GEMM once over every tile), each on a
-    fresh engine with the cache filled to the budget (same frames, same weights)."""
-    from vla_edge_ros.core.kv.manager import KVManager
-    from vla_edge_ros.engine.cuda import CudaEngine
-    out = {"horizon": args.horizon_compare}
-    modes = ("autoregressive", "parallel") + (("parallel_tiled",) if 7 * args.horizon_compare > 32 else ())
-    for mode in modes:
-        decode = "parallel" if mode.startswith("parallel") else mode
-        cfg = ModelConfig.from_json({**cfg_dict, "vla": {"action_horizon": args.horizon_compare,
-                                                         "chunk_decode": decode}})
-        kv = KVManager(args.budget, cfg.n_patches, len(INSTRUCTION.encode()), policy=args.policy,
-                       embed_dim=cfg.hidden_size)
-        eng = CudaEngine(cfg, weights_np, kv, instruction=INSTRUCTION, decode_tokens=args.decode_tokens,
-                         max_vram_gb=args.max_vram_gb, log=log,
-                         tuning={"parallel_gemm": "tiled" if mode == "parallel_tiled" else "tiles32"})
-        try:
-            rng = np.random.default_rng(0)
-            frames = [(0.02 * rng.standard_normal((cfg.n_patches, cfg.hidden_size))).astype(np.float32)
-                      for _ in range(8)]
-            pf, dc, f = [], [], 0
-            while eng.kv.occupancy_tokens + cfg.n_patches <= args.budget:  # fill the cache to the budget
-                eng.run_chunk(frames[f % 8], f)
-                f += 1
-            for i in range(args.chunks):
-                r = eng.run_chunk(frames[(f + i) % 8] + np.float32(1e-3 * i), f + i)
-                pf.append(r.prefill_ms)
-                dc.append(r.decode_ms)
-            out[mode] = {"decode_steps": eng.decode_steps, "scratch_slots": eng.scratch_slots,
-                           "prefill_median_ms": pct(pf, 50), "decode_median_ms": pct(dc, 50),
-                           "gpu_median_ms": pct(np.add(pf, dc), 50), "chunks": args.chunks}
-        finally:
-            eng.close()
-    for mode in modes:
-        r = out[mode]
-        print(f"H={args.horizon_compare} {mode:14s}: {r['scratch_slots']} action/decode slots, GPU median "
-              f"{r['gpu_median_ms']:.3f} ms (prefill {r['prefill_median_ms']:.3f} + decode "
-              f"{r['decode_median_ms']:.3f})")
     return out
 
 
@@ -466,6 +424,7 @@ def _main(args, parts, torch, cuda) -> int:
                 res["loop"] = {"error": f"{type(exc).__name__}: {exc}"}
         if args.horizon_compare:
             try:
+                from vla_edge_ros.bench.gpu_horizon import run_horizon_compare
                 res["horizon_compare"] = run_horizon_compare(cfg_dict, weights_np, args, logs.append)
             except Exception as exc:
                 res["horizon_compare"] = {"error": f"{type(exc).__name__}: {exc}"}

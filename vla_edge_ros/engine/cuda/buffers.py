@@ -13,7 +13,7 @@ import numpy as np
 
 from vla_edge_ros.engine.config import ModelConfig
 from vla_edge_ros.engine.cuda.pass_meta import (META_INTS, PARALLEL_RECORD, chunk_meta, forced_at, meta_ints,
-                                                meta_record, parallel_tiles)
+                                                meta_record, parallel_tiles, pass_tiles)
 from vla_edge_ros.engine.cuda.plan import T_CHUNK, padded_intermediate
 from vla_edge_ros.engine.cuda.vram import VramTracker
 from vla_edge_ros.engine.geometry import chunk_action_tokens, is_parallel, parallel_slot_token
@@ -207,9 +207,10 @@ class Activations:
         """scratch_slots: the chunk's decode tokens (engine/geometry.chunk_scratch_slots): S autoregressive decode
         steps, or the A parallel slots; logits / tok_buf hold one row more (gen[0], the prefill's)."""
         cuda = mem.cuda
-        # rows of a pass: one tile (the frame's), or the parallel pass's tiles (pass_meta.parallel_tiles)
+        # the parallel pass's row tiles (pass_meta.parallel_tiles: 1 for an autoregressive chunk); the buffers' rows:
+        # the frame's tile, then a parallel chunk's slot tiles (pass_meta.pass_tiles: the fused pass uses them all)
         self.tiles = parallel_tiles(cfg)
-        H, I, T, n_bins = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK * self.tiles, cfg.n_action_bins
+        H, I, T, n_bins = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK * pass_tiles(cfg), cfg.n_action_bins
         nq = cfg.num_attention_heads * cfg.head_dim
         nqkv = nq + 2 * cfg.num_key_value_heads * cfg.head_dim
         # prefill-shaped passes: the residual stream of the T rows (fp32), its normed bf16 copy, QKV, attention,

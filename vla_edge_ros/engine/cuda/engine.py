@@ -24,6 +24,8 @@ record differs, and the event between the two graphs times it as ``decode_ms`` (
 one decode step: ``decode_steps`` = 1; ``scratch_slots`` = A sizes the buffers). Cost: about one prefill pass per
 32-row tile of slots (pass_meta.parallel_tiles: H = 4 x 7 is one tile, H = 8 x 7 two; each tile's GEMMs read every
 weight, forward._layers); more than PARALLEL_MAX_TILES tiles are refused by name (pass_meta.parallel_slots_problem).
+Tuning ``fused_parallel``: ONE graph instead ("fused", forward.fused): the frame's rows and the slot rows in one
+pass, each GEMM over all of them (its time is the chunk's prefill_ms; decode_ms is 0).
 
 Forced prefix (``run_chunk(forced_bins=...)``, geometry.forced_gen): the forced ids go to the device in the meta
 copy, and every argmax writes the forced id where there is one (the logits stay the computed ones). In the decode
@@ -46,9 +48,9 @@ from vla_edge_ros.engine.cuda.device import DeviceEngine
 from vla_edge_ros.engine.cuda.kernels import Launcher
 from vla_edge_ros.engine.cuda.pass_meta import chunk_meta, meta_record, parallel_records, parallel_slots_problem
 from vla_edge_ros.engine.cuda.plan import (BLOCK, KERNEL_SUFFIX, T_CHUNK, Launch, Tuning, for_weight_dtype,
-                                           memory_plan, padded_intermediate, plan)
+                                           padded_intermediate, plan)
 from vla_edge_ros.engine.cuda.probe import cuda_status
-from vla_edge_ros.engine.cuda.vram import check_budget, quantized_model_bytes
+from vla_edge_ros.engine.cuda.vram import check_budget, memory_plan, quantized_model_bytes
 from vla_edge_ros.engine.geometry import (check_action_readout, check_chunk_geometry, check_forced_bins, chunk_bins,
                                           chunk_decode_steps, chunk_scratch_slots, forced_gen, is_parallel,
                                           readout_actions)
@@ -198,14 +200,31 @@ class CudaEngine(DeviceEngine, Engine):
                                      4 * T_CHUNK * self.act.tiles * self.cfg.hidden_size, self.stream)
         forward.parallel(k or self.launcher, self.plan, self.cfg, self.weights, self.act, self.kvc, self.scratch_slots)
 
-    def _second_pass(self) -> tuple[str, Callable[..., None]]:
-        """The graph after the prefill and what fills it: the decode steps, or the parallel pass."""
-        return ("parallel", self.enqueue_parallel) if self.parallel else ("decode", self.enqueue_decode)
+    def enqueue_fused(self, k=None) -> None:
+        """A parallel chunk as one pass (tuning fused_parallel): the slots' input rows copied after the frame's rows
+        (on the stream: a graph records the copy as its first node), then the frame's and the slots' launches."""
+        T, H = T_CHUNK, self.cfg.hidden_size
+        self._cuda.memcpy_dtod_async(self.act.x_pre + 4 * T * H, self.weights.parallel_rows,
+                                     4 * T * self.act.tiles * H, self.stream)
+        forward.fused(k or self.launcher, self.plan, self.cfg, self.weights, self.act, self.kvc, self.scratch_slots)
+
+    @property
+    def fused(self) -> bool:
+        """A parallel chunk runs as ONE pass (plan.fused_parallel), not the prefill then the parallel pass."""
+        return self.parallel and self.plan.fused_parallel
+
+    def _passes(self) -> list[tuple[str, Callable[..., None]]]:
+        """A chunk's graphs in order and what fills each: the prefill, then the decode steps or the parallel pass;
+        or the fused pass alone. The first one's time is a chunk's prefill_ms, the rest's its decode_ms."""
+        if self.fused:
+            return [("fused", self.enqueue_fused)]
+        return [("prefill", self.enqueue_prefill),
+                ("parallel", self.enqueue_parallel) if self.parallel else ("decode", self.enqueue_decode)]
 
     def enqueue_chunk(self, k=None) -> None:
         """A whole chunk's launches through launcher k (profiling tools record or filter them)."""
-        self.enqueue_prefill(k)
-        self._second_pass()[1](k)
+        for _, enqueue in self._passes():
+            enqueue(k)
 
     def _capture(self) -> None:
         from vla_edge_ros.engine.cuda.graphs import CudaGraph
@@ -215,9 +234,8 @@ class CudaEngine(DeviceEngine, Engine):
         if not self.use_graphs:
             return
         self.stream.synchronize()
-        self._graphs["prefill"] = CudaGraph("prefill").capture(self.stream, self.enqueue_prefill)
-        name, enqueue = self._second_pass()
-        self._graphs[name] = CudaGraph(name).capture(self.stream, enqueue)
+        for name, enqueue in self._passes():
+            self._graphs[name] = CudaGraph(name).capture(self.stream, enqueue)
 
     def _run(self, name: str, enqueue: Callable[[], None]) -> None:
         if self.use_graphs:
@@ -344,10 +362,12 @@ class CudaEngine(DeviceEngine, Engine):
             t.append(time.perf_counter())
             self._set_inputs(x, slots, n_ctx, n_ctx - tpf, tpf, n_ctx, forced, parallel=self.parallel)
             t.append(time.perf_counter())
+            first, *rest = self._passes()
             self.ev[0].record(self.stream)
-            self._run("prefill", self.enqueue_prefill)
+            self._run(*first)  # prefill_ms: the frame's prefill (or the fused pass: the whole chunk)
             self.ev[1].record(self.stream)
-            self._run(*self._second_pass())  # decode_ms: the decode steps, or the parallel pass
+            for graph in rest:
+                self._run(*graph)  # decode_ms: the decode steps, or the parallel pass
             self.ev[2].record(self.stream)
             t.append(time.perf_counter())
             cuda.memcpy_dtoh_async(a.h_tok, a.tok_buf, self.stream)
@@ -364,13 +384,14 @@ class CudaEngine(DeviceEngine, Engine):
     # ---- read-back for tests and benchmarks --------------------------------------------------------------
     def read_final_hidden(self) -> tuple[np.ndarray, np.ndarray]:
         """(prefill rows (32, H), decode steps (decode_steps, H)) of the final-normed hidden state. With parallel
-        decoding the 32 rows are the last prefill-shaped pass's first tile: the parallel pass's first 32 slots."""
+        decoding the 32 rows are the parallel pass's first tile: its first 32 slots (after the frame's rows when
+        fused)."""
         H = self.cfg.hidden_size
         with self._active():
             self.stream.synchronize()
             a = np.empty((T_CHUNK, H), np.float32)
             b = np.empty((self.decode_steps, H), np.float32)
-            self._cuda.memcpy_dtoh(a, self.act.final_h)
+            self._cuda.memcpy_dtoh(a, self.act.final_h + (4 * T_CHUNK * H if self.fused else 0))
             self._cuda.memcpy_dtoh(b, self.act.final_h_dec)
         return a, b
 

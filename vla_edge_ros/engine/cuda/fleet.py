@@ -177,7 +177,7 @@ class FleetCudaEngine(DeviceEngine):
 
     def planned_bytes(self) -> int:
         """Weights (bf16) + every robot's KV region + the pass's buffers, before any allocation."""
-        from vla_edge_ros.engine.cuda.plan import memory_plan
+        from vla_edge_ros.engine.cuda.vram import memory_plan
         sizes = memory_plan(self.cfg, self.budget_tokens, self.decode_steps)
         kv = self.max_robots * sizes["kv"]
         return int(sizes["model"] + kv + self.max_robots * sizes["scratch"] + self._row_bytes())

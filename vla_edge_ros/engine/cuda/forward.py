@@ -12,7 +12,9 @@ bidirectional, ...] (the frame prefill's at a.meta, the parallel pass's at a.met
 (a.forced: every argmax writes the forced id where it is >= 0, so a forced prefix feeds the next decode step).
 The parallel pass (vla.chunk_decode "parallel", ``parallel``) is the prefill's layers over the A slot rows with its
 own record (bidirectional; in 32-row tiles when A > 32, ``_layers``), then ONE head launch over all A rows
-(gemv_logits with grid.y = A, argmax_tokens with grid.x = A) instead of the prefill's head of the last row.
+(gemv_logits with grid.y = A, argmax_tokens with grid.x = A) instead of the prefill's head of the last row. With
+tuning fused_parallel the frame's prefill and the parallel pass are ONE pass (``fused``): the frame's tile, then
+the slot tiles, every GEMM over all of them.
 """
 from __future__ import annotations
 
@@ -41,8 +43,12 @@ def _gemm(k, launch: Launch, A: int, lda: int, W: int, N: int, K: int, C: int, l
 
 def prefill(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache) -> None:
     """One pass over the rows of a.x_pre -> final_h, logits[0], tok_buf[0]."""
-    _layers(k, p, cfg, w, a, kv, a.meta)
-    # the last valid row (meta[2] - 1): already normed, so no norm weights here
+    _layers(k, p, cfg, w, a, kv, [a.meta])
+    _frame_head(k, p, cfg, w, a)
+
+
+def _frame_head(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations) -> None:
+    """logits[0], tok_buf[0] from the frame's last valid row (a.meta[2] - 1), already normed: no norm weights."""
     k(p.logits, a.final_h, a.meta, 2, 0, cfg.rms_norm_eps, w.head_rows, cfg.n_action_bins, cfg.hidden_size, a.logits,
       0)
     k(p.argmax, a.logits, cfg.n_action_bins, cfg.action_token_offset, a.tok_buf, 0, a.forced)
@@ -54,36 +60,52 @@ def parallel(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv:
     More than T_CHUNK slots: the layers run tile by tile (``_layers``). The rows are independent after the attention,
     so the head of all of them is one launch of each kernel (grid.y / grid.x = slots) rather than ``slots`` launches
     of the decode's."""
+    _layers(k, p, cfg, w, a, kv, [a.meta_tile(t) for t in range(math.ceil(slots / T_CHUNK))])
+    _slots_head(k, p, cfg, w, a, slots, a.final_h)
+
+
+def fused(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, slots: int) -> None:
+    """A parallel chunk as ONE pass (tuning fused_parallel): the frame's rows (a.x_pre's first tile, its causal record
+    a.meta) and the ``slots`` slot rows after them (the caller has put their inputs at x_pre's second tile), so each
+    GEMM runs over all of them; the frame's tile is attended first (its launch stores the frame's K/V, which the
+    slot tiles then stage from the cache, as a second tile does in ``parallel``). Then both heads: the frame's
+    (logits[0], tok_buf[0], as ``prefill``) and the slots' (logits[1 ..], as ``parallel``), from their rows of
+    final_h. Same results as ``prefill`` then ``parallel``: the rows are the same, and so is every row's keys."""
+    _layers(k, p, cfg, w, a, kv, [a.meta] + [a.meta_tile(t) for t in range(math.ceil(slots / T_CHUNK))])
+    _frame_head(k, p, cfg, w, a)
+    _slots_head(k, p, cfg, w, a, slots, a.final_h + 4 * T_CHUNK * cfg.hidden_size)
+
+
+def _slots_head(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, slots: int, first: int) -> None:
+    """logits[1 .. slots], tok_buf[1 .. slots] of the slot rows from final_h row ``first`` on: one launch each."""
     n_bins = cfg.n_action_bins
-    _layers(k, p, cfg, w, a, kv, a.meta_parallel, tiles=math.ceil(slots / T_CHUNK))
     rows = a.logits + 4 * n_bins  # logits[1]
-    k(p.logits._replace(grid=(p.logits.grid[0], slots)), a.final_h, a.meta_parallel, -1, 0, cfg.rms_norm_eps,
+    k(p.logits._replace(grid=(p.logits.grid[0], slots)), first, a.meta_parallel, -1, 0, cfg.rms_norm_eps,
       w.head_rows, n_bins, cfg.hidden_size, rows, 0)
     k(p.argmax._replace(grid=(slots, 1)), rows, n_bins, cfg.action_token_offset, a.tok_buf, 1, a.forced)
 
 
-def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, meta: int,
-            tiles: int = 1) -> None:
-    """The layers and the final norm of a prefill-shaped pass over a.x_pre -> final_h, reading the pass's record
-    ``meta`` (the frame's causal one, or the parallel pass's bidirectional one).
+def _layers(k, p: LaunchPlan, cfg: ModelConfig, w: Weights, a: Activations, kv: KVCache, recs: list[int]) -> None:
+    """The layers and the final norm of a prefill-shaped pass over a.x_pre -> final_h, in 32-row tiles, one per
+    record in ``recs`` (device pointers: the frame's causal a.meta, the parallel pass's bidirectional
+    a.meta_tile(t), pass_meta.parallel_records, or the fused pass's both).
 
-    ``tiles`` > 1 (a parallel pass of more than T_CHUNK slots): the row-wise kernels take every row at once; each GEMM
-    runs once per 32-row tile (the measured 32-row kernels, weights read once per tile), and the attention and its merge
-    once per tile with that tile's record (a.meta_tile(t), pass_meta.parallel_records) and query rows. Tile 0's
-    attention stores every slot's K/V (it reads each key of the pass fresh from the QKV rows); tile t > 0 finds the keys
-    of the rows before its own in the cache, staged before its PDL wait, so it is launched serially (after tile 0's
-    attention and merge are complete); the keys from its own row on it reads fresh, like tile 0. The split partials are
-    one tile's, reused: each tile's merge runs before the next tile's attention. With p.parallel_gemms (tuning
-    parallel_gemm = "tiled", bf16) each GEMM is instead one launch over every tile (cuda/gemm_tiled.cu: the weights
-    read once; the gate/up one writes silu(gate) * up)."""
-    H, I, T, eps = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK, cfg.rms_norm_eps
+    More than one tile: the row-wise kernels take every row at once; each GEMM runs once per 32-row tile (the measured
+    32-row kernels, weights read once per tile), and the attention and its merge once per tile with that tile's record
+    and query rows. Tile 0's attention stores the K/V of every row its record names (the parallel pass's: every
+    slot's; it reads each key of the pass fresh from the QKV rows); a later tile finds the keys of the rows before its
+    own in the cache, staged before its PDL wait, so it is launched serially (after the previous tile's attention and
+    merge are complete); the keys from its own row on it reads fresh, like tile 0. The split partials are one tile's,
+    reused: each tile's merge runs before the next tile's attention. With p.parallel_gemms (tuning parallel_gemm =
+    "tiled", bf16) each GEMM is instead one launch over every tile (cuda/gemm_tiled.cu: the weights read once; the
+    gate/up one writes silu(gate) * up)."""
+    H, I, T, eps, tiles = cfg.hidden_size, padded_intermediate(cfg), T_CHUNK, cfg.rms_norm_eps, len(recs)
     G, n_kvh, HD = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads, cfg.head_dim
     nq = cfg.num_attention_heads * HD
     nqkv = nq + 2 * n_kvh * HD
     attn = p.attn_prefill._replace(grid=(kv.nsplit,) + p.attn_prefill.grid[1:])  # (splits, n_kvh[, head groups])
     norm = p.norm_rows._replace(grid=(T * tiles,) + p.norm_rows.grid[1:])  # every row of the pass
     final_norm = p.final_norm._replace(grid=(T * tiles,) + p.final_norm.grid[1:])
-    recs = [meta] if tiles == 1 else [a.meta_tile(t) for t in range(tiles)]
     whole = tiles > 1 and bool(p.parallel_gemms)  # one tiled launch per GEMM over every tile
     t_qkv, t_o, t_gu, t_d = p.parallel_gemms if whole else (None,) * 4
 

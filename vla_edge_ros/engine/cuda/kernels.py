@@ -96,7 +96,7 @@ LAUNCH_CONSTANTS = {
     "gemm_skinny.cu": ("GEMM_WARPS", "G4_NW", "G4_U", "G4_SMEM"),
     "gemv.cu": ("GEMV_WARPS",),
     "fleet.cu": ("GEMM_WARPS", "GR_WARPS", "GR_MAXM"),
-    "gemm_tiled.cu": ("GT_BN", "GT_SMEM128", "GT_SMEM64"),
+    "gemm_tiled.cu": ("GT_BN", "GT_SMEM128", "GT_SMEM64", "GT_BK"),
     "gemv_quant.cu": ("GEMV_RPW_I8", "GEMV_RPW_F8", "GEMV_RPW_I4"),
     "rope_attention.cu": ("ATT_KC", "DEC_WARPS", "DEC_MAXG", "CMB_GROUPS", "PF_MAXG_128", "PF_MAXG_64", "PFG_MAXG_128",
                           "PFG_MAXG_64"),

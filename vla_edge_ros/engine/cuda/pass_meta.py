@@ -1,13 +1,13 @@
 """The host-written ints a chunk's graphs read (``chunk_meta``: a record per pass, then the forced prefix), the row
-tiles of a parallel chunk (``parallel_tiles``) and the refusal of one wider than PARALLEL_MAX_TILES tiles
-(``parallel_slots_problem``).
+tiles of a parallel chunk (``parallel_tiles``; ``pass_tiles`` with the frame's) and the refusal of one wider than
+PARALLEL_MAX_TILES tiles (``parallel_slots_problem``).
 
 Why a module of its own: kernel arguments are frozen at CUDA-graph capture, so whatever changes per chunk (keys seen,
 the position of row 0, rows, n_ctx, whether the rows see each other both ways, the forced action tokens) is read from
 ONE device buffer (buffers.Activations.meta), written by one async copy before the replays. Its layout is shared by
 the host (buffers.py, engine.py) and the kernels (cuda/rope_attention.cu's meta), and, like plan.py's launches, it is
 pure: unit-tested on CPU (test/test_cuda_plan.py). The parallel pass's tiles live here because they size that buffer
-(a record per tile); plan.memory_plan reads both.
+(a record per tile); vram.memory_plan reads both.
 """
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ def parallel_tiles(cfg: ModelConfig) -> int:
     Every GEMM, attention and merge of that pass runs once per tile (forward.parallel): more slots cost more passes
     over the weights, but no kernel changes."""
     return max(1, math.ceil(chunk_action_tokens(cfg) / T_CHUNK)) if is_parallel(cfg) else 1
+
+
+def pass_tiles(cfg: ModelConfig) -> int:
+    """T_CHUNK-row tiles of the prefill-shaped passes' buffers (buffers.Activations, vram.memory_plan): the frame's,
+    then a parallel chunk's slot tiles after it. The fused pass (tuning fused_parallel) runs the frame and the slots
+    as one pass over all of them; apart, the parallel pass reuses the first parallel_tiles ones."""
+    return 1 + parallel_tiles(cfg) if is_parallel(cfg) else 1
 
 
 def parallel_slots_problem(cfg: ModelConfig) -> str | None:

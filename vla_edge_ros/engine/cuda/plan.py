@@ -12,7 +12,7 @@ test/test_cuda_compile.py. Measured effect of every tuning knob: docs/KERNEL_NOT
 
 Also pure, in pass_meta.py (which imports T_CHUNK from here): the layout of the host-written ints a chunk's graphs
 read (``chunk_meta``: a record per pass, then the forced prefix) and the row tiles of a parallel chunk
-(``parallel_tiles``, which ``memory_plan`` sizes the pass's rows by).
+(``pass_tiles``, which vram.memory_plan sizes the passes' rows by).
 """
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ class LaunchConstants:
     GT_BN: int = 128         # gemm_tiled* (tuning fleet_gemm / parallel_gemm = tiled): columns of C per block
     GT_SMEM128: int = 81920  # ... dynamic shared memory of the 128-row and the 64-row block tile
     GT_SMEM64: int = 61440
+    GT_BK: int = 32          # ... K step (a split's length is a multiple of it)
 
 
 FLEET_GEMVS = ("mma", "rows")  # engine/cuda/fleet_forward.FLEET_GEMV's kernels
@@ -84,6 +85,9 @@ class Tuning:
     # the single engine's parallel pass of more than 32 slots (issue 22, H = 8: 2 tiles): tiles32 (the 32-row
     # kernels once per tile) | tiled (gemm_tiled64_*: one launch over every tile, weights read once; bf16 only)
     parallel_gemm: str = "tiles32"
+    # a parallel chunk as ONE pass (issue 22): the frame's 32 rows and the slot tiles together (each GEMM over all of
+    # them; the frame's attention first), instead of the prefill pass then the parallel pass (session 33, unmeasured)
+    fused_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gemm_v4", "late_trigger"):
@@ -95,8 +99,9 @@ class Tuning:
             bad = [n for n in getattr(self, name) if n not in known]
             if bad:
                 raise EngineError(f"tuning {name}: unknown {', '.join(map(repr, bad))} (known: {', '.join(known)})")
-        if not isinstance(self.pdl, bool):
-            raise EngineError(f"tuning pdl must be true or false, got {self.pdl!r}")
+        for f in ("pdl", "fused_parallel"):
+            if not isinstance(getattr(self, f), bool):
+                raise EngineError(f"tuning {f} must be true or false, got {getattr(self, f)!r}")
         if self.fleet_gemv not in FLEET_GEMVS:
             raise EngineError(f"tuning fleet_gemv must be one of {', '.join(FLEET_GEMVS)}, got {self.fleet_gemv!r}")
         for f in ("fleet_gemm", "parallel_gemm"):
@@ -171,8 +176,9 @@ class LaunchPlan:
     keys_per_split: int
     notes: tuple[str, ...] = ()  # decisions worth a log line (a GEMM moved off gemm32v4, ...)
     # the parallel pass's qkv, o, gate/up (SiLU) and down over all its tiles at once (tuning parallel_gemm =
-    # "tiled", bf16, more than one tile); empty: each tile on the 32-row launches above
+    # "tiled", bf16, more than one tile; fused: the frame's tile too); empty: each tile on the 32-row launches above
     parallel_gemms: tuple[Launch, ...] = ()
+    fused_parallel: bool = False  # a parallel chunk is one pass, the frame's tile first (tuning fused_parallel)
 
     def splits(self, slots: int) -> int:
         """Attention splits (blocks per KV head) over ``slots`` cache rows."""
@@ -183,24 +189,25 @@ def split_len(K: int, row_blocks: int, target_blocks: int, quantum: int, min_len
     """Split-K length (multiple of ``quantum``, >= min_len) giving about ``target_blocks`` blocks in all."""
     splits = max(1, math.ceil(target_blocks / max(1, row_blocks)))
     ks = _round_up(math.ceil(K / splits), quantum)
-    return min(_round_up(K, quantum), max(ks, min_len))
+    return min(_round_up(K, quantum), max(ks, _round_up(min_len, quantum)))
 
 
 def tiled_gemm(c: LaunchConstants, t: Tuning, N: int, K: int, rows: int, silu: bool = False) -> Launch:
-    """gemm_tiled*'s launch (cuda/gemm_tiled.cu) for the pass's 32-row tiles: block tiles of 128 rows once the pass
-    has that many (a weight read from DRAM once per 128 rows), else 64. _atomic: K split only as far as
+    """gemm_tiled*'s launch (cuda/gemm_tiled.cu) for the pass's 32-row tiles: block tiles of 64 rows up to 64, else
+    128 (a weight read from DRAM once per 128 rows: 96 rows as two 64-row tiles, each reading every weight, made the
+    fused H = 8 pass slower than the 32-row kernels per tile, session 33). grid = (row blocks, column blocks, K splits). _atomic: K split only as far as
     tuning.gemm_target_blocks asks (each split adds its partial sums into C by atomics), each split at least
     tuning.gemm_min_ks columns; _silu (the gate/up GEMM writing silu(gate) * up): one split."""
-    if N % (32 if silu else 2) or K % 32:
-        raise EngineError(f"gemm_tiled: N={N} must be a multiple of {32 if silu else 2} and K={K} of 32")
+    if N % (32 if silu else 2) or K % c.GT_BK:
+        raise EngineError(f"gemm_tiled: N={N} must be a multiple of {32 if silu else 2} and K={K} of {c.GT_BK}")
     R = 32 * math.ceil(rows / 32)
-    bm = 128 if R >= 128 else 64
-    gx, gy = math.ceil(N / c.GT_BN), math.ceil(R / bm)
+    bm = 64 if R <= 64 else 128
+    gy, gx = math.ceil(R / bm), math.ceil(N / c.GT_BN)
     smem = c.GT_SMEM128 if bm == 128 else c.GT_SMEM64
     if silu:
-        return Launch(f"gemm_tiled{bm}_silu", (gx, gy, 1), (256, 1, 1), smem)
-    ks = split_len(K, gx * gy, t.gemm_target_blocks, 32, t.gemm_min_ks)
-    return Launch(f"gemm_tiled{bm}_atomic", (gx, gy, math.ceil(K / ks)), (256, 1, 1), smem, ks)
+        return Launch(f"gemm_tiled{bm}_silu", (gy, gx, 1), (256, 1, 1), smem)
+    ks = split_len(K, gx * gy, t.gemm_target_blocks, c.GT_BK, t.gemm_min_ks)
+    return Launch(f"gemm_tiled{bm}_atomic", (gy, gx, math.ceil(K / ks)), (256, 1, 1), smem, ks)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -374,7 +381,8 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
     # ---- the parallel pass of more than one tile, each GEMM once over every tile (tuning parallel_gemm = "tiled")
     parallel_gemms: tuple[Launch, ...] = ()
     from vla_edge_ros.engine.cuda.pass_meta import parallel_tiles  # pass_meta imports T_CHUNK from here
-    tiles = parallel_tiles(cfg)
+    fused = t.fused_parallel and is_parallel(cfg)
+    tiles = parallel_tiles(cfg) + fused  # the pass's tiles: the slots' (and the frame's when fused)
     if t.parallel_gemm == "tiled" and tiles > 1:
         parallel_gemms = tuple(tiled_gemm(c, t, N, K, T * tiles, silu=use == "gateup")
                                for use, (N, K, _) in shapes.items())
@@ -418,7 +426,8 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
         late_trigger_mask=late_trigger_mask(t.late_trigger),
         keys_per_split=c.ATT_KC,
         notes=tuple(notes),
-        parallel_gemms=parallel_gemms)
+        parallel_gemms=parallel_gemms,
+        fused_parallel=fused)
 
 
 WEIGHT_LAUNCHES = ("gemm_qkv", "gemm_o", "gemm_gateup", "gemm_down", "gemv_qkv", "gemv_o", "gemv_gateup", "gemv_down")
@@ -471,29 +480,3 @@ def _vision_grid(cfg: ModelConfig, rows: int, block) -> tuple:
     K, rb = cfg.patch_dim, math.ceil(cfg.hidden_size / rows)
     ks = split_len(K, rb, 132, 32, 256)
     return (rb, math.ceil(K / ks)), block, 0, ks
-
-
-def memory_plan(cfg: ModelConfig, capacity: int, scratch_slots: int,
-                c: LaunchConstants = LaunchConstants()) -> dict[str, int]:
-    """Bytes of model, KV cache and scratch for a KV capacity and a chunk's ``scratch_slots`` decode tokens
-    (engine/geometry.chunk_scratch_slots: S autoregressive steps, or the A parallel slots; not the decode_tokens
-    parameter): the three parts of vram.check_budget."""
-    from vla_edge_ros.engine.cuda.pass_meta import meta_ints, parallel_tiles  # pass_meta imports T_CHUNK from here
-    H, I, L, V = cfg.hidden_size, padded_intermediate(cfg), cfg.num_hidden_layers, cfg.vocab_size
-    Hq, HD, nkv = cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    nqkv, n_bins, T = Hq * HD + 2 * nkv, cfg.n_action_bins, T_CHUNK * parallel_tiles(cfg)  # the pass's rows
-    per_layer = 2 * (nqkv * H + H * H + 2 * I * H + H * I + 2 * H) + 4 * nqkv
-    model = L * per_layer + 2 * V * H + 2 * H + 2 * H * cfg.patch_dim + 4 * cfg.n_patches * H
-    if not cfg.tie_word_embeddings:
-        model += 2 * n_bins * H
-    slots = capacity + scratch_slots
-    kv = 2 * L * slots * nkv * 2
-    n_split = math.ceil(slots / c.ATT_KC)
-    scratch = (4 * T * (3 * H + nqkv) + 2 * T * (2 * H + I)
-               + 4 * (n_split * Hq * T_CHUNK * (HD + 2)) + 4 * (n_split * Hq * (HD + 2))  # partials: one tile's
-               + 4 * (3 * H + Hq * HD + I + scratch_slots * H)
-               + 4 * (scratch_slots + 1) * n_bins + 8 * (slots + 64) * HD // 2
-               + 4 * (slots + 8) + 4 * meta_ints(scratch_slots + 1, parallel_tiles(cfg))
-               + 2 * T_CHUNK * cfg.patch_dim + 4096
-               + (4 * T * H if is_parallel(cfg) else 0))  # the parallel pass's input rows (Weights.parallel_rows)
-    return {"model": int(model), "kv": int(kv), "scratch": int(scratch)}

@@ -1,4 +1,5 @@
-"""One tracker for every device allocation of the CUDA engine, and the start-up VRAM budget check.
+"""One tracker for every device allocation of the CUDA engine, the bytes a model, cache and chunk will take
+(``memory_plan``), and the start-up VRAM budget check.
 
 Every buffer the backend puts on the GPU goes through :meth:`VramTracker.alloc` (named, so a refusal or a leak
 can be told apart), which keeps current and peak bytes. ``check_budget`` runs before the first allocation: the
@@ -8,8 +9,12 @@ node refuses to start with a message naming each part when model + KV budget + s
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
+from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.cuda.plan import T_CHUNK, LaunchConstants, padded_intermediate
+from vla_edge_ros.engine.geometry import is_parallel
 from vla_edge_ros.engine.interface import EngineError
 from vla_edge_ros.engine.quant import linear_shapes, weights_nbytes
 
@@ -17,7 +22,7 @@ GIB = 1024 ** 3
 
 
 def quantized_model_bytes(bf16_model_bytes: int, cfg, weight_dtype: str, intermediate_size: int) -> int:
-    """The model part of the budget in ``weight_dtype``: ``bf16_model_bytes`` (plan.memory_plan's, every linear
+    """The model part of the budget in ``weight_dtype``: ``bf16_model_bytes`` (``memory_plan``'s, every linear
     weight in bf16 with the MLP padded to ``intermediate_size``) with those linear weights counted at their
     quantised size (engine/quant.weights_nbytes, the numpy backend's count too). bf16 returns it unchanged."""
     shapes = linear_shapes(cfg, intermediate_size)
@@ -94,3 +99,29 @@ class VramTracker:
     def stats(self) -> dict[str, int]:
         return {"current_bytes": int(self.current_bytes), "peak_bytes": int(self.peak_bytes),
                 "allocations": len(self._live)}
+
+
+def memory_plan(cfg: ModelConfig, capacity: int, scratch_slots: int,
+                c: LaunchConstants = LaunchConstants()) -> dict[str, int]:
+    """Bytes of model, KV cache and scratch for a KV capacity and a chunk's ``scratch_slots`` decode tokens
+    (engine/geometry.chunk_scratch_slots: S autoregressive steps, or the A parallel slots; not the decode_tokens
+    parameter): the three parts of vram.check_budget."""
+    from vla_edge_ros.engine.cuda.pass_meta import meta_ints, parallel_tiles, pass_tiles  # (it imports plan)
+    H, I, L, V = cfg.hidden_size, padded_intermediate(cfg), cfg.num_hidden_layers, cfg.vocab_size
+    Hq, HD, nkv = cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    nqkv, n_bins, T = Hq * HD + 2 * nkv, cfg.n_action_bins, T_CHUNK * pass_tiles(cfg)  # the passes' rows
+    per_layer = 2 * (nqkv * H + H * H + 2 * I * H + H * I + 2 * H) + 4 * nqkv
+    model = L * per_layer + 2 * V * H + 2 * H + 2 * H * cfg.patch_dim + 4 * cfg.n_patches * H
+    if not cfg.tie_word_embeddings:
+        model += 2 * n_bins * H
+    slots = capacity + scratch_slots
+    kv = 2 * L * slots * nkv * 2
+    n_split = math.ceil(slots / c.ATT_KC)
+    scratch = (4 * T * (3 * H + nqkv) + 2 * T * (2 * H + I)
+               + 4 * (n_split * Hq * T_CHUNK * (HD + 2)) + 4 * (n_split * Hq * (HD + 2))  # partials: one tile's
+               + 4 * (3 * H + Hq * HD + I + scratch_slots * H)
+               + 4 * (scratch_slots + 1) * n_bins + 8 * (slots + 64) * HD // 2
+               + 4 * (slots + 8) + 4 * meta_ints(scratch_slots + 1, parallel_tiles(cfg))
+               + 2 * T_CHUNK * cfg.patch_dim + 4096
+               + (4 * T_CHUNK * parallel_tiles(cfg) * H if is_parallel(cfg) else 0))  # Weights.parallel_rows
+    return {"model": int(model), "kv": int(kv), "scratch": int(scratch)}
