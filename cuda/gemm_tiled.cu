@@ -3,7 +3,7 @@
 // with BOTH operands staged in shared memory, as a textbook tensor-core GEMM. Why it exists: the fleet's
 // gemm32t_atomic (fleet.cu) keeps a block's weights in registers and loops over the 32-row tiles, so every tile
 // pays a barrier, a staging round trip and a split-K partial sum added by atomics per 256 columns: measured, the
-// 8-robot prefill took 11.1 of a 28.6 ms batch on the H200, one robot's 2.3 (docs/KERNEL_NOTES.md). Here a
+// 8-robot prefill took 11.1 of a 28.6 ms batch on the H200, one robot's 2.3 (docs/KERNEL_NOTES_MANY_ROWS.md). Here a
 // block owns a BM x 128 tile of C over its whole K range (accumulators in registers), so a weight element is
 // read from DRAM once per BM rows and added into C once per K split, not once per 256 columns and tile.
 //
