@@ -131,7 +131,7 @@ def test_parallel_chunks_match_the_numpy_engine(torch_cuda, tmp_path, use_graphs
             evicted += len(want.evicted_frames)
             assert got.token_ids.shape == (29,) and got.chunk_bins.shape == got.chunk.shape == (4, DIMS)
             np.testing.assert_array_equal(got.chunk_bins.ravel(), got.token_ids[1:29] - cfg.action_token_offset)
-            assert got.decode_ms > 0 and got.prefill_ms > 0 and got.forced_steps == 0
+            assert got.prefill_ms > 0 and (got.decode_ms > 0) != eng.fused and got.forced_steps == 0  # fused: 1 pass
         assert evicted == 3 and ties <= 6 * 29 // 20, (evicted, ties)  # near-ties flipped in at most 5 % of rows
     finally:
         eng.close()
