@@ -250,6 +250,8 @@ def test_split_len_covers_k_in_quanta():
             ks = split_len(K, rb, 264, 32, 256)
             assert ks % 32 == 0 and ks >= min(256, K)
             assert (K + ks - 1) // ks * ks >= K
+    # a shortest split (tuning gemm_min_ks) off the quantum is rounded up to it: a kernel's K step never straddles
+    assert split_len(1000, 1, 264, 32, 100) == 128 and split_len(8960, 12, 264, 64, 500) == 512
 
 
 @pytest.mark.parametrize("N,K,n_sm,max_splits", [(17920, 1536, 132, 1), (2048, 1536, 132, 1), (1536, 8960, 132, 0),
