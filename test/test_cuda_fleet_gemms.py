@@ -72,6 +72,27 @@ def test_gemv_rows_mma_launches(geometry, rows):
         assert launch.smem == 2 * (8 if rows <= 8 else 16) * launch.ks <= SMEM_DEFAULT
 
 
+def test_the_gemm_micro_benchmark_times_the_engines_launches_and_refuses_bad_rows(capsys):
+    """bench/gpu_gemm_micro.py: --rows takes multiples of 32 past one tile; each variant is the launch the fleet makes
+    (tiles32: gemm32t_atomic; tiled: gemm_tiled*, the gate/up one the SiLU form); without a GPU it exits 2 with the
+    reason."""
+    import argparse
+
+    from cuda_plan_fixtures import H200, cfg_of, limits
+    from vla_edge_ros.bench import gpu_gemm_micro as micro
+    assert micro.row_counts("64, 96,256") == [64, 96, 256]
+    for bad in ("32", "64,100", "", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--rows"):
+            micro.row_counts(bad)
+    lim = limits(H200, cfg_of("1.5b"))
+    assert micro.launch_for(lim, "tiles32", 17920, 1536, 96, True).kernel == "gemm32t_atomic"
+    assert micro.launch_for(lim, "tiled", 17920, 1536, 96, True).kernel == "gemm_tiled128_silu"
+    assert micro.launch_for(lim, "tiled", 1536, 8960, 64, False).kernel == "gemm_tiled64_atomic"
+    from vla_edge_ros.engine.cuda.probe import cuda_status
+    if not cuda_status()[0]:
+        assert micro.main(["--rows", "64"]) == 2 and "gpu_gemm_micro: no usable GPU" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------- gemv_rows_mma, gemm_tiled alone (GPU)
 @pytest.fixture(scope="module")
 def fleet_kernels():

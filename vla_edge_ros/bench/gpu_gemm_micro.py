@@ -1,0 +1,185 @@
+"""The many-row GEMMs alone, no engine (issue 24's fleet prefill, issue 22's parallel pass): gemm32t_atomic over
+32-row tiles (tuning ``tiles32``) against gemm_tiled* (``tiled``), for the 1.5B layer's four linear layers and a
+few row counts, each on the grid the engines launch it with.
+
+    python -m vla_edge_ros.bench.gpu_gemm_micro [--rows 64,96,128,256] [--reps 30] [--json out.json]
+    VLA_CUDA_DEFINES="GT_BK=64 GT_STAGES=3" python -m vla_edge_ros.bench.gpu_gemm_micro   # a measuring build
+
+Why: a whole pass mixes these GEMMs with attention, norms and launches; its time says whether the many-row GEMM
+got faster, not which shape holds it back (session 33: the tiled kernel reads weights at about a third of the copy
+bandwidth in a pass, and the qkv / o grids have fewer blocks than SMs). Per launch: the median of ``--reps`` graph
+replays of back-to-back launches cycling through copies of the weights four times the L2 in all (each launch
+reads its weights from DRAM, as in a pass), in us and in GB/s of weights; every launch is checked against numpy
+on the same bf16 inputs first (max |error| / max |reference| < 1e-2, else exit status 1). The gate/up GEMM is the
+fleet's: gemm32t into fp32 rows (the SiLU pass after it not timed) against the tiled kernel writing silu(gate) * up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+SHAPES = (("qkv", 2048, 1536), ("o", 1536, 1536), ("gate/up", 17920, 1536), ("down", 1536, 8960))  # 1.5B layer
+VARIANTS = ("tiles32", "tiled")
+MAX_ERR = 1e-2
+
+
+def row_counts(text: str) -> list[int]:
+    """--rows: comma-separated pass rows, each a multiple of 32 past one tile (one tile is the single engine's)."""
+    try:
+        rows = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rows takes comma-separated integers, got {text!r}") from None
+    bad = [r for r in rows if r <= 32 or r % 32]
+    if not rows or bad:
+        raise argparse.ArgumentTypeError(f"--rows: multiples of 32 above 32 (2 tiles or more), got {text!r}")
+    return rows
+
+
+def launch_for(limits, variant: str, N: int, K: int, rows: int, silu: bool):
+    """The launch the fleet makes for this GEMM under tuning fleet_gemm = ``variant`` (fleet_forward.linear; the
+    tiled gate/up: plan.tiled_gemm's SiLU form, as fleet_forward.batched_pass)."""
+    import types
+
+    from vla_edge_ros.engine.cuda import fleet_forward
+    from vla_edge_ros.engine.cuda.plan import Tuning, tiled_gemm
+    t = Tuning(fleet_gemm=variant)
+    if variant == "tiled" and silu:
+        return tiled_gemm(limits.constants, t, N, K, rows, silu=True)
+    return fleet_forward.linear(types.SimpleNamespace(limits=limits, tuning=t), N, K, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=row_counts, default=[64, 96, 128, 256])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    from vla_edge_ros.bench.gpu_session import run_on_gpu
+    return run_on_gpu("gpu_gemm_micro", lambda cuda: run(cuda, args.rows, args.reps, args.json))
+
+
+def run(cuda, row_list: list[int], reps: int, json_path: str = "") -> int:
+    from pycuda.compiler import compile as nvcc_compile
+
+    from vla_edge_ros.engine.cuda.buffers import bf16_bits_to_f32, f32_to_bf16_bits
+    from vla_edge_ros.engine.cuda.graphs import CudaGraph
+    from vla_edge_ros.engine.cuda.kernels import BY_NAME, LAUNCH_CONSTANTS
+    from vla_edge_ros.engine.cuda.plan import DeviceLimits, LaunchConstants
+    from vla_edge_ros.engine.cuda.probe import CUDA_DIR
+    dev, attr = cuda.Device(0), cuda.device_attribute
+    defines = ["-D" + d for d in os.environ.get("VLA_CUDA_DEFINES", "").split()]
+    mods, consts = {}, {}
+    for src in ("fleet.cu", "gemm_tiled.cu"):
+        mods[src] = cuda.module_from_buffer(nvcc_compile(
+            (CUDA_DIR / src).read_text(encoding="utf-8"), no_extern_c=True, include_dirs=[str(CUDA_DIR)],
+            options=["-O3", "-std=c++17", *defines]))
+        ptr, nbytes = mods[src].get_global("vla_launch")
+        got = np.zeros(nbytes // 4, np.int32)
+        cuda.memcpy_dtoh(got, ptr)
+        consts.update(zip(LAUNCH_CONSTANTS[src], (int(v) for v in got)))
+    c = LaunchConstants(**consts)
+    limits = DeviceLimits(dev.get_attribute(attr.MULTIPROCESSOR_COUNT),
+                          dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN), False, constants=c)
+    fns: dict = {}
+
+    def fn(name: str, smem: int):
+        if name not in fns:
+            f = mods["gemm_tiled.cu" if name.startswith("gemm_tiled") else "fleet.cu"].get_function(name)
+            f.prepare(BY_NAME[name].sig)
+            fns[name] = f
+        if smem > 48 * 1024:
+            fns[name].set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        return fns[name]
+    l2 = dev.get_attribute(attr.L2_CACHE_SIZE)
+    stream, ev0, ev1 = cuda.Stream(), cuda.Event(), cuda.Event()
+    rng = np.random.default_rng(0)
+    R = max(row_list)
+    out: dict = {"device": dev.name(), "defines": defines, "l2_bytes": l2, "reps": reps, "rows": []}
+    print(f"== many-row GEMMs: {dev.name()}, 1.5B layer{' (' + ' '.join(defines) + ')' if defines else ''}; per "
+          f"launch: median of {reps} graph replays over weight copies of 4x the L2 ==")
+    print(f"{'GEMM':8s} {'rows':>4s} | {'kernel':21s} {'grid':>10s} {'us':>8s} {'GB/s':>7s} {'error':>8s}")
+    failed = 0
+    for label, N, K in SHAPES:
+        silu = label == "gate/up"
+        wbytes = 2 * N * K
+        copies = max(2, math.ceil(4 * l2 / wbytes))
+        w_b = f32_to_bf16_bits(0.05 * rng.standard_normal((N, K)).astype(np.float32))
+        a_b = f32_to_bf16_bits(rng.standard_normal((R + 32, K)).astype(np.float32))
+        ref = bf16_bits_to_f32(a_b[:R]).astype(np.float64) @ bf16_bits_to_f32(w_b).astype(np.float64).T
+        W = [cuda.mem_alloc(wbytes) for _ in range(copies)]
+        for buf in W:
+            cuda.memcpy_htod(buf, w_b)
+        A, C = cuda.to_device(a_b), cuda.mem_alloc(4 * (R + 32) * N)
+        try:
+            for rows in row_list:
+                for v in VARIANTS:
+                    launch = launch_for(limits, v, N, K, rows, silu)
+                    f, tiles = fn(launch.kernel, launch.smem), np.int32(rows // 32)
+                    sil = launch.kernel.endswith("_silu")
+
+                    def call(w) -> None:
+                        tail = ((C, tiles) if sil else (np.int32(launch.ks), C, np.int32(N), tiles))
+                        f.prepared_async_call(launch.grid, launch.block, stream, A, np.int32(K), w, np.int32(N),
+                                              np.int32(K), *tail, shared_size=launch.smem)
+                    cuda.memset_d32_async(C, 0, (R + 32) * N, stream)
+                    call(W[0])
+                    stream.synchronize()
+                    if sil:  # act[rows][N / 2] bf16: silu(gate) * up of the interleaved 8-row groups
+                        act = np.empty((rows, N // 2), np.uint16)
+                        cuda.memcpy_dtoh(act, C)
+                        g = ref[:rows].reshape(rows, -1, 2, 8)
+                        want = (g[:, :, 0] / (1 + np.exp(-g[:, :, 0])) * g[:, :, 1]).reshape(rows, -1)
+                        err = float(np.max(np.abs(bf16_bits_to_f32(act) - want)) / np.max(np.abs(want)))
+                    else:
+                        got = np.empty((rows, N), np.float32)
+                        cuda.memcpy_dtoh(got, C)
+                        err = float(np.max(np.abs(got - ref[:rows])) / np.max(np.abs(ref[:rows])))
+                    failed += not err < MAX_ERR
+                    inner = max(copies, 8)
+
+                    def enqueue() -> int:
+                        for i in range(inner):
+                            call(W[i % copies])
+                        return inner
+                    graph = CudaGraph(f"micro-{launch.kernel}").capture(stream, enqueue)
+                    try:
+                        for _ in range(3):
+                            graph.launch(stream)
+                        times = []
+                        for _ in range(reps):
+                            ev0.record(stream)
+                            graph.launch(stream)
+                            ev1.record(stream)
+                            ev1.synchronize()
+                            times.append(ev1.time_since(ev0) * 1e3 / inner)
+                    finally:
+                        graph.destroy()
+                    us = float(np.median(times))
+                    row = {"gemm": label, "N": N, "K": K, "rows": rows, "variant": v, "kernel": launch.kernel,
+                           "grid": list(launch.grid), "ks": launch.ks, "us": us, "GBps": wbytes / us / 1e3,
+                           "max_rel_err": err}
+                    out["rows"].append(row)
+                    grid = "x".join(map(str, launch.grid))
+                    print(f"{label:8s} {rows:4d} | {launch.kernel:21s} {grid:>10s} {us:8.2f} {row['GBps']:7.0f} "
+                          f"{err:8.1e}{'' if err < MAX_ERR else '  FAILED'}", flush=True)
+        finally:
+            for buf in W + [A, C]:
+                buf.free()
+    print(f"\nper layer (qkv + o + gate/up + down), us\n{'rows':>4s} {'tiles32':>9s} {'tiled':>9s} {'speed-up':>9s}")
+    for rows in row_list:
+        per = {v: sum(r["us"] for r in out["rows"] if r["rows"] == rows and r["variant"] == v) for v in VARIANTS}
+        print(f"{rows:4d} {per['tiles32']:9.2f} {per['tiled']:9.2f} {per['tiles32'] / per['tiled']:8.2f}x")
+    print(f"\n{'all checks passed' if not failed else f'{failed} checks FAILED'} (max |err| / max |ref| < {MAX_ERR})")
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
