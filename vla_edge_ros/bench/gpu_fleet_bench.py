@@ -77,14 +77,6 @@ def fleet_gemm_variants(text: str) -> list[str]:
     return _names(text, MANY_ROW_GEMMS, "--fleet-gemm")
 
 
-def max_rel_err(out: np.ndarray, ref: np.ndarray) -> float:
-    """max |out - ref| / max |ref|; inf where out holds a NaN / Inf."""
-    out = np.asarray(out, np.float64)
-    if not np.all(np.isfinite(out)):
-        return math.inf
-    return float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
-
-
 def main(argv: list[str] | None = None) -> int:
     """Batched CUDA chunk time for N robots vs one: python -m vla_edge_ros.bench.gpu_fleet_bench"""
     ap = argparse.ArgumentParser(description=main.__doc__)
@@ -125,7 +117,7 @@ def gemv_micro(cuda, json_path: str = "", reps: int = 50) -> int:
 
     from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.buffers import bf16_bits_to_f32, f32_to_bf16_bits
-    from vla_edge_ros.engine.cuda.graphs import CudaGraph
+    from vla_edge_ros.bench.gpu_gemm_micro import max_rel_err, micro_row, print_per_layer, replay_us
     from vla_edge_ros.engine.cuda.kernels import BY_NAME, LAUNCH_CONSTANTS
     from vla_edge_ros.engine.cuda.plan import DeviceLimits, LaunchConstants, Tuning
     from vla_edge_ros.engine.cuda.probe import CUDA_DIR
@@ -148,7 +140,7 @@ def gemv_micro(cuda, json_path: str = "", reps: int = 50) -> int:
     fns["gemv_rows_atomic"].set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                           4 * consts.GR_MAXM * fleet_forward.GR_MAX_KS)
     l2 = dev.get_attribute(attr.L2_CACHE_SIZE)
-    stream, ev0, ev1 = cuda.Stream(), cuda.Event(), cuda.Event()
+    stream = cuda.Stream()
     rng = np.random.default_rng(0)
     out: dict = {"device": dev.name(), "l2_bytes": l2, "reps": reps, "rows": []}
     print(f"== gemv micro: {dev.name()}, 1.5B decode GEMMs; per launch: median of {reps} graph replays of "
@@ -183,29 +175,8 @@ def gemv_micro(cuda, json_path: str = "", reps: int = 50) -> int:
                     cuda.memcpy_dtoh(c, C)
                     err = max_rel_err(c[:rows], ref[:rows])
                     failed += not err < MICRO_MAX_ERR
-                    inner = max(copies, 8)  # launches per replay: every copy at least once
-
-                    def enqueue() -> int:
-                        for i in range(inner):
-                            run(W[i % copies])
-                        return inner
-                    g = CudaGraph(f"micro-{launch.kernel}").capture(stream, enqueue)
-                    try:
-                        for _ in range(3):
-                            g.launch(stream)
-                        times = []
-                        for _ in range(reps):
-                            ev0.record(stream)
-                            g.launch(stream)
-                            ev1.record(stream)
-                            ev1.synchronize()
-                            times.append(ev1.time_since(ev0) * 1e3 / inner)
-                    finally:
-                        g.destroy()
-                    us = float(np.median(times))
-                    row = {"gemm": label, "N": N, "K": K, "rows": rows, "variant": v, "kernel": launch.kernel,
-                           "grid": list(launch.grid), "ks": launch.ks, "us": us, "GBps": wbytes / us / 1e3,
-                           "max_rel_err": err}
+                    us = replay_us(cuda, stream, run, W, reps, launch.kernel)
+                    row = micro_row(label, N, K, rows, v, launch, us, err)
                     out["rows"].append(row)
                     grid = "x".join(map(str, launch.grid))
                     print(f"{label:8s} {N:6d} {K:5d} {rows:4d} | {launch.kernel:17s} {grid:>9s} {us:8.2f} "
@@ -213,11 +184,7 @@ def gemv_micro(cuda, json_path: str = "", reps: int = 50) -> int:
         finally:
             for buf in W + [A, C]:
                 buf.free()
-    print(f"\nper layer (qkv + o + gate/up + down), us\n{'rows':>4s} {'rows':>9s} {'mma':>9s} {'speed-up':>9s}")
-    for rows in MICRO_ROWS:
-        per = {v: sum(r["us"] for r in out["rows"] if r["rows"] == rows and r["variant"] == v)
-               for v in fleet_forward.FLEET_GEMV}
-        print(f"{rows:4d} {per['rows']:9.2f} {per['mma']:9.2f} {per['rows'] / per['mma']:8.2f}x")
+    print_per_layer(out["rows"], list(MICRO_ROWS), ("rows", "mma"))
     print(f"\n{'all checks passed' if not failed else f'{failed} checks FAILED'} (max |err| / max |ref| < "
           f"{MICRO_MAX_ERR})")
     if json_path:

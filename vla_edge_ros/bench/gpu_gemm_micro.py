@@ -53,6 +53,58 @@ def launch_for(limits, variant: str, N: int, K: int, rows: int, silu: bool):
     return fleet_forward.linear(types.SimpleNamespace(limits=limits, tuning=t), N, K, rows)
 
 
+def max_rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    """max |out - ref| / max |ref|; inf where out holds a NaN / Inf."""
+    out = np.asarray(out, np.float64)
+    if not np.all(np.isfinite(out)):
+        return math.inf
+    return float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+
+
+def micro_row(label: str, N: int, K: int, rows: int, variant: str, launch, us: float, err: float) -> dict:
+    """One timed launch of a micro-benchmark (its JSON row): GB/s of bf16 weights read."""
+    return {"gemm": label, "N": N, "K": K, "rows": rows, "variant": variant, "kernel": launch.kernel,
+            "grid": list(launch.grid), "ks": launch.ks, "us": us, "GBps": 2 * N * K / us / 1e3, "max_rel_err": err}
+
+
+def print_per_layer(rows_out: list[dict], row_counts_: list[int], variants: tuple[str, ...]) -> None:
+    """The four GEMMs of a layer summed per row count, each variant beside the first, and the first's speed-up."""
+    a, b = variants
+    print(f"\nper layer (qkv + o + gate/up + down), us\n{'rows':>4s} {a:>9s} {b:>9s} {'speed-up':>9s}")
+    for rows in row_counts_:
+        per = {v: sum(r["us"] for r in rows_out if r["rows"] == rows and r["variant"] == v) for v in variants}
+        print(f"{rows:4d} {per[a]:9.2f} {per[b]:9.2f} {per[a] / per[b]:8.2f}x")
+
+
+def replay_us(cuda, stream, call, weights: list, reps: int, name: str) -> float:
+    """Median us per launch of ``call(w)`` over ``reps`` graph replays (after 3 warm-up ones), each replay the
+    launches back to back over every copy in ``weights`` (at least 8 launches), so each launch reads its weights
+    from DRAM when the copies add up to more than the L2. Shared with gpu_fleet_bench's --gemv-micro."""
+    from vla_edge_ros.engine.cuda.graphs import CudaGraph
+    copies = len(weights)
+    inner = max(copies, 8)
+
+    def enqueue() -> int:
+        for i in range(inner):
+            call(weights[i % copies])
+        return inner
+    ev0, ev1 = cuda.Event(), cuda.Event()
+    graph = CudaGraph(f"micro-{name}").capture(stream, enqueue)
+    try:
+        for _ in range(3):
+            graph.launch(stream)
+        times = []
+        for _ in range(reps):
+            ev0.record(stream)
+            graph.launch(stream)
+            ev1.record(stream)
+            ev1.synchronize()
+            times.append(ev1.time_since(ev0) * 1e3 / inner)
+    finally:
+        graph.destroy()
+    return float(np.median(times))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=row_counts, default=[64, 96, 128, 256])
@@ -67,7 +119,6 @@ def run(cuda, row_list: list[int], reps: int, json_path: str = "") -> int:
     from pycuda.compiler import compile as nvcc_compile
 
     from vla_edge_ros.engine.cuda.buffers import bf16_bits_to_f32, f32_to_bf16_bits
-    from vla_edge_ros.engine.cuda.graphs import CudaGraph
     from vla_edge_ros.engine.cuda.kernels import BY_NAME, LAUNCH_CONSTANTS
     from vla_edge_ros.engine.cuda.plan import DeviceLimits, LaunchConstants
     from vla_edge_ros.engine.cuda.probe import CUDA_DIR
@@ -96,7 +147,7 @@ def run(cuda, row_list: list[int], reps: int, json_path: str = "") -> int:
             fns[name].set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
         return fns[name]
     l2 = dev.get_attribute(attr.L2_CACHE_SIZE)
-    stream, ev0, ev1 = cuda.Stream(), cuda.Event(), cuda.Event()
+    stream = cuda.Stream()
     rng = np.random.default_rng(0)
     R = max(row_list)
     out: dict = {"device": dev.name(), "defines": defines, "l2_bytes": l2, "reps": reps, "rows": []}
@@ -134,35 +185,14 @@ def run(cuda, row_list: list[int], reps: int, json_path: str = "") -> int:
                         cuda.memcpy_dtoh(act, C)
                         g = ref[:rows].reshape(rows, -1, 2, 8)
                         want = (g[:, :, 0] / (1 + np.exp(-g[:, :, 0])) * g[:, :, 1]).reshape(rows, -1)
-                        err = float(np.max(np.abs(bf16_bits_to_f32(act) - want)) / np.max(np.abs(want)))
+                        err = max_rel_err(bf16_bits_to_f32(act), want)
                     else:
                         got = np.empty((rows, N), np.float32)
                         cuda.memcpy_dtoh(got, C)
-                        err = float(np.max(np.abs(got - ref[:rows])) / np.max(np.abs(ref[:rows])))
+                        err = max_rel_err(got, ref[:rows])
                     failed += not err < MAX_ERR
-                    inner = max(copies, 8)
-
-                    def enqueue() -> int:
-                        for i in range(inner):
-                            call(W[i % copies])
-                        return inner
-                    graph = CudaGraph(f"micro-{launch.kernel}").capture(stream, enqueue)
-                    try:
-                        for _ in range(3):
-                            graph.launch(stream)
-                        times = []
-                        for _ in range(reps):
-                            ev0.record(stream)
-                            graph.launch(stream)
-                            ev1.record(stream)
-                            ev1.synchronize()
-                            times.append(ev1.time_since(ev0) * 1e3 / inner)
-                    finally:
-                        graph.destroy()
-                    us = float(np.median(times))
-                    row = {"gemm": label, "N": N, "K": K, "rows": rows, "variant": v, "kernel": launch.kernel,
-                           "grid": list(launch.grid), "ks": launch.ks, "us": us, "GBps": wbytes / us / 1e3,
-                           "max_rel_err": err}
+                    us = replay_us(cuda, stream, call, W, reps, launch.kernel)
+                    row = micro_row(label, N, K, rows, v, launch, us, err)
                     out["rows"].append(row)
                     grid = "x".join(map(str, launch.grid))
                     print(f"{label:8s} {rows:4d} | {launch.kernel:21s} {grid:>10s} {us:8.2f} {row['GBps']:7.0f} "
@@ -170,10 +200,7 @@ def run(cuda, row_list: list[int], reps: int, json_path: str = "") -> int:
         finally:
             for buf in W + [A, C]:
                 buf.free()
-    print(f"\nper layer (qkv + o + gate/up + down), us\n{'rows':>4s} {'tiles32':>9s} {'tiled':>9s} {'speed-up':>9s}")
-    for rows in row_list:
-        per = {v: sum(r["us"] for r in out["rows"] if r["rows"] == rows and r["variant"] == v) for v in VARIANTS}
-        print(f"{rows:4d} {per['tiles32']:9.2f} {per['tiled']:9.2f} {per['tiles32'] / per['tiled']:8.2f}x")
+    print_per_layer(out["rows"], row_list, VARIANTS)
     print(f"\n{'all checks passed' if not failed else f'{failed} checks FAILED'} (max |err| / max |ref| < {MAX_ERR})")
     if json_path:
         with open(json_path, "w") as fh:
