@@ -88,6 +88,12 @@ def test_the_gemm_micro_benchmark_times_the_engines_launches_and_refuses_bad_row
     assert micro.launch_for(lim, "tiles32", 17920, 1536, 96, True).kernel == "gemm32t_atomic"
     assert micro.launch_for(lim, "tiled", 17920, 1536, 96, True).kernel == "gemm_tiled128_silu"
     assert micro.launch_for(lim, "tiled", 1536, 8960, 64, False).kernel == "gemm_tiled64_atomic"
+    qkv = micro.launch_for(lim, "tiled", 2048, 1536, 64, False)  # 16 column blocks, K in 6 splits of 256
+    finer = micro.launch_for(lim, "tiled", 2048, 1536, 64, False, {"gemm_min_ks": 128})  # --tune: 12 of 128
+    assert (qkv.grid, qkv.ks, finer.grid, finer.ks) == ((1, 16, 6), 256, (1, 16, 12), 128)
+    from vla_edge_ros.engine.interface import EngineError
+    with pytest.raises(EngineError, match="unknown tuning key"):
+        micro.main(["--tune", '{"gemm_min_k": 128}'])
     from vla_edge_ros.engine.cuda.probe import cuda_status
     if not cuda_status()[0]:
         assert micro.main(["--rows", "64"]) == 2 and "gpu_gemm_micro: no usable GPU" in capsys.readouterr().err

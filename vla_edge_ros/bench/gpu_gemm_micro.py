@@ -3,6 +3,7 @@
 few row counts, each on the grid the engines launch it with.
 
     python -m vla_edge_ros.bench.gpu_gemm_micro [--rows 64,96,128,256] [--reps 30] [--json out.json]
+        [--tune '{"gemm_min_ks": 128, "gemm_target_blocks": 528}']
     VLA_CUDA_DEFINES="GT_BK=64 GT_STAGES=3" python -m vla_edge_ros.bench.gpu_gemm_micro   # a measuring build
 
 Why: a whole pass mixes these GEMMs with attention, norms and launches; its time says whether the many-row GEMM
@@ -40,14 +41,14 @@ def row_counts(text: str) -> list[int]:
     return rows
 
 
-def launch_for(limits, variant: str, N: int, K: int, rows: int, silu: bool):
-    """The launch the fleet makes for this GEMM under tuning fleet_gemm = ``variant`` (fleet_forward.linear; the
-    tiled gate/up: plan.tiled_gemm's SiLU form, as fleet_forward.batched_pass)."""
+def launch_for(limits, variant: str, N: int, K: int, rows: int, silu: bool, tune: dict | None = None):
+    """The launch the fleet makes for this GEMM under tuning fleet_gemm = ``variant`` and the other Tuning fields in
+    ``tune`` (fleet_forward.linear; the tiled gate/up: plan.tiled_gemm's SiLU form, as fleet_forward.batched_pass)."""
     import types
 
     from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.plan import Tuning, tiled_gemm
-    t = Tuning(fleet_gemm=variant)
+    t = Tuning.from_mapping({**(tune or {}), "fleet_gemm": variant})
     if variant == "tiled" and silu:
         return tiled_gemm(limits.constants, t, N, K, rows, silu=True)
     return fleet_forward.linear(types.SimpleNamespace(limits=limits, tuning=t), N, K, rows)
@@ -110,12 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=row_counts, default=[64, 96, 128, 256])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default="")
+    ap.add_argument("--tune", type=json.loads, default={},
+                    help='other Tuning fields for both variants, e.g. \'{"gemm_min_ks": 128}\' (the K splits)')
     args = ap.parse_args(argv)
     from vla_edge_ros.bench.gpu_session import run_on_gpu
-    return run_on_gpu("gpu_gemm_micro", lambda cuda: run(cuda, args.rows, args.reps, args.json))
+    from vla_edge_ros.engine.cuda.plan import Tuning
+    Tuning.from_mapping(args.tune)  # an unknown field or value is refused here, by name, before the GPU
+    return run_on_gpu("gpu_gemm_micro", lambda cuda: run(cuda, args.rows, args.reps, args.json, args.tune))
 
 
-def run(cuda, row_list: list[int], reps: int, json_path: str = "") -> int:
+def run(cuda, row_list: list[int], reps: int, json_path: str = "", tune: dict | None = None) -> int:
     from pycuda.compiler import compile as nvcc_compile
 
     from vla_edge_ros.engine.cuda.buffers import bf16_bits_to_f32, f32_to_bf16_bits
@@ -150,7 +155,8 @@ def run(cuda, row_list: list[int], reps: int, json_path: str = "") -> int:
     stream = cuda.Stream()
     rng = np.random.default_rng(0)
     R = max(row_list)
-    out: dict = {"device": dev.name(), "defines": defines, "l2_bytes": l2, "reps": reps, "rows": []}
+    out: dict = {"device": dev.name(), "defines": defines, "tune": tune or {}, "l2_bytes": l2, "reps": reps,
+                 "rows": []}
     print(f"== many-row GEMMs: {dev.name()}, 1.5B layer{' (' + ' '.join(defines) + ')' if defines else ''}; per "
           f"launch: median of {reps} graph replays over weight copies of 4x the L2 ==")
     print(f"{'GEMM':8s} {'rows':>4s} | {'kernel':21s} {'grid':>10s} {'us':>8s} {'GB/s':>7s} {'error':>8s}")
@@ -169,7 +175,7 @@ def run(cuda, row_list: list[int], reps: int, json_path: str = "") -> int:
         try:
             for rows in row_list:
                 for v in VARIANTS:
-                    launch = launch_for(limits, v, N, K, rows, silu)
+                    launch = launch_for(limits, v, N, K, rows, silu, tune)
                     f, tiles = fn(launch.kernel, launch.smem), np.int32(rows // 32)
                     sil = launch.kernel.endswith("_silu")
 
