@@ -3,8 +3,8 @@
 // with BOTH operands staged in shared memory, as a textbook tensor-core GEMM. Why it exists: the fleet's
 // gemm32t_atomic (fleet.cu) keeps a block's weights in registers and loops over the 32-row tiles, so every tile
 // pays a barrier, a staging round trip and a split-K partial sum added by atomics per 256 columns: measured, the
-// 8-robot prefill took 11.1 of a 28.6 ms batch on the H200, one robot's 2.3 (docs/KERNEL_NOTES_MANY_ROWS.md). Here a
-// block owns a BM x 128 tile of C over its whole K range (accumulators in registers), so a weight element is
+// 8-robot prefill took 11.1 of a 28.6 ms batch on the H200, one robot's 2.3 (docs/KERNEL_NOTES_MANY_ROWS.md).
+// Here a block owns a BM x 128 tile of C over its whole K range (accumulators in registers), so a weight element is
 // read from DRAM once per BM rows and added into C once per K split, not once per 256 columns and tile.
 //
 // Block: 8 warps as 2 (rows) x 4 (columns), a warp BM/2 x 32 of C (mma.m16n8k16: BM/32 x 4 tiles of 16 x 8).
@@ -12,8 +12,9 @@
 // 2 GT_BK + 16 bytes apart in shared memory (an odd multiple of 16: ldmatrix's eight 16-byte rows land in distinct
 // bank quads). grid = (ceil(M / BM), ceil(N / 128), K splits of ks_len columns, a multiple of GT_BK): the row
 // blocks of one column block are adjacent, so they run together and read its weights from DRAM once (a gate/up
-// weight matrix is larger than the L2); dynamic shared memory GT_SMEM128 / GT_SMEM64. Rows >= M are neither read (their addresses clamped) nor written. With one K split C is
-// added to plainly (a block owns its elements); with more, by fp32 atomics. The _silu kernels (one K split) write
+// weight matrix is larger than the L2); dynamic shared memory GT_SMEM128 / GT_SMEM64. Rows >= M are neither read
+// (their addresses clamped) nor written. With one K split C is added to plainly (a block owns its elements); with
+// more, by fp32 atomics. The _silu kernels (one K split) write
 // silu(gate) * up in bf16 instead, as gemm32_silu: no fp32 gate/up rows, no memset, no separate SiLU pass.
 #include "common.cuh"
 

@@ -19,7 +19,8 @@ I32 = np.int32
 def test_gemm_tiled_launches_cover_every_row_column_and_k(geometry, rows):
     """tuning fleet_gemm = "tiled" (cuda/gemm_tiled.cu) past one 32-row tile (one tile stays on gemm32t_atomic):
     64-row block tiles up to 64 rows, 128-row ones past that; the grid (row blocks first: those of one column block
-    run together) covers every 32-row tile and column, the K splits cover K in whole GT_BK-column steps, the blocks come near gemm_target_blocks without a split shorter than gemm_min_ks,
+    run together) covers every 32-row tile and column, the K splits cover K in whole GT_BK-column steps, the blocks
+    come near gemm_target_blocks without a split shorter than gemm_min_ks,
     and the shared memory is the module's."""
     from cuda_plan_fixtures import cfg_of
     from vla_edge_ros.engine.cuda import fleet_forward

@@ -142,8 +142,8 @@ def test_a_tiled_parallel_pass_runs_each_gemm_once_over_both_tiles(geometry):
     assert plan(one, Tuning(parallel_gemm="tiled"), limits(H200, one)).parallel_gemms == ()
 
 
-@pytest.mark.parametrize("geometry, slots, gemm", [("1.5b", 56, "tiles32"), ("1.5b", 56, "tiled"), ("tiny", 56, "tiled"),
-                                                   ("1.5b", 28, "tiled")])
+@pytest.mark.parametrize("geometry, slots, gemm", [("1.5b", 56, "tiles32"), ("1.5b", 56, "tiled"),
+                                                   ("tiny", 56, "tiled"), ("1.5b", 28, "tiled")])
 def test_a_fused_parallel_chunk_is_one_pass_the_frame_tile_first_then_both_heads(geometry, slots, gemm):
     """tuning fused_parallel: ONE pass over the frame's tile and the slot tiles, no prefill pass before it. The norms
     take every row; the GEMMs run per tile (tiles32) or once over all of them (tiled); per layer the frame's tile is

@@ -12,8 +12,9 @@ here), our fraction of that floor, per-kernel time shares and peak VRAM. Tuning 
 ``--horizon-compare H`` (issue 22) also times an H-step action chunk (A = 7H action tokens) of the same geometry
 and cache both ways: autoregressive (max(decode_tokens, A + 1) decode steps) and parallel (one pass over the A
 slots, in 32-row tiles; its tuning variants: bench/gpu_horizon.py); the prediction is parallel decode ~ one prefill
-pass per tile (docs/KERNEL_NOTES_MANY_ROWS.md, "Action chunks"); ``--horizon-hf compiled`` (the default) also times HF StaticCache + torch.compile generating the
-same A + 1 tokens autoregressively in the same run (``eager``: HF eager; ``none``: skip).
+pass per tile (docs/KERNEL_NOTES_MANY_ROWS.md, "Action chunks"); ``--horizon-hf compiled`` (the default) also
+times HF StaticCache + torch.compile generating the same A + 1 tokens autoregressively in the same run
+(``eager``: HF eager; ``none``: skip).
 
 Usage (on the GPU machine):
     python -m vla_edge_ros.bench.gpu_chunk_bench [--chunks 200] [--parts ours,eager,compiled] [--json out.json]

@@ -328,7 +328,8 @@ class FleetCudaEngine(DeviceEngine):
         """Patchify and project on the host (the numpy patch embedder of the same weights): ~2 ms of the loop
         thread per frame on the H200's host, off the batched pass. Measured against the single engine's device
         GEMM (session 21, 8-robot replay): the host part's p99 rose 38 -> 62 ms, since every CUDA call hands the
-        GIL over and the edge's ten other Python threads make each hand-back wait (docs/KERNEL_NOTES_MANY_ROWS.md, session 21)."""
+        GIL over and the edge's ten other Python threads make each hand-back wait (docs/KERNEL_NOTES_MANY_ROWS.md,
+        session 21)."""
         return self.weights.vision(image)
 
     def reset(self) -> None:

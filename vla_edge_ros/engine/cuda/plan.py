@@ -86,7 +86,8 @@ class Tuning:
     # kernels once per tile) | tiled (gemm_tiled64_*: one launch over every tile, weights read once; bf16 only)
     parallel_gemm: str = "tiles32"
     # a parallel chunk as ONE pass (issue 22): the frame's 32 rows and the slot tiles together (each GEMM over all of
-    # them; the frame's attention first), instead of the prefill pass then the parallel pass (session 33, unmeasured)
+    # them; the frame's attention first), instead of the prefill pass then the parallel pass (session 33: first
+    # measured on the column-first tiled grid, since changed)
     fused_parallel: bool = False
 
     def __post_init__(self) -> None:
@@ -195,9 +196,10 @@ def split_len(K: int, row_blocks: int, target_blocks: int, quantum: int, min_len
 def tiled_gemm(c: LaunchConstants, t: Tuning, N: int, K: int, rows: int, silu: bool = False) -> Launch:
     """gemm_tiled*'s launch (cuda/gemm_tiled.cu) for the pass's 32-row tiles: block tiles of 64 rows up to 64, else
     128 (a weight read from DRAM once per 128 rows: 96 rows as two 64-row tiles, each reading every weight, made the
-    fused H = 8 pass slower than the 32-row kernels per tile, session 33). grid = (row blocks, column blocks, K splits). _atomic: K split only as far as
-    tuning.gemm_target_blocks asks (each split adds its partial sums into C by atomics), each split at least
-    tuning.gemm_min_ks columns; _silu (the gate/up GEMM writing silu(gate) * up): one split."""
+    fused H = 8 pass slower than the 32-row kernels per tile, session 33). grid = (row blocks, column blocks, K
+    splits). _atomic: K split only as far as tuning.gemm_target_blocks asks (each split adds its partial sums into C
+    by atomics), each split at least tuning.gemm_min_ks columns; _silu (the gate/up GEMM writing silu(gate) * up):
+    one split."""
     if N % (32 if silu else 2) or K % c.GT_BK:
         raise EngineError(f"gemm_tiled: N={N} must be a multiple of {32 if silu else 2} and K={K} of {c.GT_BK}")
     R = 32 * math.ceil(rows / 32)
