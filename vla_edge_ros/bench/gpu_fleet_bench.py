@@ -18,8 +18,9 @@ gemv_rows_mma), on the same engine and caches, each with its ratio to the single
 tiles32,tiled``: the same for the prefill's many-row GEMMs (tuning.fleet_gemm: gemm32t_atomic, gemm_tiled*_atomic);
 with both options, every pair (variant "mma+tiled").
 
-``--gemv-micro``: the two few-row GEMMs alone, no engine: for the 1.5B decode step's four linear layers and 1, 2, 4,
-8, 16 rows, each on the grid the fleet launches it with (fleet_forward.linear), the median of 50 graph replays
+``--gemv-micro``: the two few-row GEMMs alone, no engine (the kernels built as the engine builds them,
+$VLA_CUDA_DEFINES included: gpu_gemm_micro.compiled_kernels): for the 1.5B decode step's four linear layers and
+1, 2, 4, 8, 16 rows, each on the grid the fleet launches it with (fleet_forward.linear), the median of 50 graph replays
 (after warm-up) of back-to-back launches that cycle through copies of the weights four times the L2 in all (each
 launch reads its weights from DRAM, as in a decode pass), in us per launch and GB/s of weights; and each checked
 against numpy on the same bf16 inputs (max |error| / max |reference| < 1e-2, else exit status 1).
@@ -113,32 +114,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def gemv_micro(cuda, json_path: str = "", reps: int = 50) -> int:
     """gemv_rows_atomic vs gemv_rows_mma alone (module docstring); 1 when either misses MICRO_MAX_ERR."""
-    from pycuda.compiler import compile as nvcc_compile
-
+    from vla_edge_ros.bench.gpu_gemm_micro import (compiled_kernels, max_rel_err, micro_row, print_per_layer,
+                                                   replay_us)
     from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.buffers import bf16_bits_to_f32, f32_to_bf16_bits
-    from vla_edge_ros.bench.gpu_gemm_micro import max_rel_err, micro_row, print_per_layer, replay_us
-    from vla_edge_ros.engine.cuda.kernels import BY_NAME, LAUNCH_CONSTANTS
-    from vla_edge_ros.engine.cuda.plan import DeviceLimits, LaunchConstants, Tuning
-    from vla_edge_ros.engine.cuda.probe import CUDA_DIR
+    from vla_edge_ros.engine.cuda.plan import Tuning
     dev = cuda.Device(0)
     attr = cuda.device_attribute
-    mod = cuda.module_from_buffer(nvcc_compile((CUDA_DIR / "fleet.cu").read_text(encoding="utf-8"), no_extern_c=True,
-                                               include_dirs=[str(CUDA_DIR)], options=["-O3", "-std=c++17"]))
-    ptr, nbytes = mod.get_global("vla_launch")
-    got = np.zeros(nbytes // 4, np.int32)
-    cuda.memcpy_dtoh(got, ptr)
-    consts = LaunchConstants(**dict(zip(LAUNCH_CONSTANTS["fleet.cu"], (int(v) for v in got))))
-    limits = DeviceLimits(dev.get_attribute(attr.MULTIPROCESSOR_COUNT),
-                          dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN), False, constants=consts)
+    kernels, limits = compiled_kernels(cuda)
+    consts = limits.constants
     engines = {v: types.SimpleNamespace(limits=limits, tuning=Tuning(fleet_gemv=v)) for v in fleet_forward.FLEET_GEMV}
-    fns = {}
-    for name in fleet_forward.FLEET_GEMV.values():
-        fns[name] = mod.get_function(name)
-        fns[name].prepare(BY_NAME[name].sig)
     # as the fleet engine: gemv_rows_atomic's fp32 rows may take more than the default 48 KiB
-    fns["gemv_rows_atomic"].set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                          4 * consts.GR_MAXM * fleet_forward.GR_MAX_KS)
+    kernels.raise_dynamic_smem("gemv_rows_atomic", 4 * consts.GR_MAXM * fleet_forward.GR_MAX_KS)
     l2 = dev.get_attribute(attr.L2_CACHE_SIZE)
     stream = cuda.Stream()
     rng = np.random.default_rng(0)
@@ -162,7 +149,7 @@ def gemv_micro(cuda, json_path: str = "", reps: int = 50) -> int:
             for rows in MICRO_ROWS:
                 for v, e in engines.items():
                     launch = fleet_forward.linear(e, N, K, rows)
-                    f = fns[launch.kernel]
+                    f = kernels.fn[launch.kernel]
 
                     def run(w) -> None:
                         f.prepared_async_call(launch.grid, launch.block, stream, A, np.int32(K), w, np.int32(N),

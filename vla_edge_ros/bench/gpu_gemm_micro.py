@@ -1,6 +1,7 @@
 """The many-row GEMMs alone, no engine (issue 24's fleet prefill, issue 22's parallel pass): gemm32t_atomic over
 32-row tiles (tuning ``tiles32``) against gemm_tiled* (``tiled``), for the 1.5B layer's four linear layers and a
-few row counts, each on the grid the engines launch it with.
+few row counts, each on the grid the engines launch it with (built as the engine builds the kernels:
+``compiled_kernels``).
 
     python -m vla_edge_ros.bench.gpu_gemm_micro [--rows 64,96,128,256] [--reps 30] [--json out.json]
         [--tune '{"gemm_min_ks": 128, "gemm_target_blocks": 528}']
@@ -120,37 +121,32 @@ def main(argv: list[str] | None = None) -> int:
     return run_on_gpu("gpu_gemm_micro", lambda cuda: run(cuda, args.rows, args.reps, args.json, args.tune))
 
 
-def run(cuda, row_list: list[int], reps: int, json_path: str = "", tune: dict | None = None) -> int:
-    from pycuda.compiler import compile as nvcc_compile
+def compiled_kernels(cuda):
+    """(kernels.CompiledKernels, DeviceLimits): every kernel file built as the engine builds it ($VLA_CUDA_ARCH,
+    $VLA_CUDA_DEFINES' measuring knobs), and the device's limits with the modules' launch constants. Shared with
+    gpu_fleet_bench's --gemv-micro."""
+    from vla_edge_ros.engine.cuda.arch import plan_arch
+    from vla_edge_ros.engine.cuda.kernels import CompiledKernels
+    from vla_edge_ros.engine.cuda.plan import DeviceLimits
+    dev, attr = cuda.Device(0), cuda.device_attribute
+    arch = plan_arch(dev.compute_capability(), os.environ.get("VLA_CUDA_ARCH", ""))
+    kernels = CompiledKernels(cuda, arch.nvcc_arch, arch.target, os.environ.get("VLA_CUDA_DEFINES", "").split())
+    limits = DeviceLimits(dev.get_attribute(attr.MULTIPROCESSOR_COUNT),
+                          dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN), False,
+                          constants=kernels.constants())
+    return kernels, limits
 
+
+def run(cuda, row_list: list[int], reps: int, json_path: str = "", tune: dict | None = None) -> int:
     from vla_edge_ros.engine.cuda.buffers import bf16_bits_to_f32, f32_to_bf16_bits
-    from vla_edge_ros.engine.cuda.kernels import BY_NAME, LAUNCH_CONSTANTS
-    from vla_edge_ros.engine.cuda.plan import DeviceLimits, LaunchConstants
-    from vla_edge_ros.engine.cuda.probe import CUDA_DIR
     dev, attr = cuda.Device(0), cuda.device_attribute
     defines = ["-D" + d for d in os.environ.get("VLA_CUDA_DEFINES", "").split()]
-    mods, consts = {}, {}
-    for src in ("fleet.cu", "gemm_tiled.cu"):
-        mods[src] = cuda.module_from_buffer(nvcc_compile(
-            (CUDA_DIR / src).read_text(encoding="utf-8"), no_extern_c=True, include_dirs=[str(CUDA_DIR)],
-            options=["-O3", "-std=c++17", *defines]))
-        ptr, nbytes = mods[src].get_global("vla_launch")
-        got = np.zeros(nbytes // 4, np.int32)
-        cuda.memcpy_dtoh(got, ptr)
-        consts.update(zip(LAUNCH_CONSTANTS[src], (int(v) for v in got)))
-    c = LaunchConstants(**consts)
-    limits = DeviceLimits(dev.get_attribute(attr.MULTIPROCESSOR_COUNT),
-                          dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN), False, constants=c)
-    fns: dict = {}
+    kernels, limits = compiled_kernels(cuda)
 
     def fn(name: str, smem: int):
-        if name not in fns:
-            f = mods["gemm_tiled.cu" if name.startswith("gemm_tiled") else "fleet.cu"].get_function(name)
-            f.prepare(BY_NAME[name].sig)
-            fns[name] = f
         if smem > 48 * 1024:
-            fns[name].set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-        return fns[name]
+            kernels.raise_dynamic_smem(name, smem)
+        return kernels.fn[name]
     l2 = dev.get_attribute(attr.L2_CACHE_SIZE)
     stream = cuda.Stream()
     rng = np.random.default_rng(0)
