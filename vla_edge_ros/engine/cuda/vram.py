@@ -13,6 +13,7 @@ import math
 from typing import Any, Callable
 
 from vla_edge_ros.engine.config import ModelConfig
+from vla_edge_ros.engine.cuda.pass_meta import meta_ints, parallel_tiles, pass_tiles
 from vla_edge_ros.engine.cuda.plan import T_CHUNK, LaunchConstants, padded_intermediate
 from vla_edge_ros.engine.geometry import is_parallel
 from vla_edge_ros.engine.interface import EngineError
@@ -106,7 +107,6 @@ def memory_plan(cfg: ModelConfig, capacity: int, scratch_slots: int,
     """Bytes of model, KV cache and scratch for a KV capacity and a chunk's ``scratch_slots`` decode tokens
     (engine/geometry.chunk_scratch_slots: S autoregressive steps, or the A parallel slots; not the decode_tokens
     parameter): the three parts of vram.check_budget."""
-    from vla_edge_ros.engine.cuda.pass_meta import meta_ints, parallel_tiles, pass_tiles  # (it imports plan)
     H, I, L, V = cfg.hidden_size, padded_intermediate(cfg), cfg.num_hidden_layers, cfg.vocab_size
     Hq, HD, nkv = cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     nqkv, n_bins, T = Hq * HD + 2 * nkv, cfg.n_action_bins, T_CHUNK * pass_tiles(cfg)  # the passes' rows
