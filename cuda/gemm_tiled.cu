@@ -19,11 +19,26 @@
 #include "common.cuh"
 
 #define GT_BN 128
-#ifndef GT_BK  // K step (a measuring knob: 64 with GT_STAGES 3 reads 128 contiguous bytes of a weight row a step)
+// K step and stages in flight (measuring knobs: VLA_CUDA_DEFINES="GT_BK=.. GT_STAGES=.."). 64 x 3 (a step reads 128
+// contiguous bytes of each weight row) measured best on sm_90 (session 34, H100: a 64-row layer's GEMMs 79.7 -> 67.0
+// us, 256 rows 148 -> 139; 128 x 2: no better). GPUs of 99 KB of shared memory per block (sm_86, sm_89) keep 32 x 4:
+// 64 x 3's 128-row tile needs 108 KB there.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890)
+#define GT_SMALL_SMEM 1
+#endif
+#ifndef GT_BK
+#ifdef GT_SMALL_SMEM
 #define GT_BK 32
+#else
+#define GT_BK 64
+#endif
 #endif
 #ifndef GT_STAGES
+#ifdef GT_SMALL_SMEM
 #define GT_STAGES 4
+#else
+#define GT_STAGES 3
+#endif
 #endif
 #define GT_RS (GT_BK + 8)  // bf16 per staged row
 #define GT_SMEM128 (GT_STAGES * (128 + GT_BN) * GT_RS * 2)  // dynamic shared memory of the 128-row block tile

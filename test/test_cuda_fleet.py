@@ -331,7 +331,7 @@ def test_the_fleet_bench_times_every_pair_of_gemm_variants():
     from vla_edge_ros.engine.cuda.plan import Tuning
     ns = argparse.Namespace
     assert bench.variants(ns(fleet_gemv=None, fleet_gemm=None), Tuning()) == [
-        ("mma", {"fleet_gemv": "mma", "fleet_gemm": "tiles32"})]
+        ("mma", {"fleet_gemv": "mma", "fleet_gemm": "tiled"})]
     assert [v for v, _ in bench.variants(ns(fleet_gemv=["rows", "mma"], fleet_gemm=None), Tuning())] == ["rows", "mma"]
     got = bench.variants(ns(fleet_gemv=None, fleet_gemm=bench.fleet_gemm_variants("tiles32, tiled")), Tuning())
     assert got == [("mma+tiles32", {"fleet_gemv": "mma", "fleet_gemm": "tiles32"}),

@@ -57,9 +57,9 @@ class LaunchConstants:
     GR_WARPS: int = 8        # gemv_rows_atomic (the fleet's decode passes, cuda/fleet.cu): warps per block
     GR_MAXM: int = 16        # ... and the most rows (robots) it takes
     GT_BN: int = 128         # gemm_tiled* (tuning fleet_gemm / parallel_gemm = tiled): columns of C per block
-    GT_SMEM128: int = 81920  # ... dynamic shared memory of the 128-row and the 64-row block tile
-    GT_SMEM64: int = 61440
-    GT_BK: int = 32          # ... K step (a split's length is a multiple of it)
+    GT_SMEM128: int = 110592  # ... dynamic shared memory of the 128-row and the 64-row block tile (sm_90's)
+    GT_SMEM64: int = 82944
+    GT_BK: int = 64           # ... K step (a split's length is a multiple of it; 32 on sm_86 / sm_89)
 
 
 FLEET_GEMVS = ("mma", "rows")  # engine/cuda/fleet_forward.FLEET_GEMV's kernels
@@ -68,7 +68,8 @@ MANY_ROW_GEMMS = ("tiles32", "tiled")  # many-row GEMMs (fleet_gemm, parallel_ge
 
 @dataclass(frozen=True)
 class Tuning:
-    """Launch choices that do not change results. Defaults: the fastest measured on the H200."""
+    """Launch choices that do not change results. Defaults: the fastest measured (on the H200; since session 33 on
+    the H100, the only card lent)."""
     pdl: bool = True  # programmatic dependent launch (off: +1.65 ms per chunk on the H200); sm_90 only
     gemm_v4: tuple[str, ...] = ("gateup", "down")  # prefill GEMMs on gemm32v4 (qkv and o on it: +0.10 ms)
     # families that let their successor launch after their own PDL wait, not at their start: at most two kernels
@@ -80,15 +81,16 @@ class Tuning:
     gemv_min_ks: int = 512
     fleet_gemv: str = "mma"  # the fleet's decode GEMMs (<= 16 robots): mma (gemv_rows_mma) | rows (gemv_rows_atomic)
     # the fleet's GEMMs of more rows (prefill): tiles32 (gemm32t_atomic: weights in registers, 32-row tiles in turn)
-    # | tiled (gemm_tiled*_atomic: both operands staged, 128- or 64-row block tiles; 8-robot prefill 11.7 -> 8.7 ms
-    # on an H100, session 33)
-    fleet_gemm: str = "tiles32"
+    # | tiled (gemm_tiled*_atomic: both operands staged, 128- or 64-row block tiles; H100, session 34: 8-robot batch
+    # 31.4 -> 27.9 ms, prefill 11.8 -> 8.6)
+    fleet_gemm: str = "tiled"
     # the single engine's parallel pass of more than 32 slots (issue 22, H = 8: 2 tiles): tiles32 (the 32-row
-    # kernels once per tile) | tiled (gemm_tiled*: one launch over every tile, weights read once; bf16 only)
-    parallel_gemm: str = "tiles32"
+    # kernels once per tile) | tiled (gemm_tiled*: one launch over every tile, weights read once; bf16 only; H100,
+    # session 34: H = 8 chunk 6.22 -> 5.74 ms)
+    parallel_gemm: str = "tiled"
     # a parallel chunk as ONE pass (issue 22): the frame's 32 rows and the slot tiles together (each GEMM over all of
-    # them; the frame's attention first), instead of the prefill pass then the parallel pass (session 33: first
-    # measured on the column-first tiled grid, since changed)
+    # them; the frame's attention first), instead of the prefill pass then the parallel pass (H100, session 34: 5.95
+    # ms on tiles32, 6.38 tiled, against 5.74 for two passes: its 96 rows fit no block tile well)
     fused_parallel: bool = False
 
     def __post_init__(self) -> None:
