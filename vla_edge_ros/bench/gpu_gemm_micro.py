@@ -5,7 +5,7 @@ few row counts, each on the grid the engines launch it with (built as the engine
 
     python -m vla_edge_ros.bench.gpu_gemm_micro [--rows 64,96,128,256] [--reps 30] [--json out.json]
         [--tune '{"gemm_min_ks": 128, "gemm_target_blocks": 528}']
-    VLA_CUDA_DEFINES="GT_BK=64 GT_STAGES=3" python -m vla_edge_ros.bench.gpu_gemm_micro   # a measuring build
+    VLA_CUDA_DEFINES="GT_BK=32 GT_STAGES=4" python -m vla_edge_ros.bench.gpu_gemm_micro   # a measuring build (K step)
 
 Why: a whole pass mixes these GEMMs with attention, norms and launches; its time says whether the many-row GEMM
 got faster, not which shape holds it back (session 33: the tiled kernel reads weights at about a third of the copy
