@@ -142,6 +142,23 @@ def test_a_tiled_parallel_pass_runs_each_gemm_once_over_both_tiles(geometry):
     assert plan(one, Tuning(parallel_gemm="tiled"), limits(H200, one)).parallel_gemms == ()
 
 
+def test_a_tiled_gemm_the_device_cannot_hold_leaves_the_parallel_pass_on_the_32_row_kernels():
+    """H = 10 (70 slots, 3 tiles: one 128-row block tile) on a 99 KB part: sm_90's K step (110592 B for that tile)
+    does not fit, so the plan keeps the per-tile kernels and says why, instead of refusing the model; the module's
+    own constants for that part (K step 32 x 4: 81920 B) keep the tiled GEMMs."""
+    from dataclasses import replace
+    from cuda_plan_fixtures import RTX40
+    vla = {**tiny_default_dict()["vla"], "action_horizon": 10, "chunk_decode": "parallel"}
+    cfg = cfg_of("1.5b", vla=vla)
+    lim = limits(RTX40, cfg)
+    p = plan(cfg, Tuning(parallel_gemm="tiled"), lim)
+    assert p.parallel_gemms == () and any("110592 B of shared memory" in n for n in p.notes)
+    sm89 = replace(lim, constants=replace(lim.constants, GT_SMEM128=81920, GT_SMEM64=61440, GT_BK=32))
+    q = plan(cfg, Tuning(parallel_gemm="tiled"), sm89)
+    assert [g.kernel for g in q.parallel_gemms][0] == "gemm_tiled128_atomic" and q.raise_smem[
+        "gemm_tiled128_atomic"] == 81920
+
+
 @pytest.mark.parametrize("geometry, slots, gemm", [("1.5b", 56, "tiles32"), ("1.5b", 56, "tiled"),
                                                    ("tiny", 56, "tiled"), ("1.5b", 28, "tiled")])
 def test_a_fused_parallel_chunk_is_one_pass_the_frame_tile_first_then_both_heads(geometry, slots, gemm):

@@ -391,6 +391,11 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
     if t.parallel_gemm == "tiled" and tiles > 1:
         parallel_gemms = tuple(tiled_gemm(c, t, N, K, T * tiles, silu=use == "gateup")
                                for use, (N, K, _) in shapes.items())
+        need = max(launch.smem for launch in parallel_gemms)
+        if need > limits.smem_optin:  # (the module's constants fit its own part; the CPU's defaults are sm_90's)
+            notes.append(f"parallel pass on the 32-row kernels per tile: the tiled GEMM needs {need} B of shared "
+                         f"memory per block, this device allows {limits.smem_optin}")
+            parallel_gemms = ()
         for launch in parallel_gemms:
             smem[launch.kernel] = launch.smem
     for name, need in smem.items():
