@@ -300,3 +300,32 @@ def test_read_error_mid_playback_keeps_what_was_replayed(ros, bag, monkeypatch):
         node.destroy_node()
     finally:
         rclpy.shutdown(context=ctx)
+
+
+def test_a_hung_teardown_ends_with_the_status_the_replay_already_has(tmp_path):
+    """rclpy's teardown hanging after the summary (seen once in CI) does not turn a finished replay into a killed
+    one: past TEARDOWN_S the process exits with its status; a teardown that returns in time changes nothing."""
+    import subprocess
+    import sys
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "from vla_edge_ros.ros.tools import bag_replay as br\n"
+        "br.TEARDOWN_S = 0.5\n"
+        "class Node:\n"
+        "    def destroy_node(self):\n"
+        "        if sys.argv[1] == 'hang':\n"
+        "            time.sleep(60)\n"
+        "class Ex:\n"
+        "    def shutdown(self, timeout_sec):\n"
+        "        pass\n"
+        "spin = threading.Thread(target=lambda: None)\n"
+        "spin.start()\n"
+        "br._teardown_or_exit(Node(), Ex(), spin, 3)\n"
+        "print('returned')\n"
+        "sys.exit(0)\n")
+    t0 = time.monotonic()
+    hung = subprocess.run([sys.executable, str(script), "hang"], capture_output=True, text=True, timeout=30)
+    assert hung.returncode == 3 and "returned" not in hung.stdout and time.monotonic() - t0 < 20, hung.stderr
+    fine = subprocess.run([sys.executable, str(script), "ok"], capture_output=True, text=True, timeout=30)
+    assert fine.returncode == 0 and "returned" in fine.stdout, fine.stderr

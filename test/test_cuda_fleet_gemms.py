@@ -47,6 +47,33 @@ def test_gemm_tiled_launches_cover_every_row_column_and_k(geometry, rows):
     assert silu.kernel == f"gemm_tiled{bm}_silu" and silu.grid == (-(-R // bm), -(-2 * I // c.GT_BN), 1)
 
 
+def test_a_gemm_the_tiled_kernel_cannot_take_stays_on_the_32_row_kernels():
+    """A K off the build's K step, or a block tile larger than the device's shared memory: the fleet's GEMM stays on
+    gemm32t_atomic, and the single engine's parallel pass on the per-tile kernels with the reason in the plan's
+    notes; neither refuses the model."""
+    import types
+    from dataclasses import replace
+
+    from cuda_plan_fixtures import H200, RTX40, cfg_of, limits
+    from vla_edge_ros.engine.config import tiny_default_dict
+    from vla_edge_ros.engine.cuda import fleet_forward
+    from vla_edge_ros.engine.cuda.plan import Tuning, plan, tiled_gemm_unfit
+    lim = limits(H200, cfg_of("1.5b"))
+    c, t = lim.constants, Tuning(fleet_gemm="tiled")
+    e = types.SimpleNamespace(limits=lim, tuning=t)
+    assert fleet_forward.linear(e, 1536, 1536, 256).kernel == "gemm_tiled128_atomic"
+    assert fleet_forward.linear(e, 1536, 1536 + c.GT_BK // 2, 256).kernel == "gemm32t_atomic"
+    assert "K of 64, not 1536 x 1568" in tiled_gemm_unfit(c, [(1536, 1568, False)], 256, lim.smem_optin)
+    assert "N a multiple of 32" in tiled_gemm_unfit(c, [(1552, 1536, True)], 256, lim.smem_optin)
+    small = types.SimpleNamespace(limits=replace(lim, smem_optin=RTX40["smem_optin"]), tuning=t)
+    assert fleet_forward.linear(small, 1536, 1536, 256).kernel == "gemm32t_atomic"
+    assert fleet_forward.linear(small, 1536, 1536, 64).kernel == "gemm_tiled64_atomic"  # its 82944 B fit
+    vla = {**tiny_default_dict()["vla"], "action_horizon": 8, "chunk_decode": "parallel"}
+    cfg = cfg_of("tiny", vla=vla)  # hidden 256: no whole step of 512
+    p = plan(cfg, Tuning(parallel_gemm="tiled"), replace(limits(H200, cfg), constants=replace(c, GT_BK=512)))
+    assert p.parallel_gemms == () and any("K of 512, not" in n for n in p.notes)
+
+
 @pytest.mark.parametrize("geometry", ["1.5b", "0.5b", "tiny"])
 @pytest.mark.parametrize("rows", [1, 8, 9, 16])
 def test_gemv_rows_mma_launches(geometry, rows):
@@ -109,34 +136,50 @@ def fleet_kernels():
     yield from open_dev(["fleet.cu", "gemm_tiled.cu"])
 
 
+def _module_limits(d):
+    """The H200's limits with the launch constants of the gemm_tiled.cu module under test (its K step is the
+    build's: 64 on sm_90, 32 on sm_86 / sm_89 or under a GT_BK knob)."""
+    from dataclasses import replace
+
+    from cuda_plan_fixtures import H200, cfg_of, limits
+    from vla_edge_ros.engine.cuda.kernels import LAUNCH_CONSTANTS
+    ptr, nbytes = d.mods["gemm_tiled.cu"].get_global("vla_launch")
+    got = np.zeros(nbytes // 4, np.int32)
+    d.cuda.memcpy_dtoh(got, ptr)
+    lim = limits(H200, cfg_of("1.5b"))
+    return replace(lim, constants=replace(lim.constants, **dict(zip(LAUNCH_CONSTANTS["gemm_tiled.cu"],
+                                                                    map(int, got)))))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K,rows,ks", [
+@pytest.mark.parametrize("N,K,rows,steps", [
     (2048, 1536, 256, 0), (1536, 1536, 256, 0), (17920, 1536, 256, 0), (1536, 8960, 256, 0),  # 8 robots, 1.5B
     (2048, 1536, 96, 0), (17920, 1536, 64, 0), (1536, 8960, 512, 0),  # 3 / 2 / 16 robots
-    (272, 704, 160, 0), (272, 704, 160, 96), (136, 64, 32, 32)])  # ragged columns, odd splits, one step per split
-def test_gemm_tiled_against_numpy(fleet_kernels, N, K, rows, ks):
-    """C[rows] += A W^T by gemm_tiled*_atomic on the engine's grids (ks = 0: fleet_forward.linear with tuning
-    fleet_gemm = "tiled"; tiled_gemm's for one tile) and chosen split lengths, against float64 numpy on the same
-    bf16 inputs. A's rows past `rows` are NaN (must not be read), C's rows past `rows` and columns past N keep their
-    values, lda / ldc wider than K / N."""
+    (272, 704, 160, 0), (272, 704, 160, 3), (136, 128, 32, 1)])  # ragged columns, odd splits, one step per split
+def test_gemm_tiled_against_numpy(fleet_kernels, N, K, rows, steps):
+    """C[rows] += A W^T by gemm_tiled*_atomic on the engine's grids (steps = 0: fleet_forward.linear with tuning
+    fleet_gemm = "tiled"; tiled_gemm's for one tile) and on splits of `steps` K steps of the build, against float64
+    numpy on the same bf16 inputs. A's rows past `rows` are NaN (must not be read), C's rows past `rows` and columns
+    past N keep their values, lda / ldc wider than K / N."""
     import types
 
     from test_cuda_kernels import rand_bf16, rel_err, set_smem
-    from cuda_plan_fixtures import H200, cfg_of, limits
     from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.plan import Tuning
-    d, rng = fleet_kernels, np.random.default_rng(N + K + rows + ks)
+    d, rng = fleet_kernels, np.random.default_rng(N + K + rows + steps)
     lda, ldc = K + 64, N + 16
     a_b, a = rand_bf16(rng, (rows, K))
     w_b, w = rand_bf16(rng, (N, K), 0.05)
     A = np.full((rows + 32, lda), 0x7FC0, np.uint16)
     A[:rows, :K] = a_b
-    e = types.SimpleNamespace(limits=limits(H200, cfg_of("1.5b")), tuning=Tuning(fleet_gemm="tiled"))
+    e = types.SimpleNamespace(limits=_module_limits(d), tuning=Tuning(fleet_gemm="tiled"))
     launch = fleet_forward.linear(e, N, K, rows) if rows > 32 else fleet_forward.tiled_gemm(
         e.limits.constants, e.tuning, N, K, rows)  # (the fleet keeps one tile on gemm32t; the kernel takes it)
     assert launch.kernel.startswith("gemm_tiled")
-    if ks:
+    if steps:
+        ks = steps * e.limits.constants.GT_BK
         launch = launch._replace(grid=launch.grid[:2] + (-(-K // ks),), ks=ks)
+        assert launch.grid[2] > 1
     f = d.fn(launch.kernel)
     set_smem(d, f, launch.smem)
     c0 = rng.standard_normal((rows + 32, ldc)).astype(np.float32)
@@ -149,13 +192,12 @@ def test_gemm_tiled_against_numpy(fleet_kernels, N, K, rows, ks):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("I,K,rows", [(8960, 1536, 256), (8960, 1536, 64), (4864, 896, 96), (144, 96, 160)])
+@pytest.mark.parametrize("I,K,rows", [(8960, 1536, 256), (8960, 1536, 64), (4864, 896, 96), (144, 128, 160)])
 def test_gemm_tiled_silu_against_numpy(fleet_kernels, I, K, rows):
     """act[rows][I] = silu(gate) * up by gemm_tiled*_silu on the fleet's grid over interleaved gate/up weights (the
     1.5B and 0.5B widths; I = 144: a ragged last block tile), against float64 numpy; the rows past `rows` keep
     their poison (0xFFFF), A's rows past `rows` are NaN."""
     from test_cuda_kernels import bits_f32, rand_bf16, rel_err, set_smem
-    from cuda_plan_fixtures import H200, cfg_of, limits
     from vla_edge_ros.engine.cuda.buffers import interleave_gate_up
     from vla_edge_ros.engine.cuda.plan import Tuning, tiled_gemm
     d, rng = fleet_kernels, np.random.default_rng(I + K + rows)
@@ -164,7 +206,7 @@ def test_gemm_tiled_silu_against_numpy(fleet_kernels, I, K, rows):
     u_b, u = rand_bf16(rng, (I, K), 0.05)
     A = np.full((rows + 32, K), 0x7FC0, np.uint16)
     A[:rows] = a_b
-    launch = tiled_gemm(limits(H200, cfg_of("1.5b")).constants, Tuning(), 2 * I, K, rows, silu=True)
+    launch = tiled_gemm(_module_limits(d).constants, Tuning(), 2 * I, K, rows, silu=True)
     assert launch.grid[2] == 1
     f = d.fn(launch.kernel)
     set_smem(d, f, launch.smem)

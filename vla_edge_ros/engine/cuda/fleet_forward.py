@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from vla_edge_ros.engine.cuda.forward import _qscale
 from vla_edge_ros.engine.cuda.plan import (BLOCK, SMEM_DEFAULT, Launch, padded_intermediate, split_len,
-                                          tiled_gemm)
+                                          tiled_gemm, tiled_gemm_unfit)
 from vla_edge_ros.engine.interface import EngineError
 
 REC = 8  # ints per member record (pass_meta.META_INTS; index 5 = the member's first row in the pass)
@@ -46,7 +46,9 @@ def linear(e: Any, N: int, K: int, rows: int) -> Launch:
         rb = math.ceil(N / (2 * c.GR_WARPS))
         ks = min(split_len(K, rb, t.gemv_target_blocks, 256, 256), GR_MAX_KS)
         return Launch("gemv_rows_atomic", (rb, math.ceil(K / ks)), (32 * c.GR_WARPS, 1, 1), 4 * rows * ks, ks)
-    if t.fleet_gemm == "tiled" and rows > 32:  # one tile: gemm32t over it is the single engine's gemm32_atomic
+    # one tile: gemm32t over it is the single engine's gemm32_atomic; a shape or device the tiled GEMM cannot take
+    # keeps gemm32t too
+    if t.fleet_gemm == "tiled" and rows > 32 and not tiled_gemm_unfit(c, [(N, K, False)], rows, e.limits.smem_optin):
         return tiled_gemm(c, t, N, K, rows)
     rb = math.ceil(N / (16 * c.GEMM_WARPS))
     ks = split_len(K, rb, t.gemm_target_blocks, 32, t.gemm_min_ks)
@@ -123,8 +125,9 @@ def batched_pass(e: Any, k: Callable, zero: Callable[[int, int], None], n: int, 
     silu = Launch("silu_rows", (math.ceil(I / BLOCK), R), (BLOCK, 1, 1))
     g_qkv, g_o, g_gu, g_d = (linear(e, N, K, rows) for N, K in ((nqkv, H), (H, nq), (2 * I, H), (H, I)))
     # the tiled GEMMs' gate/up writes silu(gate) * up itself: no fp32 gate/up rows to zero and pass over
-    gu_silu = tiled_gemm(e.limits.constants, e.tuning, 2 * I, H, rows, silu=True) if g_gu.kernel.startswith(
-        "gemm_tiled") else None
+    c = e.limits.constants
+    gu_silu = tiled_gemm(c, e.tuning, 2 * I, H, rows, silu=True) if g_gu.kernel.startswith("gemm_tiled") and not \
+        tiled_gemm_unfit(c, [(2 * I, H, True)], rows, e.limits.smem_optin) else None
     arg = rows if few else tiles  # gemv_rows_*: rows; gemm32t: 32-row tiles
     layer_bytes = 2 * e.slots_total * e.nkv
     for i, L in enumerate(w.layers):

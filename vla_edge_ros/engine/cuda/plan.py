@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from vla_edge_ros.engine.config import ModelConfig
 from vla_edge_ros.engine.cuda.arch import fit_shared_memory
@@ -194,6 +194,20 @@ def split_len(K: int, row_blocks: int, target_blocks: int, quantum: int, min_len
     splits = max(1, math.ceil(target_blocks / max(1, row_blocks)))
     ks = _round_up(math.ceil(K / splits), quantum)
     return min(_round_up(K, quantum), max(ks, _round_up(min_len, quantum)))
+
+
+def tiled_gemm_unfit(c: LaunchConstants, shapes: Iterable[tuple[int, int, bool]], rows: int,
+                     smem_optin: int) -> str:
+    """Why gemm_tiled* cannot take these (N, K, silu) GEMMs of ``rows`` rows on this build and device ("" when it
+    can): K in whole K steps, the SiLU form's N in whole groups of 16 gate + 16 up rows, its block tile's shared
+    memory. The callers then keep the 32-row kernels (a model is never refused for it)."""
+    for N, K, silu in shapes:
+        if N % (32 if silu else 2) or K % c.GT_BK:
+            return f"the tiled GEMM takes N a multiple of {32 if silu else 2} and K of {c.GT_BK}, not {N} x {K}"
+    need = c.GT_SMEM64 if 32 * math.ceil(rows / 32) <= 64 else c.GT_SMEM128
+    if need > smem_optin:
+        return f"the tiled GEMM needs {need} B of shared memory per block, this device allows {smem_optin}"
+    return ""
 
 
 def tiled_gemm(c: LaunchConstants, t: Tuning, N: int, K: int, rows: int, silu: bool = False) -> Launch:
@@ -389,13 +403,14 @@ def plan(cfg: ModelConfig, tuning: Tuning, limits: DeviceLimits) -> LaunchPlan:
     fused = t.fused_parallel and is_parallel(cfg)
     tiles = pass_tiles(cfg) if fused else parallel_tiles(cfg)  # the pass's tiles: the frame's too when fused
     if t.parallel_gemm == "tiled" and tiles > 1:
-        parallel_gemms = tuple(tiled_gemm(c, t, N, K, T * tiles, silu=use == "gateup")
-                               for use, (N, K, _) in shapes.items())
-        need = max(launch.smem for launch in parallel_gemms)
-        if need > limits.smem_optin:  # (the module's constants fit its own part; the CPU's defaults are sm_90's)
-            notes.append(f"parallel pass on the 32-row kernels per tile: the tiled GEMM needs {need} B of shared "
-                         f"memory per block, this device allows {limits.smem_optin}")
-            parallel_gemms = ()
+        # (the module's constants fit its own part; the CPU plans with sm_90's)
+        unfit = tiled_gemm_unfit(c, [(N, K, use == "gateup") for use, (N, K, _) in shapes.items()], T * tiles,
+                                 limits.smem_optin)
+        if unfit:
+            notes.append(f"parallel pass on the 32-row kernels per tile: {unfit}")
+        else:
+            parallel_gemms = tuple(tiled_gemm(c, t, N, K, T * tiles, silu=use == "gateup")
+                                   for use, (N, K, _) in shapes.items())
         for launch in parallel_gemms:
             smem[launch.kernel] = launch.smem
     for name, need in smem.items():

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -63,6 +64,7 @@ IMAGE_TYPES = ("sensor_msgs/msg/Image", "sensor_msgs/msg/CompressedImage")
 COMPRESSED_SUFFIX = "/compressed"
 LATE_MS = 5.0  # a message published more than this after its due time counts as late
 LINGER_S = 0.5  # stay up this long after the last message before destroying the publishers
+TEARDOWN_S = 8.0  # the most rclpy's teardown may take after the summary (fleet_replay waits 15 s for a replay)
 
 
 
@@ -358,19 +360,33 @@ def main(args=None) -> int:
     if opts.stats_out:
         Path(opts.stats_out).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.stats_out).write_text(json.dumps(summary, indent=2))
+    code = EXIT_OK
+    if node.partial:
+        lost = [node.bag_note] if node.bag_note else []
+        lost += [f"{n} message(s) on {t} skipped ({node.skip_reasons[t]})" for t, n in node.skipped_messages.items()]
+        lost += [node.read_error] if node.read_error else []
+        published = sum(n for k, n in summary["published"].items())
+        print(f"vla_bag_replay: {'partial replay' if published else 'nothing replayed'} of {node.bag}: "
+              + "; ".join(lost), file=sys.stderr)
+        code = EXIT_PARTIAL if published else EXIT_UNREADABLE
+    _teardown_or_exit(node, ex, spin, code)
+    return code
+
+
+def _teardown_or_exit(node: BagReplay, ex: SingleThreadedExecutor, spin: threading.Thread, code: int) -> None:
+    """rclpy teardown, bounded: once seen in CI (2 cores under load), a replay that had logged and written its
+    summary hung in it until its parent killed it 11 s later, a failed exit for a complete replay. Everything the
+    replay owes is out by now, so a teardown past TEARDOWN_S ends the process with the status it already has."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    watchdog = threading.Timer(TEARDOWN_S, lambda: os._exit(code))
+    watchdog.daemon = True
+    watchdog.start()
     ex.shutdown(timeout_sec=2.0)
     spin.join(timeout=2.0)
     node.destroy_node()
     rclpy.try_shutdown()
-    if not node.partial:
-        return EXIT_OK
-    lost = [node.bag_note] if node.bag_note else []
-    lost += [f"{n} message(s) on {t} skipped ({node.skip_reasons[t]})" for t, n in node.skipped_messages.items()]
-    lost += [node.read_error] if node.read_error else []
-    published = sum(n for k, n in summary["published"].items())
-    print(f"vla_bag_replay: {'partial replay' if published else 'nothing replayed'} of {node.bag}: "
-          + "; ".join(lost), file=sys.stderr)
-    return EXIT_PARTIAL if published else EXIT_UNREADABLE
+    watchdog.cancel()
 
 
 if __name__ == "__main__":
