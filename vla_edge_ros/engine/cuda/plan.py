@@ -82,15 +82,15 @@ class Tuning:
     fleet_gemv: str = "mma"  # the fleet's decode GEMMs (<= 16 robots): mma (gemv_rows_mma) | rows (gemv_rows_atomic)
     # the fleet's GEMMs of more rows (prefill): tiles32 (gemm32t_atomic: weights in registers, 32-row tiles in turn)
     # | tiled (gemm_tiled*_atomic: both operands staged, 128- or 64-row block tiles; H100, session 34: 8-robot batch
-    # 31.4 -> 27.9 ms, prefill 11.8 -> 8.6)
+    # 31.4 -> 27.9 ms, prefill 11.8 -> 8.5)
     fleet_gemm: str = "tiled"
     # the single engine's parallel pass of more than 32 slots (issue 22, H = 8: 2 tiles): tiles32 (the 32-row
     # kernels once per tile) | tiled (gemm_tiled*: one launch over every tile, weights read once; bf16 only; H100,
-    # session 34: H = 8 chunk 6.22 -> 5.74 ms)
+    # session 34: H = 8 chunk 6.18 -> 5.42 ms)
     parallel_gemm: str = "tiled"
     # a parallel chunk as ONE pass (issue 22): the frame's 32 rows and the slot tiles together (each GEMM over all of
-    # them; the frame's attention first), instead of the prefill pass then the parallel pass (H100, session 34: 5.95
-    # ms on tiles32, 6.38 tiled, against 5.74 for two passes: its 96 rows fit no block tile well)
+    # them; the frame's attention first), instead of the prefill pass then the parallel pass (H100, session 34: 6.01
+    # ms on tiles32, 5.66 tiled, against 5.42 for two passes: its 96 rows fit no block tile well)
     fused_parallel: bool = False
 
     def __post_init__(self) -> None:
