@@ -12,7 +12,7 @@ retained frames are exec_steps control steps apart: train such a policy with --f
 deploy block's frame_stride_control_steps), which this script checks and reports. H = 1 with exec_steps 1 is the
 single-step loop above, unchanged.
 --backend cuda (the GPU machine) runs the same loop on the CUDA engine: the two engines' closed loops on the same
-seeds, without ROS (docs/SIM.md: the runtime's cuda figure for a parallel-decoding chunk policy sat below this
+seeds, without ROS (docs/SIM_CHUNKS.md: the runtime's cuda figure for a parallel-decoding chunk policy sat below this
 loop's numpy figure).
 KV between episodes: with --carry-kv (v2's default) the engine is NOT reset between the episodes a worker runs
 and frame ids keep counting, as the runtime does, so with window 2 an episode's first chunk also sees the last

@@ -1,4 +1,4 @@
-"""Where a chunk policy's commanded jerk comes from (docs/SIM.md, issue 22): closed_loop.py's synchronous loop
+"""Where a chunk policy's commanded jerk comes from (docs/SIM_CHUNKS.md, issue 22): closed_loop.py's synchronous loop
 (``play_episode``; numpy engine as the deploy block says, push), for the single-step policy and a chunk policy
 played 2 and H steps per chunk.
 

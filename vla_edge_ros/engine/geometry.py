@@ -143,7 +143,7 @@ def chunk_actions(tokenizer, bins: np.ndarray) -> np.ndarray:
 # parallel pass picks every slot's argmax on its own, so neighbouring steps hop between close bins and the
 # commanded jerk of a chunk policy was 3-7x the single-step policy's; the expectation is a continuous readout of
 # the same distribution (as OpenVLA-OFT's regression head is) and halved that jerk at equal success in the
-# synchronous loop (docs/SIM.md). Its cost: where a slot's distribution has two distant modes the mean lies
+# synchronous loop (docs/SIM_CHUNKS.md). Its cost: where a slot's distribution has two distant modes the mean lies
 # between them. The decoded tokens, ``chunk_bins`` and a forced prefix stay the argmax's: only the actions differ.
 ACTION_READOUTS = ("argmax", "expectation")
 
