@@ -27,6 +27,30 @@ def test_monitor_times_each_collection_by_generation():
     assert mon.count == before
 
 
+def test_a_collection_inside_a_snapshot_does_not_deadlock_it(tmp_path):
+    """snapshot() allocates while it holds the monitor's lock, so a collection can start there and its callback
+    record in the same thread (seen in CI: a robot process's main loop stuck for good, SIGINT ignored). With every
+    allocation a collection (threshold 1), 2000 snapshots finish; the old plain Lock hung on the first ones. In a
+    subprocess: a deadlocked monitor stays in gc.callbacks and would stop every later collection of this one."""
+    import subprocess
+    import sys
+    script = tmp_path / "gc_in_snapshot.py"
+    script.write_text("import gc\n"
+                      "from vla_edge_ros.core.gc_pauses import GcPauseMonitor\n"
+                      "m = GcPauseMonitor().install()\n"
+                      "gc.set_threshold(1)\n"
+                      "for _ in range(2000):\n"
+                      "    m.snapshot()\n"
+                      "gc.set_threshold(700)\n"
+                      "print('collections', sum(m.snapshot()['collections']))\n")
+    try:
+        p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("snapshot() deadlocked on a collection started inside it")
+    assert p.returncode == 0, p.stderr
+    assert int(p.stdout.split()[-1]) >= 2000  # collections did run inside the snapshots
+
+
 def test_short_pauses_are_not_slow_and_bad_threshold_refused():
     mon = GcPauseMonitor(slow_ms=10.0)
     mon.record(2, 3.0)

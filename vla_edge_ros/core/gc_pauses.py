@@ -46,7 +46,11 @@ class GcPauseMonitor:
             raise ValueError(f"slow_ms must be > 0, got {slow_ms}")
         self.slow_ms = float(slow_ms)
         self._clock_ns = clock_ns
-        self._lock = threading.Lock()
+        # Re-entrant: a collection can start inside snapshot() (its dicts and lists are allocations), and the
+        # callback then records in the same thread that holds the lock. A plain Lock deadlocked that thread for
+        # good (CI, session 34: a robot process's main loop stopped writing stats and ignored SIGINT; its GC
+        # stayed off). Another thread's callback just waits for the snapshot to finish.
+        self._lock = threading.RLock()
         self._started: Optional[int] = None
         self.count = [0, 0, 0]
         self.slow = [0, 0, 0]
