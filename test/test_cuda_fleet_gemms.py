@@ -100,6 +100,23 @@ def test_gemv_rows_mma_launches(geometry, rows):
         assert launch.smem == 2 * (8 if rows <= 8 else 16) * launch.ks <= SMEM_DEFAULT
 
 
+def test_a_micro_benchmark_ends_with_its_per_layer_table_verdict_and_json(tmp_path, capsys):
+    """gpu_gemm_micro.finish (both micro-benchmarks' end): the layer's four GEMMs summed per row count with the
+    speed-up, the checks' verdict and exit status, the JSON as timed."""
+    import json
+
+    from vla_edge_ros.bench import gpu_gemm_micro as micro
+    rows = [{"rows": 64, "variant": v, "us": us} for v, us in (("tiles32", 30.0), ("tiled", 20.0), ("tiles32", 10.0),
+                                                                ("tiled", 5.0))]
+    out = {"rows": rows}
+    assert micro.finish(out, [64], ("tiles32", "tiled"), 0, 0.01, str(tmp_path / "m.json")) == 0
+    text = capsys.readouterr().out
+    assert "  64     40.00     25.00     1.60x" in text and "all checks passed (max |err| / max |ref| < 0.01)" in text
+    assert json.loads((tmp_path / "m.json").read_text()) == out
+    assert micro.finish(out, [64], ("tiles32", "tiled"), 2, 0.01, "") == 1
+    assert "2 checks FAILED" in capsys.readouterr().out
+
+
 def test_the_gemm_micro_benchmark_times_the_engines_launches_and_refuses_bad_rows(capsys):
     """bench/gpu_gemm_micro.py: --rows takes multiples of 32 past one tile; each variant is the launch the fleet makes
     (tiles32: gemm32t_atomic; tiled: gemm_tiled*, the gate/up one the SiLU form); without a GPU it exits 2 with the

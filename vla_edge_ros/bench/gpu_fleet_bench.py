@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def gemv_micro(cuda, json_path: str = "", reps: int = 50) -> int:
     """gemv_rows_atomic vs gemv_rows_mma alone (module docstring); 1 when either misses MICRO_MAX_ERR."""
-    from vla_edge_ros.bench.gpu_gemm_micro import (compiled_kernels, max_rel_err, micro_row, print_per_layer,
-                                                   replay_us)
+    from vla_edge_ros.bench.gpu_gemm_micro import compiled_kernels, finish, max_rel_err, micro_row, replay_us
     from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.buffers import bf16_bits_to_f32, f32_to_bf16_bits
     from vla_edge_ros.engine.cuda.plan import Tuning
@@ -171,13 +170,7 @@ def gemv_micro(cuda, json_path: str = "", reps: int = 50) -> int:
         finally:
             for buf in W + [A, C]:
                 buf.free()
-    print_per_layer(out["rows"], list(MICRO_ROWS), ("rows", "mma"))
-    print(f"\n{'all checks passed' if not failed else f'{failed} checks FAILED'} (max |err| / max |ref| < "
-          f"{MICRO_MAX_ERR})")
-    if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(out, fh, indent=1)
-    return 1 if failed else 0
+    return finish(out, list(MICRO_ROWS), ("rows", "mma"), failed, MICRO_MAX_ERR, json_path)
 
 
 def use_tuning(eng, **changes) -> None:

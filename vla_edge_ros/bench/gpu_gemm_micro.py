@@ -78,6 +78,18 @@ def print_per_layer(rows_out: list[dict], row_counts_: list[int], variants: tupl
         print(f"{rows:4d} {per[a]:9.2f} {per[b]:9.2f} {per[a] / per[b]:8.2f}x")
 
 
+def finish(out: dict, row_counts_: list[int], variants: tuple[str, ...], failed: int, max_err: float,
+           json_path: str) -> int:
+    """A micro-benchmark's end: the per-layer table of out["rows"], the checks' verdict, the JSON; exit status 1
+    if any check failed."""
+    print_per_layer(out["rows"], row_counts_, variants)
+    print(f"\n{'all checks passed' if not failed else f'{failed} checks FAILED'} (max |err| / max |ref| < {max_err})")
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 1 if failed else 0
+
+
 def replay_us(cuda, stream, call, weights: list, reps: int, name: str) -> float:
     """Median us per launch of ``call(w)`` over ``reps`` graph replays (after 3 warm-up ones), each replay the
     launches back to back over every copy in ``weights`` (at least 8 launches), so each launch reads its weights
@@ -202,12 +214,7 @@ def run(cuda, row_list: list[int], reps: int, json_path: str = "", tune: dict | 
         finally:
             for buf in W + [A, C]:
                 buf.free()
-    print_per_layer(out["rows"], row_list, VARIANTS)
-    print(f"\n{'all checks passed' if not failed else f'{failed} checks FAILED'} (max |err| / max |ref| < {MAX_ERR})")
-    if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(out, fh, indent=1)
-    return 1 if failed else 0
+    return finish(out, row_list, VARIANTS, failed, MAX_ERR, json_path)
 
 
 if __name__ == "__main__":
