@@ -58,6 +58,7 @@ def test_a_gemm_the_tiled_kernel_cannot_take_stays_on_the_32_row_kernels():
     from vla_edge_ros.engine.config import tiny_default_dict
     from vla_edge_ros.engine.cuda import fleet_forward
     from vla_edge_ros.engine.cuda.plan import Tuning, plan, tiled_gemm_unfit
+    from vla_edge_ros.engine.interface import EngineError
     lim = limits(H200, cfg_of("1.5b"))
     c, t = lim.constants, Tuning(fleet_gemm="tiled")
     e = types.SimpleNamespace(limits=lim, tuning=t)
@@ -65,6 +66,8 @@ def test_a_gemm_the_tiled_kernel_cannot_take_stays_on_the_32_row_kernels():
     assert fleet_forward.linear(e, 1536, 1536 + c.GT_BK // 2, 256).kernel == "gemm32t_atomic"
     assert "K of 64, not 1536 x 1568" in tiled_gemm_unfit(c, [(1536, 1568, False)], 256, lim.smem_optin)
     assert "N a multiple of 32" in tiled_gemm_unfit(c, [(1552, 1536, True)], 256, lim.smem_optin)
+    with pytest.raises(EngineError, match="gemm_tiled: the tiled GEMM takes N a multiple of 2 and K of 64"):
+        fleet_forward.tiled_gemm(c, t, 1536, 1568, 256)  # asked directly, the kernel's rule is an error
     small = types.SimpleNamespace(limits=replace(lim, smem_optin=RTX40["smem_optin"]), tuning=t)
     assert fleet_forward.linear(small, 1536, 1536, 256).kernel == "gemm32t_atomic"
     assert fleet_forward.linear(small, 1536, 1536, 64).kernel == "gemm_tiled64_atomic"  # its 82944 B fit

@@ -196,14 +196,23 @@ def split_len(K: int, row_blocks: int, target_blocks: int, quantum: int, min_len
     return min(_round_up(K, quantum), max(ks, _round_up(min_len, quantum)))
 
 
+def _tiled_shape_problem(c: LaunchConstants, N: int, K: int, silu: bool) -> str:
+    """gemm_tiled*'s shape rule ("" when met): K in whole K steps; N even, or for the SiLU form in whole groups of 16
+    gate + 16 up rows."""
+    if N % (32 if silu else 2) or K % c.GT_BK:
+        return f"the tiled GEMM takes N a multiple of {32 if silu else 2} and K of {c.GT_BK}, not {N} x {K}"
+    return ""
+
+
 def tiled_gemm_unfit(c: LaunchConstants, shapes: Iterable[tuple[int, int, bool]], rows: int,
                      smem_optin: int) -> str:
     """Why gemm_tiled* cannot take these (N, K, silu) GEMMs of ``rows`` rows on this build and device ("" when it
     can): K in whole K steps, the SiLU form's N in whole groups of 16 gate + 16 up rows, its block tile's shared
     memory. The callers then keep the 32-row kernels (a model is never refused for it)."""
     for N, K, silu in shapes:
-        if N % (32 if silu else 2) or K % c.GT_BK:
-            return f"the tiled GEMM takes N a multiple of {32 if silu else 2} and K of {c.GT_BK}, not {N} x {K}"
+        why = _tiled_shape_problem(c, N, K, silu)
+        if why:
+            return why
     need = c.GT_SMEM64 if 32 * math.ceil(rows / 32) <= 64 else c.GT_SMEM128
     if need > smem_optin:
         return f"the tiled GEMM needs {need} B of shared memory per block, this device allows {smem_optin}"
@@ -217,8 +226,9 @@ def tiled_gemm(c: LaunchConstants, t: Tuning, N: int, K: int, rows: int, silu: b
     splits). _atomic: K split only as far as tuning.gemm_target_blocks asks (each split adds its partial sums into C
     by atomics), each split at least tuning.gemm_min_ks columns; _silu (the gate/up GEMM writing silu(gate) * up):
     one split."""
-    if N % (32 if silu else 2) or K % c.GT_BK:
-        raise EngineError(f"gemm_tiled: N={N} must be a multiple of {32 if silu else 2} and K={K} of {c.GT_BK}")
+    why = _tiled_shape_problem(c, N, K, silu)
+    if why:
+        raise EngineError(f"gemm_tiled: {why}")
     R = 32 * math.ceil(rows / 32)
     bm = 64 if R <= 64 else 128
     gy, gx = math.ceil(R / bm), math.ceil(N / c.GT_BN)
