@@ -35,8 +35,7 @@ PASSES = 7  # the 7-pass chunk (vla.action_start "prefill"): 1 prefill + 6 decod
 def device_bytes(cfg: ModelConfig, weight_dtype: str, budget: int) -> int:
     """What the CUDA engine's VRAM check counts: weights at their stored size, the KV budget, scratch."""
     from vla_edge_ros.engine.cuda.plan import padded_intermediate
-    from vla_edge_ros.engine.cuda.vram import memory_plan
-    from vla_edge_ros.engine.cuda.vram import quantized_model_bytes
+    from vla_edge_ros.engine.cuda.vram import memory_plan, quantized_model_bytes
     sizes = memory_plan(cfg, budget, PASSES + 1)
     return int(quantized_model_bytes(sizes["model"], cfg, weight_dtype, padded_intermediate(cfg))
                + sizes["kv"] + sizes["scratch"])
